@@ -1,0 +1,1 @@
+"""rankscope node agent: discovery, probes, collection and serving."""

@@ -1,0 +1,1 @@
+"""Probe sets, one module per library kind."""

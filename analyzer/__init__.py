@@ -1,0 +1,1 @@
+"""Pure analysis: rank patterns in, findings out (no I/O, no clocks)."""

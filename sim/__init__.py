@@ -1,0 +1,1 @@
+"""Simulated GPU training job: stand-in libcuda/libnccl and the rank processes that drive them."""
