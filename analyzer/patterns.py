@@ -8,13 +8,14 @@ from different nodes compare.  Encoded with msgpack as plain lists and maps (no 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
 import msgpack
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: roles as codes, collective ops as a table, instants as deltas
 
 
 class Role(str, Enum):
@@ -77,11 +78,32 @@ class RankPattern:
 
 
 # --- wire format -------------------------------------------------------------------------------------
-# Functions and collectives travel as positional lists: field names would triple the payload.
+# A pattern must stay near 1 KB (12 functions, 16 collectives), so nothing repeats on the wire: functions
+# are positional lists with the role as a small integer, collective op names travel once in a table, and
+# collective instants are integer microseconds, each relative to the previous one (small ints pack small;
+# float32 is too coarse for unix time).
+_ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5}
+_ROLE_OF_CODE = {code: role for role, code in _ROLE_CODE.items()}
 _FN_FIELDS = ("role", "count", "total_s", "max_s", "p50_s", "p99_s", "bytes")
 
 
+def _us(t: float) -> int:
+    return round(t * 1e6)
+
+
 def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
+    end_us = _us(p.window_end)
+    ops: list[str] = []
+    op_index: dict[str, int] = {}
+    coll: list[list[int]] = []
+    prev_us = end_us  # first enter is relative to the window end, later ones to the previous enter
+    for c in p.collectives:
+        if c.op not in op_index:
+            op_index[c.op] = len(ops)
+            ops.append(c.op)
+        enter_us, done_us = _us(c.enter), _us(c.done)
+        coll.append([op_index[c.op], c.bytes, enter_us - prev_us, done_us - enter_us])
+        prev_us = enter_us
     return {
         "v": SCHEMA_VERSION,
         "job": p.job,
@@ -89,20 +111,16 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         "world": p.world_size,
         "pid": p.pid,
         "host": p.host,
-        # Instants as integer microseconds: floats travel as float32, too coarse for unix time.
-        "start": round(p.window_start * 1e6),
-        "end": round(p.window_end * 1e6),
+        "start": _us(p.window_start),
+        "end": end_us,
         "state": p.state,
         "id": p.identity_source,
         "fn": {
-            name: [f.role.value, f.count, f.total_s, f.max_s, f.p50_s, f.p99_s, f.bytes]
+            name: [_ROLE_CODE[Role(f.role)], f.count, f.total_s, f.max_s, f.p50_s, f.p99_s, f.bytes]
             for name, f in p.functions.items()
         },
-        # Collective instants relative to the window end, in microseconds: small ints pack small.
-        "coll": [
-            [c.op, c.bytes, round((p.window_end - c.enter) * 1e6), round((p.window_end - c.done) * 1e6)]
-            for c in p.collectives
-        ],
+        "ops": ops,
+        "coll": coll,
     }
 
 
@@ -110,44 +128,99 @@ class PatternDecodeError(ValueError):
     """Raised for bytes that are not a well-formed pattern payload."""
 
 
+# Strict field readers: a payload from the network is untrusted, so a wrong type is an error, not coerced.
+def _str(x: Any, what: str) -> str:
+    if not isinstance(x, str):
+        raise PatternDecodeError(f"{what}: expected a string, got {type(x).__name__}")
+    return x
+
+
+def _int(x: Any, what: str, minimum: int | None = 0) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise PatternDecodeError(f"{what}: expected an integer, got {type(x).__name__}")
+    if minimum is not None and x < minimum:
+        raise PatternDecodeError(f"{what}: {x} is below {minimum}")
+    return x
+
+
+def _seconds(x: Any, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise PatternDecodeError(f"{what}: expected a number, got {type(x).__name__}")
+    if not math.isfinite(x) or x < 0:
+        raise PatternDecodeError(f"{what}: {x!r} is not a finite non-negative duration")
+    return float(x)
+
+
+def _list(x: Any, what: str, length: int | None = None) -> list:
+    if not isinstance(x, list):
+        raise PatternDecodeError(f"{what}: expected a list, got {type(x).__name__}")
+    if length is not None and len(x) != length:
+        raise PatternDecodeError(f"{what}: expected {length} fields, got {len(x)}")
+    return x
+
+
+def _function_from_wire(name: Any, row: Any) -> FunctionStats:
+    name = _str(name, "function name")
+    code, count, total, mx, p50, p99, nbytes = _list(row, f"function {name}", len(_FN_FIELDS))
+    if _int(code, f"{name}.role") not in _ROLE_OF_CODE:
+        raise PatternDecodeError(f"{name}: unknown role code {code}")
+    return FunctionStats(
+        name=name,
+        role=_ROLE_OF_CODE[code],
+        count=_int(count, f"{name}.count"),
+        total_s=_seconds(total, f"{name}.total_s"),
+        max_s=_seconds(mx, f"{name}.max_s"),
+        p50_s=_seconds(p50, f"{name}.p50_s"),
+        p99_s=_seconds(p99, f"{name}.p99_s"),
+        bytes=_int(nbytes, f"{name}.bytes"),
+    )
+
+
+def _collectives_from_wire(ops_raw: Any, rows: Any, end_us: int) -> list[CollectiveRecord]:
+    ops = [_str(op, "collective op") for op in _list(ops_raw, "ops")]
+    out = []
+    prev_us = end_us
+    for row in _list(rows, "coll"):
+        op_i, nbytes, d_enter, dur = _list(row, "collective", 4)
+        if _int(op_i, "collective op index") >= len(ops):
+            raise PatternDecodeError(f"collective op index {op_i} outside the table of {len(ops)}")
+        enter_us = prev_us + _int(d_enter, "collective enter", minimum=None)
+        done_us = enter_us + _int(dur, "collective duration", minimum=None)
+        out.append(CollectiveRecord(op=ops[op_i], bytes=_int(nbytes, "collective bytes"),
+                                    enter=enter_us / 1e6, done=done_us / 1e6))
+        prev_us = enter_us
+    return out
+
+
 def _pattern_from_wire(d: Any) -> RankPattern:
+    if not isinstance(d, dict):
+        raise PatternDecodeError(f"pattern: expected a map, got {type(d).__name__}")
     try:
         if d["v"] != SCHEMA_VERSION:
             raise PatternDecodeError(f"unsupported pattern schema version {d['v']!r}")
-        end = int(d["end"]) / 1e6
-        functions = {}
-        for name, row in d["fn"].items():
-            fields = dict(zip(_FN_FIELDS, row, strict=True))
-            functions[str(name)] = FunctionStats(
-                name=str(name),
-                role=Role(fields["role"]),
-                count=int(fields["count"]),
-                total_s=float(fields["total_s"]),
-                max_s=float(fields["max_s"]),
-                p50_s=float(fields["p50_s"]),
-                p99_s=float(fields["p99_s"]),
-                bytes=int(fields["bytes"]),
-            )
-        collectives = [
-            CollectiveRecord(op=str(op), bytes=int(nbytes), enter=end - enter_us / 1e6, done=end - done_us / 1e6)
-            for op, nbytes, enter_us, done_us in d["coll"]
-        ]
+        start_us = _int(d["start"], "start")
+        end_us = _int(d["end"], "end")
+        if end_us < start_us:
+            raise PatternDecodeError("window ends before it starts")
+        fn = d["fn"]
+        if not isinstance(fn, dict):
+            raise PatternDecodeError("fn: expected a map")
         return RankPattern(
-            job=str(d["job"]),
-            rank=int(d["rank"]),
-            world_size=int(d["world"]),
-            pid=int(d["pid"]),
-            host=str(d["host"]),
-            window_start=int(d["start"]) / 1e6,
-            window_end=end,
-            state=str(d["state"]),
-            identity_source=str(d["id"]),
-            functions=functions,
-            collectives=collectives,
+            job=_str(d["job"], "job"),
+            rank=_int(d["rank"], "rank"),
+            world_size=_int(d["world"], "world"),
+            pid=_int(d["pid"], "pid"),
+            host=_str(d["host"], "host"),
+            window_start=start_us / 1e6,
+            window_end=end_us / 1e6,
+            state=_str(d["state"], "state"),
+            identity_source=_str(d["id"], "id"),
+            functions={f.name: f for f in (_function_from_wire(k, v) for k, v in fn.items())},
+            collectives=_collectives_from_wire(d["ops"], d["coll"], end_us),
         )
     except PatternDecodeError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # missing keys, unpackable rows
         raise PatternDecodeError(f"malformed pattern: {e!r}") from e
 
 
@@ -160,13 +233,15 @@ def encode_patterns(patterns: list[RankPattern]) -> bytes:
 
 
 def decode_patterns(data: bytes) -> list[RankPattern]:
-    """Decode a payload of `encode_patterns`; raises PatternDecodeError for anything malformed."""
+    """Decode a payload of `encode_patterns`; raises PatternDecodeError (only) for anything malformed."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PatternDecodeError(f"payload must be bytes, got {type(data).__name__}")
     if len(data) > MAX_PAYLOAD_BYTES:
         raise PatternDecodeError(f"payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True, max_buffer_size=MAX_PAYLOAD_BYTES)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
-        raise PatternDecodeError(f"not msgpack: {e}") from e
+    except (msgpack.UnpackException, ValueError, TypeError) as e:  # TypeError: unhashable map key
+        raise PatternDecodeError(f"not msgpack: {e!r}") from e
     if not isinstance(raw, list):
         raise PatternDecodeError("payload is not a list of patterns")
     return [_pattern_from_wire(d) for d in raw]

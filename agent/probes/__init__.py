@@ -1,1 +1,8 @@
-"""Probe sets, one module per library kind."""
+"""Probe sets, one module per library kind; adding a kind is one module plus one line here."""
+from .base import Probe, ProbeKind
+from .cuda import CUDA
+from .nccl import NCCL
+
+KINDS: tuple[ProbeKind, ...] = (CUDA, NCCL)
+
+__all__ = ["KINDS", "Probe", "ProbeKind"]

@@ -1,0 +1,145 @@
+"""The `rankscope` command line (contract.md): diagnose, agent, sim, demo."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+
+from rankscope.analyzer.diagnosis import diagnose
+
+from .bpf_program import ProbeError
+from .report import render
+from .server import empty_diagnosis
+from .session import Session
+from .targets import TargetError
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line on stderr with exit status 2."""
+
+
+def parse_pids(text: str) -> list[int]:
+    try:
+        pids = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise UsageError(f"--pid takes comma-separated process ids, got {text!r}") from None
+    if not pids:
+        raise UsageError("--pid needs at least one process id")
+    return pids
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--listen takes HOST:PORT, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def attach_all(session: Session, pids: list[int]) -> None:
+    for pid in pids:
+        session.add(pid)
+
+
+def observe(pids: list[int], duration: float) -> dict:
+    """Attach to `pids`, observe for `duration` seconds (Ctrl-C ends early), detach, diagnose."""
+    session = Session()
+    try:
+        attach_all(session, pids)
+        jobs = {t.identity.job for t in session.targets.values()}
+        if len(jobs) > 1:
+            raise UsageError(f"the processes belong to different jobs ({', '.join(sorted(jobs))}): diagnose one job at a time")
+        try:
+            time.sleep(duration)  # the observation window itself
+        except KeyboardInterrupt:
+            pass
+        docs = diagnose(session.window())
+    finally:
+        session.close()
+    return next(iter(docs.values()), empty_diagnosis())
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    if args.duration <= 0:
+        raise UsageError("--duration must be positive")
+    doc = observe(parse_pids(args.pid), args.duration)
+    print(json.dumps(doc) if args.json else render(doc))
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from .daemon import Agent, serve
+
+    host, port = parse_listen(args.listen)
+    if args.window <= 0:
+        raise UsageError("--window must be positive")
+    if not args.all and not args.pid:
+        raise UsageError("name the processes to watch with --pid, or --all for every training process")
+    session = Session()
+    if args.pid:
+        attach_all(session, parse_pids(args.pid))
+    asyncio.run(serve(Agent(session, discover_all=args.all), host, port, args.window))
+    return 0
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from rankscope.sim import job
+
+    return job.run(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.fault, args.duration)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rankscope", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the agent does")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("diagnose", help="attach to a job's ranks, observe, print the diagnosis")
+    p.add_argument("--pid", required=True, help="comma-separated PIDs of the ranks on this machine")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds to observe (default 10)")
+    p.add_argument("--json", action="store_true", help="print the diagnosis document as JSON")
+    p.set_defaults(func=cmd_diagnose)
+
+    p = sub.add_parser("agent", help="the node daemon: watch ranks, serve patterns and diagnosis over HTTP")
+    p.add_argument("--listen", default="127.0.0.1:9464", help="HOST:PORT to serve on (default 127.0.0.1:9464)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--pid", help="comma-separated PIDs to watch")
+    who.add_argument("--all", action="store_true", help="discover every training process on the node")
+    p.add_argument("--window", type=float, default=5.0, help="seconds per observation window (default 5)")
+    p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("sim", help="run a simulated GPU training job (stand-in libcuda/libnccl)")
+    from rankscope.sim import job
+
+    job.add_arguments(p)
+    p.set_defaults(func=cmd_sim)
+
+    p = sub.add_parser("demo", help="simulate a 4-rank job with an injected fault and diagnose it")
+    p.add_argument("--fault", default="slow-gpu:2:2.5", help="fault to inject (default slow-gpu:2:2.5)")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds to observe (default 5)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="rankscope: %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except (UsageError, TargetError, ProbeError) as e:
+        print(f"rankscope: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

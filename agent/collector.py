@@ -1,0 +1,129 @@
+"""Turns the kernel's cumulative maps into one RankPattern per watched process per window.
+
+The kernel only ever adds; the collector keeps the previous reading and reports differences, so a
+window's numbers never depend on a reset racing with the probes, and nothing collected is lost.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPattern
+
+from .bpf_program import ProbeProgram
+from .probes.nccl import communicators, world_communicator
+from .targets import Identity, Target
+
+MAX_COLLECTIVES = 16  # per pattern: enough to line ranks up, small enough for ~1 KB patterns
+
+
+@dataclass
+class _Cumulative:
+    count: int = 0
+    total_ns: int = 0
+    bytes: int = 0
+    hist: list[int] = field(default_factory=list)
+
+
+def _percentile_s(hist: list[int], q: float) -> float:
+    """Slot s of the kernel's log2 histogram holds [2^(s-1), 2^s) ns: answer the slot's geometric middle."""
+    total = sum(hist)
+    if total <= 0:
+        return 0.0
+    need, seen = q * total, 0
+    for slot, n in enumerate(hist):
+        seen += n
+        if n and seen >= need:
+            return 2 ** (slot - 0.5) / 1e9 if slot else 0.0
+    return 0.0
+
+
+def _window_max_s(hist: list[int], max_ns_ever: int) -> float:
+    top = max((s for s, n in enumerate(hist) if n > 0), default=None)
+    if top is None:
+        return 0.0
+    return min(max_ns_ever, 2**top) / 1e9
+
+
+@dataclass
+class _ProcessCursor:
+    functions: dict[int, _Cumulative] = field(default_factory=dict)
+    last_coll_seq: int = 0
+
+
+class Collector:
+    def __init__(self, program: ProbeProgram, host: str):
+        self.program = program
+        self.host = host
+        self._cursors: dict[int, _ProcessCursor] = {}
+        self._window_start = time.time()
+
+    def forget(self, pid: int) -> None:
+        self._cursors.pop(pid, None)
+
+    def collect(self, targets: list[Target], exited: set[int] = frozenset()) -> list[RankPattern]:
+        """One pattern per target for the window since the previous call."""
+        now = time.time()
+        mono_to_unix = now - time.monotonic()  # bpf_ktime_get_ns() is CLOCK_MONOTONIC
+        start, self._window_start = self._window_start, now
+        bpf = self.program.bpf
+        stats: dict[int, dict[int, tuple]] = {}
+        for key, val in bpf["fn_stats"].items():
+            stats.setdefault(key.pid, {})[key.fn] = (val.count, val.total_ns, val.max_ns, val.bytes, list(val.hist))
+        rings: dict[int, list] = {}
+        for key, rec in bpf["coll_ring"].items():
+            rings.setdefault(key.pid, []).append((rec.seq, rec.enter_ns, rec.done_ns, rec.bytes, rec.fn))
+        comms = communicators(bpf)
+
+        patterns = []
+        for t in targets:
+            cursor = self._cursors.setdefault(t.pid, _ProcessCursor())
+            ident = self._identity(t, comms.get(t.pid, []))
+            patterns.append(RankPattern(
+                job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
+                window_start=start, window_end=now, state="exited" if t.pid in exited else "running",
+                functions=self._functions(cursor, stats.get(t.pid, {})),
+                collectives=self._collectives(cursor, rings.get(t.pid, []), mono_to_unix),
+                identity_source=ident.source,
+            ))
+        return patterns
+
+    @staticmethod
+    def _identity(t: Target, comms) -> Identity:
+        env = t.identity
+        world = world_communicator(comms)
+        if world is None:
+            return env
+        # The communicator is the job's own word on rank and size; the launcher's name for the job reads
+        # better than a hash when there is one.
+        job = env.job if env.source == "env" else f"nccl-{world.id_hash:016x}"
+        return Identity(job=job, rank=world.rank, world_size=world.nranks, local_rank=env.local_rank, source="nccl")
+
+    def _functions(self, cursor: _ProcessCursor, stats: dict[int, tuple]) -> dict[str, FunctionStats]:
+        out = {}
+        for fn, (count, total_ns, max_ns, nbytes, hist) in stats.items():
+            prev = cursor.functions.get(fn) or _Cumulative(hist=[0] * len(hist))
+            cursor.functions[fn] = _Cumulative(count, total_ns, nbytes, hist)
+            d_count = count - prev.count
+            if d_count <= 0 and total_ns == prev.total_ns:
+                continue
+            d_hist = [a - b for a, b in zip(hist, prev.hist)]
+            max_s = _window_max_s(d_hist, max_ns)
+            symbol = self.program.symbol_of.get(fn, f"fn{fn}")
+            probe = self.program.probe_of[symbol]
+            out[symbol] = FunctionStats(
+                name=symbol, role=probe.role, count=d_count, total_s=(total_ns - prev.total_ns) / 1e9,
+                max_s=max_s, p50_s=min(_percentile_s(d_hist, 0.5), max_s),
+                p99_s=min(_percentile_s(d_hist, 0.99), max_s), bytes=nbytes - prev.bytes,
+            )
+        return out
+
+    def _collectives(self, cursor: _ProcessCursor, ring: list, mono_to_unix: float) -> list[CollectiveRecord]:
+        done = sorted(r for r in ring if r[0] > cursor.last_coll_seq and r[2])
+        if done:
+            cursor.last_coll_seq = done[-1][0]
+        return [
+            CollectiveRecord(op=self.program.symbol_of.get(fn, f"fn{fn}"), bytes=nbytes,
+                             enter=enter / 1e9 + mono_to_unix, done=done_ns / 1e9 + mono_to_unix)
+            for _seq, enter, done_ns, nbytes, fn in done[-MAX_COLLECTIVES:]
+        ]

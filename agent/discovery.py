@@ -1,0 +1,20 @@
+"""Node-wide discovery: every process that maps a probed library, in any container."""
+from __future__ import annotations
+
+import os
+import re
+
+from .targets import mapped_libraries, TargetError
+
+
+def training_processes(patterns: dict[str, re.Pattern[str]], exclude: set[int]) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in exclude:
+            continue
+        try:
+            if mapped_libraries(int(entry), patterns):
+                pids.append(int(entry))
+        except TargetError:  # exited or unreadable since the listing
+            continue
+    return sorted(pids)

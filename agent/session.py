@@ -1,0 +1,61 @@
+"""An observation session: the processes watched, the probe program and the collector, window by window.
+
+Used the same way by `rankscope diagnose` (one window) and the node agent (a window every few seconds).
+A process that exits is reported once as exited, with what was collected up to its exit, then forgotten.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from rankscope.analyzer.patterns import RankPattern
+
+from .bpf_program import ProbeProgram
+from .collector import Collector
+from .probes import KINDS
+from .targets import Target, TargetError, inspect_process
+
+log = logging.getLogger(__name__)
+
+LIBRARY_PATTERNS = {kind.name: kind.library for kind in KINDS}
+
+
+def host_name() -> str:
+    """The node's name: Kubernetes' NODE_NAME when set (a pod's hostname is the pod's), else the host's."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+class Session:
+    def __init__(self, program: ProbeProgram | None = None):
+        self.program = program or ProbeProgram()
+        self.collector = Collector(self.program, host_name())
+        self.targets: dict[int, Target] = {}
+
+    def add(self, pid: int) -> Target:
+        """Inspect and attach to `pid`; TargetError or ProbeError say why not."""
+        if pid in self.targets:
+            return self.targets[pid]
+        target = inspect_process(pid, LIBRARY_PATTERNS)
+        self.program.attach(target)
+        if not target.alive():  # exited while we attached: do not keep probes for a reused PID
+            self.program.detach(pid)
+            raise TargetError(f"process {pid} exited while attaching")
+        self.targets[pid] = target
+        return target
+
+    def window(self) -> list[RankPattern]:
+        """The patterns of every watched process since the previous window."""
+        exited = {pid for pid, t in self.targets.items() if not t.alive()}
+        for pid in exited:
+            self.program.detach(pid)
+        patterns = self.collector.collect(list(self.targets.values()), exited)
+        for pid in exited:
+            log.info("pid %d exited", pid)
+            del self.targets[pid]
+            self.collector.forget(pid)
+            self.program.purge(pid)
+        return patterns
+
+    def close(self) -> None:
+        self.program.close()

@@ -1,0 +1,123 @@
+"""Training processes as the agent sees them: which probed libraries they map and who they are in the job.
+
+Everything is read from /proc, through /proc/PID/root for paths, so processes in containers work too.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+
+class TargetError(Exception):
+    """A process cannot be watched; the message is one line a user can act on."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a process is in its job: from the job's own launcher (torchrun's environment) or the PID."""
+
+    job: str
+    rank: int
+    world_size: int
+    local_rank: int | None
+    source: str  # "env" | "pid"
+
+
+@dataclass
+class Target:
+    pid: int
+    name: str
+    start_time: int  # clock ticks since boot: tells a live process from a reused PID
+    libraries: dict[str, str] = field(default_factory=dict)  # kind -> path reachable from the host
+    identity: Identity | None = None
+
+    def alive(self) -> bool:
+        try:
+            return _start_time(self.pid) == self.start_time
+        except OSError:
+            return False
+
+
+def _start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read().decode(errors="replace")
+    # The name field may hold spaces and parentheses: fields after the last ')' are fixed.
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def _read(pid: int, what: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise TargetError(f"no such process: {pid}") from None
+    except PermissionError:
+        raise TargetError(f"not permitted to read /proc/{pid}/{what}: run rankscope as root") from None
+    except ProcessLookupError:
+        raise TargetError(f"process {pid} exited") from None
+
+
+def mapped_libraries(pid: int, patterns: dict[str, re.Pattern[str]]) -> dict[str, str]:
+    """kind -> host-reachable path of the first mapped file whose basename matches that kind's pattern."""
+    found: dict[str, str] = {}
+    for line in _read(pid, "maps").decode(errors="replace").splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
+            continue
+        path = parts[5]
+        base = os.path.basename(path)
+        for kind, pattern in patterns.items():
+            if kind not in found and pattern.match(base):
+                found[kind] = f"/proc/{pid}/root{path}"
+    return found
+
+
+def environment(pid: int) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in _read(pid, "environ").split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def _int(env: dict[str, str], key: str) -> int | None:
+    try:
+        return int(env[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def identity_from_env(pid: int, env: dict[str, str]) -> Identity:
+    """Rank and job from the variables torchrun (and most launchers) set; the PID when there are none."""
+    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        job = run_id
+    elif env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        job = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    else:
+        job = f"pid-{pid}"
+    if rank is None or world is None:
+        return Identity(job=job, rank=0, world_size=1, local_rank=None, source="pid")
+    return Identity(job=job, rank=rank, world_size=world, local_rank=_int(env, "LOCAL_RANK"), source="env")
+
+
+def inspect_process(pid: int, patterns: dict[str, re.Pattern[str]]) -> Target:
+    """A Target for `pid`, or TargetError saying why it cannot be watched."""
+    if pid <= 0:
+        raise TargetError(f"not a process id: {pid}")
+    try:
+        start = _start_time(pid)
+    except FileNotFoundError:
+        raise TargetError(f"no such process: {pid}") from None
+    name = _read(pid, "comm").decode(errors="replace").strip()
+    libraries = mapped_libraries(pid, patterns)
+    if not libraries:
+        raise TargetError(
+            f"process {pid} ({name}) maps none of the libraries rankscope probes "
+            f"({', '.join(sorted(patterns))}): is it a training process?"
+        )
+    return Target(pid=pid, name=name, start_time=start, libraries=libraries,
+                  identity=identity_from_env(pid, environment(pid)))

@@ -1,0 +1,212 @@
+// Shared by every probe kind: which processes are watched, per-function time accounting, and the
+// collective bookkeeping that lets a later sync complete an asynchronous collective.
+// Everything is aggregated here in the kernel; user space reads the maps once a window.
+#include <uapi/linux/ptrace.h>
+
+#define HIST_SLOTS 40   // log2(ns) buckets: 1 ns .. ~18 min
+#define RING_SLOTS 64   // last collectives kept per process
+
+// Per-process state; a process is accounted only while user space keeps it in this map.
+struct proc_state {
+    u64 coll_seq;       // collectives seen so far
+    u64 pending_first;  // oldest collective enqueued but not yet seen complete (0: none)
+    u64 pending_last;
+};
+BPF_HASH(watched, u32, struct proc_state, 1024);
+
+struct fn_key {
+    u32 pid;
+    u32 fn;
+};
+struct fn_val {
+    u64 count;
+    u64 total_ns;
+    u64 max_ns;
+    u64 bytes;
+    u64 hist[HIST_SLOTS];
+};
+BPF_HASH(fn_stats, struct fn_key, struct fn_val, 16384);
+
+// Calls in flight, per thread and function (entry timestamp and decoded payload).
+struct call_key {
+    u32 tid;
+    u32 fn;
+};
+struct call_val {
+    u64 ts;
+    u64 bytes;
+};
+BPF_HASH(inflight, struct call_key, struct call_val, 16384);
+
+// The last RING_SLOTS collectives of each process, so ranks can be lined up instance by instance.
+struct ring_key {
+    u32 pid;
+    u32 slot;
+};
+struct coll_rec {
+    u64 seq;
+    u64 enter_ns;
+    u64 done_ns;  // 0 until the host has seen it complete
+    u64 bytes;
+    u32 fn;
+    u32 pad;
+};
+BPF_HASH(coll_ring, struct ring_key, struct coll_rec, 65536);
+
+static __always_inline struct proc_state *watched_proc(void) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    return watched.lookup(&pid);
+}
+
+static __always_inline struct fn_val *stats_for(u32 fn) {
+    struct fn_key key = {.pid = bpf_get_current_pid_tgid() >> 32, .fn = fn};
+    struct fn_val zero = {};
+    return fn_stats.lookup_or_try_init(&key, &zero);
+}
+
+static __always_inline void add_latency(struct fn_val *v, u64 ns) {
+    __sync_fetch_and_add(&v->total_ns, ns);
+    u32 slot = bpf_log2l(ns);
+    if (slot >= HIST_SLOTS)
+        slot = HIST_SLOTS - 1;
+    __sync_fetch_and_add(&v->hist[slot], 1);
+    if (ns > v->max_ns)
+        v->max_ns = ns;  // racy max is fine: a window's max, not a ledger
+}
+
+// Count a call without timing it: for hot, cheap calls (kernel launches) a uretprobe would cost more
+// than the call itself.
+static __always_inline int count_call(u32 fn, u64 bytes) {
+    if (!watched_proc())
+        return 0;
+    struct fn_val *v = stats_for(fn);
+    if (v) {
+        __sync_fetch_and_add(&v->count, 1);
+        __sync_fetch_and_add(&v->bytes, bytes);
+    }
+    return 0;
+}
+
+static __always_inline int timed_enter(u32 fn, u64 bytes) {
+    if (!watched_proc())
+        return 0;
+    struct call_key key = {.tid = (u32)bpf_get_current_pid_tgid(), .fn = fn};
+    struct call_val val = {.ts = bpf_ktime_get_ns(), .bytes = bytes};
+    inflight.update(&key, &val);
+    return 0;
+}
+
+// Ends a timed call: returns its duration (0 if its entry was not seen) and its entry record.
+static __always_inline u64 timed_exit(u32 fn, struct call_val *out) {
+    struct call_key key = {.tid = (u32)bpf_get_current_pid_tgid(), .fn = fn};
+    struct call_val *val = inflight.lookup(&key);
+    if (!val)
+        return 0;
+    *out = *val;
+    inflight.delete(&key);
+    return bpf_ktime_get_ns() - out->ts;
+}
+
+static __always_inline int timed_return(u32 fn) {
+    struct call_val call = {};
+    u64 ns = timed_exit(fn, &call);
+    if (!ns)
+        return 0;
+    struct fn_val *v = stats_for(fn);
+    if (v) {
+        __sync_fetch_and_add(&v->count, 1);
+        __sync_fetch_and_add(&v->bytes, call.bytes);
+        add_latency(v, ns);
+    }
+    return 0;
+}
+
+// A collective call returned. Asynchronous (NCCL) ones only enqueued work: they stay pending until a
+// later host sync; blocking ones (gloo) are complete now.
+static __always_inline int collective_return(u32 fn, bool blocking) {
+    struct proc_state *p = watched_proc();
+    if (!p)
+        return 0;
+    struct call_val call = {};
+    u64 ns = timed_exit(fn, &call);
+    if (!ns)
+        return 0;
+    u64 now = call.ts + ns;
+    u64 seq = __sync_fetch_and_add(&p->coll_seq, 1) + 1;
+    struct ring_key rk = {.pid = bpf_get_current_pid_tgid() >> 32, .slot = seq % RING_SLOTS};
+    struct coll_rec rec = {.seq = seq, .enter_ns = call.ts, .done_ns = blocking ? now : 0,
+                           .bytes = call.bytes, .fn = fn};
+    coll_ring.update(&rk, &rec);
+    struct fn_val *v = stats_for(fn);
+    if (!v)
+        return 0;
+    __sync_fetch_and_add(&v->count, 1);
+    __sync_fetch_and_add(&v->bytes, call.bytes);
+    if (blocking) {
+        add_latency(v, ns);
+    } else {
+        __sync_fetch_and_add(&v->total_ns, ns);
+        if (!p->pending_first)
+            p->pending_first = seq;
+        p->pending_last = seq;
+    }
+    return 0;
+}
+
+// A host sync returned. If collectives were pending, this sync is where the host waited for them:
+// the wait is charged to the collective (time waiting for peers plus transfer), not to the sync.
+static __always_inline int sync_return(u32 fn) {
+    struct proc_state *p = watched_proc();
+    if (!p)
+        return 0;
+    u64 last = p->pending_last;
+    u64 first = p->pending_first;
+    if (!last)
+        return timed_return(fn);
+    struct call_val call = {};
+    u64 ns = timed_exit(fn, &call);
+    if (!ns)
+        return 0;
+    u64 now = call.ts + ns;
+    p->pending_first = 0;
+    p->pending_last = 0;
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    u32 last_fn = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        u64 seq = last - i;
+        if (seq < first || seq == 0)
+            break;
+        struct ring_key rk = {.pid = pid, .slot = seq % RING_SLOTS};
+        struct coll_rec *rec = coll_ring.lookup(&rk);
+        if (!rec || rec->seq != seq || rec->done_ns)
+            continue;
+        rec->done_ns = now;
+        struct fn_val *v = stats_for(rec->fn);
+        if (!v)
+            continue;
+        if (i == 0)
+            __sync_fetch_and_add(&v->total_ns, ns);
+        u64 lat = now - rec->enter_ns;
+        u32 slot = bpf_log2l(lat);
+        if (slot >= HIST_SLOTS)
+            slot = HIST_SLOTS - 1;
+        __sync_fetch_and_add(&v->hist[slot], 1);
+        if (lat > v->max_ns)
+            v->max_ns = lat;
+    }
+    return 0;
+}
+
+// Probe entry points, one per probed symbol; FN_<symbol> ids are defined by the loader.
+#define COUNTED(sym, bytes_expr)                                          \
+    int enter_##sym(struct pt_regs *ctx) { return count_call(FN_##sym, (bytes_expr)); }
+#define TIMED(sym, bytes_expr)                                            \
+    int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, (bytes_expr)); } \
+    int return_##sym(struct pt_regs *ctx) { return timed_return(FN_##sym); }
+#define SYNC(sym)                                                         \
+    int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, 0); } \
+    int return_##sym(struct pt_regs *ctx) { return sync_return(FN_##sym); }
+#define COLLECTIVE(sym, bytes_expr, blocking)                             \
+    int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, (bytes_expr)); } \
+    int return_##sym(struct pt_regs *ctx) { return collective_return(FN_##sym, (blocking)); }
