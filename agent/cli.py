@@ -6,13 +6,10 @@ import asyncio
 import json
 import logging
 import sys
-import time
-
-from rankscope.analyzer.diagnosis import diagnose
 
 from .bpf_program import ProbeError
+from .observe import observe
 from .report import render
-from .server import empty_diagnosis
 from .session import Session
 from .targets import TargetError
 
@@ -38,29 +35,6 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def attach_all(session: Session, pids: list[int]) -> None:
-    for pid in pids:
-        session.add(pid)
-
-
-def observe(pids: list[int], duration: float) -> dict:
-    """Attach to `pids`, observe for `duration` seconds (Ctrl-C ends early), detach, diagnose."""
-    session = Session()
-    try:
-        attach_all(session, pids)
-        jobs = {t.identity.job for t in session.targets.values()}
-        if len(jobs) > 1:
-            raise UsageError(f"the processes belong to different jobs ({', '.join(sorted(jobs))}): diagnose one job at a time")
-        try:
-            time.sleep(duration)  # the observation window itself
-        except KeyboardInterrupt:
-            pass
-        docs = diagnose(session.window())
-    finally:
-        session.close()
-    return next(iter(docs.values()), empty_diagnosis())
-
-
 def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.duration <= 0:
         raise UsageError("--duration must be positive")
@@ -78,8 +52,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if not args.all and not args.pid:
         raise UsageError("name the processes to watch with --pid, or --all for every training process")
     session = Session()
-    if args.pid:
-        attach_all(session, parse_pids(args.pid))
+    for pid in parse_pids(args.pid) if args.pid else []:
+        session.add(pid)
     asyncio.run(serve(Agent(session, discover_all=args.all), host, port, args.window))
     return 0
 

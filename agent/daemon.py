@@ -14,7 +14,7 @@ from .bpf_program import ProbeError
 from .discovery import training_processes
 from .server import make_app
 from .session import LIBRARY_PATTERNS, Session
-from .snapshot import Snapshot, targets_of
+from .snapshot import Snapshot, TargetView, targets_of
 from .targets import TargetError
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,9 @@ class Agent:
         self.discover_all = discover_all
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
+        self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
+
+    MAX_EXITED = 256
 
     def discover(self) -> None:
         if not self.discover_all:
@@ -43,9 +46,16 @@ class Agent:
         """Close a window: read the maps, diagnose, publish. Never raises for one bad process."""
         libraries = {pid: sorted(t.libraries) for pid, t in self.session.targets.items()}
         patterns = self.session.window()
+        views = targets_of(patterns, libraries)
+        for v in views:
+            if v.state == "exited":
+                self._exited[v.pid] = v
+        while len(self._exited) > self.MAX_EXITED:
+            del self._exited[next(iter(self._exited))]
+        current = {v.pid for v in views}
         self.snapshot = Snapshot(
             window_end=max((p.window_end for p in patterns), default=None),
-            targets=targets_of(patterns, libraries),
+            targets=views + [v for pid, v in self._exited.items() if pid not in current],
             patterns=patterns,
             diagnoses=diagnose(patterns),
             errors=[f"pid {pid}: {why}" for pid, why in sorted(self._refused.items())],

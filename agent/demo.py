@@ -5,7 +5,7 @@ import time
 
 from rankscope.sim.job import start_job
 
-from .cli import observe
+from .observe import observe
 from .report import render
 
 RANKS = 4

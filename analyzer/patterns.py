@@ -239,7 +239,7 @@ def decode_patterns(data: bytes) -> list[RankPattern]:
     if len(data) > MAX_PAYLOAD_BYTES:
         raise PatternDecodeError(f"payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, max_buffer_size=MAX_PAYLOAD_BYTES)
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError, TypeError) as e:  # TypeError: unhashable map key
         raise PatternDecodeError(f"not msgpack: {e!r}") from e
     if not isinstance(raw, list):

@@ -24,14 +24,10 @@ def smallest_period(seq: Sequence[Hashable]) -> int | None:
     return None
 
 
-def _keys(p: RankPattern) -> tuple[tuple, tuple]:
+def _period(p: RankPattern, cache: dict[tuple, int | None]) -> int | None:
     # (op, bytes) first: two all-reduce buckets of different sizes per step are two collectives of one
     # step, not two steps; op alone when sizes vary from step to step.
-    return tuple((c.op, c.bytes) for c in p.collectives), tuple(c.op for c in p.collectives)
-
-
-def _period(p: RankPattern, cache: dict[tuple, int | None]) -> int | None:
-    for key in _keys(p):
+    for key in (tuple([(c.op, c.bytes) for c in p.collectives]), tuple([c.op for c in p.collectives])):
         if key not in cache:
             cache[key] = smallest_period(key)
         if cache[key] is not None:

@@ -1,0 +1,69 @@
+"""The diagnosis document of the contract, assembled from the rank patterns of one window."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .differential import align_collectives
+from .findings import Finding, compute_straggler, plain, slow_link
+from .metrics import RankTable, rank_table
+from .patterns import RankPattern
+
+NOT_ANALYZED = frozenset({"exited"})  # listed in `ranks`, left out of the comparison
+
+
+def diagnose(patterns: Sequence[RankPattern]) -> dict[str, dict[str, Any]]:
+    """job -> diagnosis document, for patterns of any number of jobs."""
+    by_job: dict[str, list[RankPattern]] = {}
+    for p in patterns:
+        by_job.setdefault(p.job, []).append(p)
+    return {job: diagnose_job(ps) for job, ps in by_job.items()}
+
+
+def find(patterns: Sequence[RankPattern]) -> list[Finding]:
+    """The findings for the analyzed patterns of one job, largest cost first."""
+    return findings_of(rank_table(patterns))
+
+
+def findings_of(table: RankTable) -> list[Finding]:
+    alignment = align_collectives(table.patterns, table.job_step_s)
+    stragglers = compute_straggler(table, alignment)
+    found = stragglers + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
+    return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
+
+
+def diagnose_job(patterns: Sequence[RankPattern]) -> dict[str, Any]:
+    """The contract's diagnosis document for the patterns of one job."""
+    if not patterns:
+        raise ValueError("diagnose_job needs at least one pattern")
+    jobs = {p.job for p in patterns}
+    if len(jobs) > 1:
+        raise ValueError(f"diagnose_job got patterns of several jobs: {sorted(jobs)}")
+    analyzed = [p for p in patterns if p.state not in NOT_ANALYZED]
+    table = rank_table(analyzed)
+    row_of = {id(p): i for i, p in enumerate(analyzed)}
+    # Per-rank columns as plain lists once (100,000 ranks: no per-value conversion calls).
+    columns = {key: _seconds(getattr(table, attr)) for key, attr in
+               (("step_time_s", "step_s"), ("sync_s", "sync_s"), ("comm_s", "comm_s"), ("host_s", "host_s"))}
+
+    def rank_entry(p: RankPattern) -> dict[str, Any]:
+        i = row_of.get(id(p))
+        entry = {"rank": p.rank, "pid": p.pid, "host": p.host, "state": p.state}
+        entry.update((key, col[i] if i is not None else None) for key, col in columns.items())
+        entry["identity_source"] = p.identity_source
+        return entry
+
+    return {
+        "job": patterns[0].job,
+        "window": plain({"start": min(p.window_start for p in patterns),
+                         "end": max(p.window_end for p in patterns)}),
+        "ranks": [rank_entry(p) for p in sorted(patterns, key=lambda p: (p.rank, p.pid))],
+        "findings": [f.to_dict() for f in findings_of(table)],
+    }
+
+
+def _seconds(values: np.ndarray) -> list[float | None]:
+    """Rounded to microseconds; None for unknown (NaN), which JSON cannot carry."""
+    return [None if v != v else v for v in np.round(values, 6).tolist()]

@@ -1,0 +1,201 @@
+"""Findings: the Finding record and one rule function per finding kind of the contract.
+
+A rule looks at the per-rank table (and the collective alignment) of one job and returns zero or more
+findings. Rules never guess: with too few ranks to tell a peer from an outlier they return nothing.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .differential import Alignment, peers_median, robust_z
+from .metrics import RankTable
+from .patterns import Role
+
+MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable
+Z_MIN = 4.0  # robust z-score for an outlier
+Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 then needs >= 2% of the step,
+# so on quiet jobs the excess bars below decide, on noisy ones the z-score
+STRAGGLER_MIN_EXCESS = 0.05  # extra work per step, as a fraction of the step time
+LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
+
+# The component a straggler's excess lies in, by the role of the function that holds it.
+_COMPONENT = {Role.SYNC: "gpu", Role.LAUNCH: "host", Role.COPY: "host", Role.ALLOC: "host", Role.SETUP: "host"}
+_HOST_TIME = None  # "function" of time outside every probed function
+
+
+@dataclass
+class Finding:
+    """One diagnosis finding; field names and meanings are fixed by the contract."""
+
+    kind: str
+    ranks: list[int]
+    function: str | None
+    component: str | None
+    score: float  # how sure: the robust z-score of the deciding metric
+    cost: float  # fraction of the job's step time the finding costs, in [0, 1]
+    summary: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return plain({
+            "kind": self.kind, "ranks": self.ranks, "function": self.function, "component": self.component,
+            "score": self.score, "cost": self.cost, "summary": self.summary, "evidence": self.evidence,
+        })
+
+
+def plain(x: Any) -> Any:
+    """Plain JSON types: numpy scalars to Python numbers, non-finite floats to None, times rounded to us."""
+    if isinstance(x, dict):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [plain(v) for v in x]
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        return round(float(x), 6) if math.isfinite(x) else None
+    return x
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s >= 0.0095 else f"{s * 1e3:.1f} ms"
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _range_ms(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return _ms(lo) if _ms(lo) == _ms(hi) else f"{_ms(lo)[:-3]}-{_ms(hi)}"
+
+
+def _decidable(t: RankTable) -> np.ndarray | None:
+    """Rows with a known step time, or None when too few ranks to compare."""
+    valid = np.isfinite(t.step_s)
+    ok = np.count_nonzero(valid) >= MIN_RANKS and np.isfinite(t.job_step_s) and t.job_step_s > 0
+    return valid if ok else None
+
+
+def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
+    """Ranks whose own work per step (step - COMM) is a robust outlier, and who wait less in collectives
+    than their peers (they arrive last): the others wait for them."""
+    valid = _decidable(t)
+    if valid is None:
+        return []
+    step = t.job_step_s
+    work = np.where(valid, t.work_s, np.nan)
+    z = robust_z(work, Z_FLOOR * step)
+    excess = work - peers_median(work)
+    comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
+    with np.errstate(invalid="ignore"):
+        flagged = np.flatnonzero(valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & (t.comm_s < comm_med))
+    if flagged.size == 0:
+        return []
+
+    # Where the excess lies: the function (or host time outside probes) furthest above its peers' median.
+    cols = [j for j, r in enumerate(t.fn_roles) if r != Role.COMM]
+    fn_med = np.median(t.fn_s[valid][:, cols], axis=0) if cols else np.zeros(0)
+    host_med = peers_median(np.where(valid, t.host_s, np.nan))
+    comm_cols = [j for j, r in enumerate(t.fn_roles) if r == Role.COMM]
+    waited_in = None  # the collective the peers spend most time in: where they wait for the straggler
+    if comm_cols:
+        waited_in = t.fn_names[comm_cols[int(np.argmax(np.median(t.fn_s[valid][:, comm_cols], axis=0)))]]
+
+    groups: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
+    for i in flagged:
+        fn_excess = t.fn_s[i, cols] - fn_med
+        host_excess = t.host_s[i] - host_med
+        if fn_excess.size and fn_excess.max() > host_excess:
+            j = cols[int(np.argmax(fn_excess))]
+            function, component, where = t.fn_names[j], _COMPONENT[t.fn_roles[j]], float(fn_excess.max())
+        else:
+            function, component, where = _HOST_TIME, "cpu", float(host_excess)
+        groups.setdefault((component, function), []).append({
+            "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i]),
+            "work_s": float(work[i]), "comm_s": float(t.comm_s[i]), "sync_s": float(t.sync_s[i]),
+            "host_s": float(t.host_s[i]), "function_excess_s": where,
+            "arrival_lateness_s": float(a.arrival_late_s[i]) if a is not None else None,
+        })
+
+    out = []
+    for (component, function), per_rank in groups.items():
+        per_rank.sort(key=lambda r: r["rank"])
+        ranks = [r["rank"] for r in per_rank]
+        worst = max(r["excess_s"] for r in per_rank)
+        # What-if: without the straggler(s) the step shrinks by the largest excess (the others wait for it).
+        cost = float(np.clip(worst / step, 0.0, 1.0))
+        where = {"gpu": f"GPU work, waits in {function}", "cpu": "CPU work outside CUDA and NCCL calls",
+                 "host": f"host-side CUDA calls, in {function}"}[component]
+        who = "it" if len(ranks) == 1 else "them"
+        waits = f"in {waited_in}" if waited_in else "in collectives"
+        verb = "computes" if len(ranks) == 1 else "compute"
+        out.append(Finding(
+            kind="compute_straggler", ranks=ranks, function=function, component=component,
+            score=max(r["z"] for r in per_rank), cost=cost,
+            summary=(f"{_rank_list(ranks)} {verb} {_range_ms([r['excess_s'] for r in per_rank])} longer per step "
+                     f"than {'its' if len(ranks) == 1 else 'their'} peers ({where}); the other ranks wait for "
+                     f"{who} {waits}; costs {cost:.0%} of step time"),
+            evidence={"step_time_s": step, "peers_work_s": peers_median(work), "peers_comm_s": comm_med,
+                      "waited_in": waited_in, "per_rank": per_rank},
+        ))
+    return out
+
+
+def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> list[Finding]:
+    """Ranks that finish collectives last (a finish-lateness outlier) while their compute is normal.
+
+    Per-rank COMM totals cannot show this (the slow rank's late finish makes it arrive late next time, and
+    its peers wait that long), so the decision rests on the alignment of collective instants.
+    `stragglers`: ranks already found to compute slowly; their lateness is not the link's.
+    """
+    valid = _decidable(t)
+    if valid is None or a.instances == 0:
+        return []
+    step = t.job_step_s
+    late = np.where(valid, a.finish_late_s, np.nan)
+    if np.count_nonzero(np.isfinite(late)) < MIN_RANKS:
+        return []
+    z = robust_z(late, Z_FLOOR * step)
+    peers_late = peers_median(late)
+    excess = late - peers_late
+    with np.errstate(invalid="ignore"):
+        flagged = np.flatnonzero((z >= Z_MIN) & (excess >= LINK_MIN_LATENESS * step)
+                                 & ~np.isin(t.rank, list(stragglers)))
+    if flagged.size == 0:
+        return []
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bandwidth = np.where(a.transfer_s > 0, a.bytes / a.transfer_s, np.nan)
+    peers_bw = peers_median(np.where(valid, bandwidth, np.nan))
+    per_rank = [{
+        "rank": int(t.rank[i]), "z": float(z[i]), "finish_lateness_s": float(late[i]),
+        "excess_s": float(excess[i]), "arrival_lateness_s": float(a.arrival_late_s[i]),
+        "bytes_per_collective": float(a.bytes[i]), "bandwidth_Bps": float(bandwidth[i]),
+    } for i in flagged]
+    per_rank.sort(key=lambda r: r["rank"])
+    ranks = [r["rank"] for r in per_rank]
+    worst = max(per_rank, key=lambda r: r["excess_s"])
+    cost = float(np.clip(worst["excess_s"] / step, 0.0, 1.0))
+    bw = ""
+    if np.isfinite(worst["bandwidth_Bps"]) and np.isfinite(peers_bw):
+        bw = (f" ({worst['bytes_per_collective'] / 1e6:.0f} MB at {worst['bandwidth_Bps'] / 1e9:.1f} GB/s "
+              f"vs {peers_bw / 1e9:.1f} GB/s on the other ranks)")
+    return [Finding(
+        kind="slow_link", ranks=ranks, function=a.op, component="link",
+        score=max(r["z"] for r in per_rank), cost=cost,
+        summary=(f"{_rank_list(ranks)} {'finishes' if len(ranks) == 1 else 'finish'} {a.op} "
+                 f"{_range_ms([r['excess_s'] for r in per_rank])} after {'its' if len(ranks) == 1 else 'their'} "
+                 f"peers{bw} while {'its' if len(ranks) == 1 else 'their'} compute is normal: a slow link; "
+                 f"costs {cost:.0%} of step time"),
+        evidence={"step_time_s": step, "op": a.op, "instances": a.instances,
+                  "lateness_s": worst["finish_lateness_s"], "peers_lateness_s": peers_late,
+                  "bytes_per_collective": worst["bytes_per_collective"], "bandwidth_Bps": worst["bandwidth_Bps"],
+                  "peers_bandwidth_Bps": peers_bw, "per_rank": per_rank},
+    )]

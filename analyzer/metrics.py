@@ -1,0 +1,94 @@
+"""Per-rank, per-step metrics as numpy arrays over ranks: the table the rules compare peers on.
+
+Window totals differ with window length and step count, so everything is normalized to one step of the
+rank (total x step / window) before ranks are compared.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .patterns import RankPattern, Role
+from .steps import step_times
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """Rows are ranks (in the order of `patterns`); every time is seconds per step of that rank."""
+
+    patterns: list[RankPattern]
+    rank: np.ndarray  # global training rank per row
+    step_s: np.ndarray  # NaN where the rank's step time is unknown
+    comm_s: np.ndarray  # waiting for peers + transfer
+    sync_s: np.ndarray  # waiting for its own GPU work
+    host_s: np.ndarray  # outside every probed function: Python, data loading, CPU work
+    work_s: np.ndarray  # step - comm: everything the rank does itself
+    fn_names: list[str]  # columns of fn_s
+    fn_roles: list[Role]
+    fn_s: np.ndarray  # rows x functions; 0 where the rank never called the function
+
+    def __len__(self) -> int:
+        return len(self.patterns)
+
+    @property
+    def job_step_s(self) -> float:
+        """The job's step time: the median over ranks (ranks of a synchronous job share it)."""
+        known = self.step_s[np.isfinite(self.step_s)]
+        return float(np.median(known)) if known.size else float("nan")
+
+
+def rank_table(patterns: Sequence[RankPattern]) -> RankTable:
+    patterns = list(patterns)
+    n = len(patterns)
+    step = step_times(patterns)
+    window = np.fromiter((p.window_s for p in patterns), float, n)
+    per_step = step / window  # window totals -> seconds per step
+
+    # Ranks of a job probe the same functions in the same order, so the name -> column layout is worked
+    # out once per distinct name tuple; per rank only the totals are read.
+    names: dict[str, int] = {}
+    roles: list[Role] = []
+    layouts: dict[tuple[str, ...], np.ndarray] = {}
+    col_parts: list[np.ndarray] = []
+    totals: list[float] = []
+    for p in patterns:
+        fns = p.functions
+        key = tuple(fns)
+        cols = layouts.get(key)
+        if cols is None:
+            for name, f in fns.items():
+                if name not in names:
+                    names[name] = len(roles)
+                    roles.append(Role(f.role))
+            cols = layouts[key] = np.array([names[name] for name in key], dtype=np.intp)
+        col_parts.append(cols)
+        totals += [f.total_s for f in fns.values()]
+    rows = np.repeat(np.arange(n), [len(c) for c in col_parts])
+    cols = np.concatenate(col_parts) if col_parts else np.zeros(0, dtype=np.intp)
+    fn = np.zeros((n, len(roles)))
+    fn[rows, cols] = totals  # (row, name) is unique: names are dict keys
+    fn_per_step = fn * per_step[:, None]
+
+    role_arr = np.array([r.value for r in roles], dtype=object)
+
+    def in_role(role: Role) -> np.ndarray:
+        total = fn_per_step[:, role_arr == role.value].sum(axis=1) if roles else np.zeros(n)
+        return np.where(np.isfinite(step), total, np.nan)  # unknown step: unknown per-step times
+
+    comm = in_role(Role.COMM)
+    # Probed calls on other threads may overlap, so the remainder can dip below zero: clip.
+    host = np.clip(step - fn_per_step.sum(axis=1), 0.0, None)
+    return RankTable(
+        patterns=patterns,
+        rank=np.fromiter((p.rank for p in patterns), np.int64, n),
+        step_s=step,
+        comm_s=comm,
+        sync_s=in_role(Role.SYNC),
+        host_s=host,
+        work_s=step - comm,
+        fn_names=list(names),
+        fn_roles=roles,
+        fn_s=fn_per_step,
+    )

@@ -1,0 +1,133 @@
+"""The pattern wire format: faithful round trip, compact, and strict about what it accepts."""
+from __future__ import annotations
+
+import math
+import random
+
+import msgpack
+import pytest
+
+from rankscope.analyzer.patterns import (
+    SCHEMA_VERSION, CollectiveRecord, FunctionStats, PatternDecodeError, RankPattern, Role, decode_patterns,
+    encode_patterns, pattern_to_json,
+)
+
+T0 = 1_700_000_123.456789
+FUNCTIONS = [  # name, role, calls per window, seconds per call
+    ("cuLaunchKernel", Role.LAUNCH, 4980, 1.3e-5), ("cuLaunchKernelEx", Role.LAUNCH, 166, 8.1e-6),
+    ("cuStreamSynchronize", Role.SYNC, 41, 0.0204), ("cuCtxSynchronize", Role.SYNC, 2, 1.1e-5),
+    ("cuEventSynchronize", Role.SYNC, 83, 2.2e-5), ("cuMemcpyHtoDAsync_v2", Role.COPY, 41, 0.0015),
+    ("cuMemcpyDtoHAsync_v2", Role.COPY, 41, 1.2e-5), ("cuMemAlloc_v2", Role.ALLOC, 3, 3.1e-5),
+    ("cuMemFree_v2", Role.ALLOC, 3, 1.05e-5), ("ncclAllReduce", Role.COMM, 41, 0.01712),
+    ("ncclBroadcast", Role.COMM, 1, 0.00021), ("ncclCommInitRank", Role.SETUP, 1, 0.2113),
+]
+
+
+def typical(rank: int = 3) -> RankPattern:
+    """A rank's 2 s window: 12 probed functions and its last 16 collectives (100 MB all-reduces)."""
+    fns = {name: FunctionStats(name, role, n, n * each, each * 1.7, each * 0.98, each * 1.5,
+                               100_000_000 * n if role == Role.COMM else 0)
+           for name, role, n, each in FUNCTIONS}
+    colls = [CollectiveRecord("ncclAllReduce", 104_857_600, T0 + 1.2 + 0.0481 * i + 1e-6 * (i % 3),
+                              T0 + 1.2 + 0.0481 * i + 0.017123) for i in range(16)]
+    return RankPattern(job="nccl-9f3a61c2d4e8b705", rank=rank, world_size=64, pid=481234, host="gpu-node-017",
+                       window_start=T0, window_end=T0 + 2.000134, functions=fns, collectives=colls,
+                       identity_source="nccl")
+
+
+def test_round_trip_within_float32():
+    ps = [typical(0), typical(1)]
+    ps[1].state = "exited"
+    ps[1].collectives.insert(3, CollectiveRecord("ncclAllGather", 4096, T0 + 1.0, T0 + 1.0005))
+    back = decode_patterns(encode_patterns(ps))
+    assert len(back) == 2
+    for p, q in zip(ps, back):
+        for attr in ("job", "rank", "world_size", "pid", "host", "state", "identity_source"):
+            assert getattr(q, attr) == getattr(p, attr)
+        assert q.window_start == pytest.approx(p.window_start, abs=1e-6)
+        assert q.window_end == pytest.approx(p.window_end, abs=1e-6)
+        assert list(q.functions) == list(p.functions)
+        for name, f in p.functions.items():
+            g = q.functions[name]
+            assert (g.name, g.role, g.count, g.bytes) == (f.name, f.role, f.count, f.bytes)
+            for attr in ("total_s", "max_s", "p50_s", "p99_s"):
+                assert getattr(g, attr) == pytest.approx(getattr(f, attr), rel=1e-7)
+        assert len(q.collectives) == len(p.collectives)
+        for c, d in zip(p.collectives, q.collectives):
+            assert (d.op, d.bytes) == (c.op, c.bytes)
+            assert d.enter == pytest.approx(c.enter, abs=1.5e-6)  # microseconds on the wire
+            assert d.done == pytest.approx(c.done, abs=1.5e-6)
+
+
+def test_typical_pattern_fits_1kb():
+    size = len(encode_patterns([typical()]))
+    assert size <= 1024, size
+
+
+def test_empty_pattern_and_empty_list():
+    p = RankPattern(job="j", rank=0, world_size=1, pid=1, host="h", window_start=T0, window_end=T0 + 1)
+    assert decode_patterns(encode_patterns([p])) == [p]
+    assert decode_patterns(encode_patterns([])) == []
+
+
+def test_json_view_names_roles():
+    d = pattern_to_json(typical())
+    assert d["functions"]["cuStreamSynchronize"]["role"] == "sync"
+    assert d["collectives"][0]["op"] == "ncclAllReduce"
+
+
+def _wire() -> dict:
+    return msgpack.unpackb(encode_patterns([typical()]))[0]
+
+
+def _mutated(**changes) -> bytes:
+    d = _wire()
+    for key, value in changes.items():
+        if value is KeyError:
+            del d[key]
+        else:
+            d[key] = value
+    return msgpack.packb([d])
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\xc1", b"\x92\x01", b"not msgpack at all", b"\x81\x92\x01\x02\x03",  # unhashable map key
+    msgpack.packb({"v": SCHEMA_VERSION}), msgpack.packb([1, 2]), msgpack.packb([None]),
+    msgpack.packb([{1: 2}]), msgpack.packb([[]]),
+    _mutated(v=SCHEMA_VERSION + 1), _mutated(v=KeyError), _mutated(job=7), _mutated(rank="3"),
+    _mutated(rank=-1), _mutated(rank=True), _mutated(pid=1.5), _mutated(host=None), _mutated(start="x"),
+    _mutated(end=0), _mutated(state=[]), _mutated(fn=[]), _mutated(fn={"f": [0, 1, 0.1]}),
+    _mutated(fn={"f": [9, 1, 0.1, 0.1, 0.1, 0.1, 0]}), _mutated(fn={"f": [0, 1, float("nan"), 0.1, 0.1, 0.1, 0]}),
+    _mutated(fn={"f": [0, 1, -0.5, 0.1, 0.1, 0.1, 0]}), _mutated(fn={"f": [0, 1, "0.1", 0.1, 0.1, 0.1, 0]}),
+    _mutated(fn={"f": "abc"}), _mutated(fn={"f": None}), _mutated(ops=KeyError), _mutated(ops=[1]),
+    _mutated(coll={"a": 1}), _mutated(coll=[[0, 1, 2]]), _mutated(coll=[[5, 1, 2, 3]]), _mutated(coll=[[0, 1, 2.5, 3]]),
+    _mutated(coll=[None]), _mutated(coll=[[0, -1, 2, 3]]),
+])
+def test_malformed_payloads_raise_decode_error(payload):
+    with pytest.raises(PatternDecodeError):
+        decode_patterns(payload)
+
+
+def test_non_bytes_and_oversized_payloads():
+    with pytest.raises(PatternDecodeError):
+        decode_patterns("a string")  # type: ignore[arg-type]
+    with pytest.raises(PatternDecodeError):
+        decode_patterns(b"\x90" + b"\x00" * (16 * 1024 * 1024))
+
+
+def test_truncated_and_corrupted_payloads_never_raise_anything_else():
+    data = encode_patterns([typical(), typical(1)])
+    for cut in range(len(data)):
+        with pytest.raises(PatternDecodeError):
+            decode_patterns(data[:cut])
+    rnd = random.Random(7)
+    for _ in range(1500):
+        buf = bytearray(data)
+        for _ in range(rnd.randint(1, 4)):
+            buf[rnd.randrange(len(buf))] = rnd.randrange(256)
+        try:
+            out = decode_patterns(bytes(buf))
+        except PatternDecodeError:
+            continue
+        for p in out:  # what does decode is well-typed
+            assert isinstance(p.rank, int) and all(math.isfinite(f.total_s) for f in p.functions.values())
