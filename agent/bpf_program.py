@@ -1,13 +1,17 @@
-"""The one BPF program of an agent: composed from every probe kind's source, attached per process.
+"""The one BPF program of an agent: composed from every probe kind's source, attached per library file.
 
-Uprobes are attached per PID (only watched processes take the trap) and every handler also checks the
-`watched` map, which holds per-process state.  Probes created through perf_event_open vanish with the
-agent's file descriptors, so even a SIGKILLed agent leaves nothing behind in the traced job.
+Uprobes live on a file (inode), not a process: the program attaches each probed library once, whatever
+number of ranks map it, and every handler first checks the `watched` map, so only watched processes are
+accounted. Attaching is cheap; removing a uprobe costs the kernel an RCU grace period (~0.1 s here) per
+probe, which is why probes are not multiplied by the number of ranks. Probes created through
+perf_event_open vanish with the agent's file descriptors, so even a SIGKILLed agent leaves nothing
+behind in the traced job.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -23,11 +27,15 @@ class ProbeError(Exception):
 
 
 @dataclass
-class Attachment:
-    pid: int
+class LibraryProbes:
+    """The probes on one library file, and the watched processes that map it."""
+
+    kind: str
+    path: str  # as first reached, through /proc/PID/root
     probes: list[str] = field(default_factory=list)  # symbols attached
+    skipped: list[str] = field(default_factory=list)  # symbols this version does not export
     events: list[bytes] = field(default_factory=list)  # bcc's uprobe event names, to detach without the file
-    skipped: list[str] = field(default_factory=list)  # symbols the library does not export
+    users: set[int] = field(default_factory=set)
 
 
 def function_ids(kinds: tuple[ProbeKind, ...]) -> dict[str, int]:
@@ -53,7 +61,8 @@ class ProbeProgram:
         self.probe_of = {p.symbol: p for k in kinds for p in k.probes}
         self.symbol_of = {i: s for s, i in self.ids.items()}
         self._bpf = None
-        self.attachments: dict[int, Attachment] = {}
+        self.libraries: dict[tuple[int, int], LibraryProbes] = {}  # (st_dev, st_ino) -> probes
+        self.watched: set[int] = set()
 
     @property
     def bpf(self):
@@ -70,63 +79,80 @@ class ProbeProgram:
                 raise ProbeError(f"cannot load the BPF program (root, kernel headers?): {e}") from e
         return self._bpf
 
-    def attach(self, target: Target) -> Attachment:
-        """Watch `target` and attach every probe its libraries export."""
+    def attach(self, target: Target) -> list[LibraryProbes]:
+        """Watch `target`: probe each of its libraries not probed yet, and account its calls from now on."""
         bpf = self.bpf
-        att = Attachment(pid=target.pid)
-        self.attachments[target.pid] = att
-        bpf["watched"][ctypes.c_uint32(target.pid)] = bpf["watched"].Leaf()
-        try:
-            self._attach_kinds(bpf, target, att)
-        except ProbeError:
-            self.detach(target.pid)
-            raise
-        return att
-
-    def _attach_kinds(self, bpf, target: Target, att: Attachment) -> None:
+        used = []
         for kind in self.kinds:
             path = target.libraries.get(kind.name)
             if path is None:
                 continue
             try:
-                exported = exported_functions(path)
-            except SymbolError as e:
-                log.warning("pid %d: %s", target.pid, e)
-                continue
-            seen_addrs: set[int] = set()
-            for probe in kind.probes:
-                addr = exported.get(probe.symbol)
-                if addr is None or addr in seen_addrs:  # absent in this version, or an alias of one probed
-                    att.skipped.append(probe.symbol)
-                    continue
-                seen_addrs.add(addr)
-                before = set(bpf.uprobe_fds)
+                st = os.stat(path)
+            except OSError as e:
+                raise ProbeError(f"pid {target.pid}: cannot reach {path}: {e.strerror}") from e
+            key = (st.st_dev, st.st_ino)
+            lib = self.libraries.get(key)
+            if lib is None:
+                lib = self.libraries[key] = LibraryProbes(kind=kind.name, path=path)
                 try:
-                    self._attach_one(bpf, path, probe, target.pid)
-                finally:  # record what did attach, so a failure half-way still detaches it
-                    att.events += [ev for ev in bpf.uprobe_fds if ev not in before]
-                att.probes.append(probe.symbol)
+                    self._attach_library(bpf, kind, lib)
+                except ProbeError:
+                    self._remove_library(key)
+                    raise
+            lib.users.add(target.pid)
+            used.append(lib)
+        bpf["watched"][ctypes.c_uint32(target.pid)] = bpf["watched"].Leaf()
+        self.watched.add(target.pid)
+        return used
+
+    def _attach_library(self, bpf, kind: ProbeKind, lib: LibraryProbes) -> None:
+        try:
+            exported = exported_functions(lib.path)
+        except SymbolError as e:
+            raise ProbeError(str(e)) from e
+        seen_addrs: set[int] = set()
+        for probe in kind.probes:
+            addr = exported.get(probe.symbol)
+            if addr is None or addr in seen_addrs:  # absent in this version, or an alias of one probed
+                lib.skipped.append(probe.symbol)
+                continue
+            seen_addrs.add(addr)
+            before = set(bpf.uprobe_fds)
+            try:
+                self._attach_one(bpf, lib.path, probe)
+            finally:  # record what did attach, so a failure half-way still detaches it
+                lib.events += [ev for ev in bpf.uprobe_fds if ev not in before]
+            lib.probes.append(probe.symbol)
 
     @staticmethod
-    def _attach_one(bpf, path: str, probe: Probe, pid: int) -> None:
+    def _attach_one(bpf, path: str, probe: Probe) -> None:
         try:
-            bpf.attach_uprobe(name=path, sym=probe.symbol, fn_name=f"enter_{probe.symbol}", pid=pid)
+            bpf.attach_uprobe(name=path, sym=probe.symbol, fn_name=f"enter_{probe.symbol}")
             if probe.returns:
-                bpf.attach_uretprobe(name=path, sym=probe.symbol, fn_name=f"return_{probe.symbol}", pid=pid)
+                bpf.attach_uretprobe(name=path, sym=probe.symbol, fn_name=f"return_{probe.symbol}")
         except Exception as e:
-            raise ProbeError(f"cannot attach to {probe.symbol} in {path} of pid {pid}: {e}") from e
+            raise ProbeError(f"cannot attach to {probe.symbol} in {path}: {e}") from e
 
     def detach(self, pid: int) -> None:
-        """Stop watching `pid` (alive or not) and remove its probes; its map entries are left for the last read."""
-        att = self.attachments.pop(pid, None)
-        if att is None or self._bpf is None:
+        """Stop accounting `pid` (alive or not); a library's probes go with its last watched user.
+        The process's map entries are left for the last read (see purge)."""
+        if pid not in self.watched or self._bpf is None:
             return
+        self.watched.discard(pid)
         self._bpf["watched"].pop(ctypes.c_uint32(pid), None)
-        for ev in att.events:
+        for key, lib in list(self.libraries.items()):
+            lib.users.discard(pid)
+            if not lib.users:
+                self._remove_library(key)
+
+    def _remove_library(self, key: tuple[int, int]) -> None:
+        lib = self.libraries.pop(key)
+        for ev in lib.events:
             try:
                 self._bpf.detach_uprobe_event(ev)
             except Exception as e:  # bcc raises bare Exception; never let one probe stop the rest
-                log.warning("pid %d: detaching %s: %s", pid, ev.decode(errors="replace"), e)
+                log.warning("detaching %s: %s", ev.decode(errors="replace"), e)
 
     def purge(self, pid: int) -> None:
         """Drop a forgotten process's entries from every per-process map (after its last read)."""
@@ -138,8 +164,13 @@ class ProbeProgram:
                 table.pop(key, None)
 
     def close(self) -> None:
-        for pid in list(self.attachments):
-            self.detach(pid)
-        if self._bpf is not None:
-            self._bpf.cleanup()
-            self._bpf = None
+        """Detach everything. Accounting stops at once; removing the probes takes the kernel a while."""
+        if self._bpf is None:
+            return
+        for pid in list(self.watched):
+            self._bpf["watched"].pop(ctypes.c_uint32(pid), None)
+        self.watched.clear()
+        for key in list(self.libraries):
+            self._remove_library(key)
+        self._bpf.cleanup()
+        self._bpf = None

@@ -38,8 +38,13 @@ def parse_listen(text: str) -> tuple[str, int]:
 def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.duration <= 0:
         raise UsageError("--duration must be positive")
-    doc = observe(parse_pids(args.pid), args.duration)
-    print(json.dumps(doc) if args.json else render(doc))
+    pids = parse_pids(args.pid)
+    session = Session()
+    try:
+        doc = observe(session, pids, args.duration)
+        print(json.dumps(doc) if args.json else render(doc), flush=True)
+    finally:
+        session.close()
     return 0
 
 

@@ -7,6 +7,7 @@ from rankscope.sim.job import start_job
 
 from .observe import observe
 from .report import render
+from .session import Session
 
 RANKS = 4
 WARMUP_S = 1.0  # let the ranks pass communicator set-up and settle into steps before observing
@@ -17,7 +18,11 @@ def run_demo(fault: str, duration: float) -> int:
     with start_job(RANKS, faults=[fault]) as job:
         print(f"rankscope demo: ranks are pids {', '.join(map(str, job.pids))}; observing for {duration:.0f} s")
         time.sleep(WARMUP_S)
-        doc = observe(job.pids, duration)
-    print()
-    print(render(doc))
+        session = Session()
+        try:
+            doc = observe(session, job.pids, duration)
+            print()
+            print(render(doc), flush=True)
+        finally:
+            session.close()
     return 0

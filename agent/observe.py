@@ -1,4 +1,4 @@
-"""One-shot observation, as `rankscope diagnose` and the demo do it: attach, watch one window, detach."""
+"""One-shot observation, as `rankscope diagnose` and the demo do it: attach, watch one window, diagnose."""
 from __future__ import annotations
 
 import time
@@ -10,21 +10,20 @@ from .session import Session
 from .targets import TargetError
 
 
-def observe(pids: list[int], duration: float) -> dict:
-    """The diagnosis document of the job `pids` belong to, after `duration` seconds (Ctrl-C ends early)."""
-    session = Session()
+def observe(session: Session, pids: list[int], duration: float) -> dict:
+    """The diagnosis document of the job `pids` belong to, after `duration` seconds (Ctrl-C ends early).
+
+    The caller closes the session, after showing the result: removing probes takes the kernel a while.
+    """
+    for pid in pids:
+        session.add(pid)
+    jobs = {t.identity.job for t in session.targets.values()}
+    if len(jobs) > 1:
+        raise TargetError(f"the processes belong to different jobs ({', '.join(sorted(jobs))}): "
+                          "diagnose one job at a time")
     try:
-        for pid in pids:
-            session.add(pid)
-        jobs = {t.identity.job for t in session.targets.values()}
-        if len(jobs) > 1:
-            raise TargetError(f"the processes belong to different jobs ({', '.join(sorted(jobs))}): "
-                              "diagnose one job at a time")
-        try:
-            time.sleep(duration)  # the observation window itself
-        except KeyboardInterrupt:
-            pass
-        docs = diagnose(session.window())
-    finally:
-        session.close()
+        time.sleep(duration)  # the observation window itself
+    except KeyboardInterrupt:
+        pass
+    docs = diagnose(session.window())
     return next(iter(docs.values()), empty_diagnosis())

@@ -34,16 +34,19 @@ class Target:
 
     def alive(self) -> bool:
         try:
-            return _start_time(self.pid) == self.start_time
+            state, start = _stat(self.pid)
         except OSError:
             return False
+        return start == self.start_time and state not in "ZX"  # a zombie has exited, unreaped
 
 
-def _start_time(pid: int) -> int:
+def _stat(pid: int) -> tuple[str, int]:
+    """(state letter, start time) from /proc/PID/stat."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read().decode(errors="replace")
     # The name field may hold spaces and parentheses: fields after the last ')' are fixed.
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0], int(fields[19])
 
 
 def _read(pid: int, what: str) -> bytes:
@@ -109,9 +112,11 @@ def inspect_process(pid: int, patterns: dict[str, re.Pattern[str]]) -> Target:
     if pid <= 0:
         raise TargetError(f"not a process id: {pid}")
     try:
-        start = _start_time(pid)
+        state, start = _stat(pid)
     except FileNotFoundError:
         raise TargetError(f"no such process: {pid}") from None
+    if state in "ZX":
+        raise TargetError(f"process {pid} has exited")
     name = _read(pid, "comm").decode(errors="replace").strip()
     libraries = mapped_libraries(pid, patterns)
     if not libraries:

@@ -1,0 +1,119 @@
+"""Shared helpers: waiting on conditions (never on the clock alone), simulated jobs, an agent process."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from rankscope.sim.job import SimJob, start_job
+
+RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `condition` until it returns something truthy; fail the test with `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def maps_library(pid: int, name: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return name in f.read()
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def sim_job() -> Iterator[Callable[..., SimJob]]:
+    """Start simulated jobs whose ranks have loaded libcuda and libnccl; every job is stopped afterwards."""
+    jobs: list[SimJob] = []
+
+    def start(ranks: int = 4, faults: tuple[str, ...] = (), **kwargs) -> SimJob:
+        job = start_job(ranks, faults=list(faults), **kwargs)
+        jobs.append(job)
+        wait_until(lambda: all(maps_library(p, "libnccl.so.2") for p in job.pids), 30, "ranks to load the stand-ins")
+        return job
+
+    yield start
+    for job in jobs:
+        job.stop()
+
+
+class AgentProcess:
+    """`rankscope agent` in a subprocess, serving on a free loopback port."""
+
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([*RANKSCOPE, "agent", "--listen", f"127.0.0.1:{self.port}", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited: {self.proc.communicate()[1]}")
+            try:
+                return http_json(f"{self.url}/v1/targets") is not None
+            except OSError:
+                return False
+
+        wait_until(up, 60, "the agent to serve")
+
+    def get(self, path: str) -> Any:
+        return http_json(self.url + path)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def agent() -> Iterator[Callable[..., AgentProcess]]:
+    started: list[AgentProcess] = []
+
+    def start(*args: str) -> AgentProcess:
+        a = AgentProcess(*args)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.stop()
+
+
+def diagnose_json(pids: list[int], duration: float) -> dict:
+    out = subprocess.run([*RANKSCOPE, "diagnose", "--pid", ",".join(map(str, pids)), "--duration", str(duration),
+                          "--json"], capture_output=True, text=True, timeout=duration + 60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+

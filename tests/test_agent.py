@@ -1,0 +1,78 @@
+"""The node agent on a running simulated job: diagnosis over HTTP, exits, and SIGKILL safety."""
+import os
+import signal
+
+from conftest import wait_until
+
+from rankscope.agent.symbols import exported_functions
+
+WINDOW_S = 1.5
+INT3 = 0xCC
+
+
+def _first_byte(pid: int, library: str, symbol: str) -> int:
+    """The first instruction byte of `symbol` in `pid`'s memory: 0xCC while a uprobe is armed there."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5].endswith(library) and int(parts[2], 16) == 0:
+                base, path = int(parts[0].split("-")[0], 16), parts[5]
+                break
+        else:
+            raise AssertionError(f"{library} not mapped in {pid}")
+    with open(f"/proc/{pid}/mem", "rb") as mem:
+        mem.seek(base + exported_functions(path)[symbol])
+        return mem.read(1)[0]
+
+
+def _findings(a) -> list:
+    return a.get("/v1/diagnosis")["findings"]
+
+
+def test_diagnosis_within_two_windows_of_attach(sim_job, agent):
+    job = sim_job(4, faults=("slow-gpu:1:2",))
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
+    first = wait_until(lambda: a.get("/v1/diagnosis")["window"]["end"], 10, "the first window")
+    second = wait_until(lambda: (d := a.get("/v1/diagnosis"))["window"]["end"] != first and d, 10, "the second window")
+    named = [f for f in second["findings"] if f["kind"] == "compute_straggler" and f["ranks"] == [1]]
+    assert named, second["findings"]
+    targets = a.get("/v1/targets")["targets"]
+    assert sorted(t["rank"] for t in targets) == [0, 1, 2, 3]
+    assert all(t["state"] == "running" and set(t["libraries"]) == {"cuda", "nccl"} for t in targets)
+
+
+def test_exited_rank_is_reported_and_the_rest_still_served(sim_job, agent):
+    job = sim_job(3)
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
+    wait_until(lambda: len(a.get("/v1/targets")["targets"]) == 3, 10, "three targets")
+    victim = job.pids[2]
+    os.kill(victim, signal.SIGKILL)
+    states = wait_until(
+        lambda: {t["pid"]: t["state"] for t in a.get("/v1/targets")["targets"]} if any(
+            t["state"] == "exited" for t in a.get("/v1/targets")["targets"]) else None, 10, "the exit to be reported")
+    assert states == {job.pids[0]: "running", job.pids[1]: "running", victim: "exited"}
+    assert a.proc.poll() is None
+    assert a.get("/v1/diagnosis")["job"] == job.job_id
+
+
+def test_sigkill_of_the_agent_leaves_no_probe_and_the_job_running(sim_job, agent):
+    job = sim_job(2)
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
+    wait_until(lambda: len(a.get("/v1/targets")["targets"]) == 2, 10, "the agent to attach")
+    for pid in job.pids:
+        assert _first_byte(pid, "libcuda.so.1", "cuStreamSynchronize") == INT3  # probes really armed
+    a.proc.kill()
+    a.proc.wait(timeout=10)
+    for pid in job.pids:
+        assert _first_byte(pid, "libcuda.so.1", "cuStreamSynchronize") != INT3
+        assert _first_byte(pid, "libnccl.so.2", "ncclAllReduce") != INT3
+    with open("/sys/kernel/tracing/uprobe_events") as f:
+        assert "libcuda" not in f.read()
+    # Still training: every step sleeps in its syncs, so its voluntary context switches keep growing.
+    before = [_switches(pid) for pid in job.pids]
+    wait_until(lambda: all(_switches(pid) > b + 50 for pid, b in zip(job.pids, before)), 10, "the job to progress")
+
+
+def _switches(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))

@@ -1,0 +1,65 @@
+"""Bad input gets exit status 2 and one clear line on stderr, and never touches the named process."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
+
+
+def run(*args: str, user: int | None = None) -> subprocess.CompletedProcess:
+    cmd = [*RANKSCOPE, *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--inh-caps=-all", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("rankscope: error: ")
+    return lines[0]
+
+
+def unused_pid() -> int:
+    pid = 4_000_000
+    while os.path.exists(f"/proc/{pid}"):
+        pid += 1
+    return pid
+
+
+def test_no_such_pid():
+    pid = unused_pid()
+    assert f"no such process: {pid}" in one_line_error(run("diagnose", "--pid", str(pid), "--duration", "1"))
+
+
+@pytest.mark.parametrize("pids", ["abc", "12,x", ",", "-5"])
+def test_malformed_pid_list(pids):
+    line = one_line_error(run("diagnose", f"--pid={pids}", "--duration", "1"))
+    assert "process id" in line
+
+
+def test_process_without_probed_libraries():
+    with subprocess.Popen(["sleep", "30"]) as sleeper:
+        try:
+            line = one_line_error(run("diagnose", "--pid", str(sleeper.pid), "--duration", "1"))
+            assert "maps none of the libraries" in line
+            assert sleeper.poll() is None  # untouched
+        finally:
+            sleeper.kill()
+
+
+def test_insufficient_privilege():
+    with subprocess.Popen(["sleep", "30"]) as sleeper:
+        try:
+            line = one_line_error(run("diagnose", "--pid", str(sleeper.pid), "--duration", "1", user=65534))
+            assert "not permitted" in line and "root" in line
+        finally:
+            sleeper.kill()
+
+
+@pytest.mark.parametrize("args", [["agent", "--listen", "nonsense"], ["agent"], ["diagnose", "--pid", "1", "--duration", "0"]])
+def test_bad_agent_and_duration_arguments(args):
+    one_line_error(run(*args))

@@ -1,0 +1,65 @@
+"""End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
+from conftest import diagnose_json, wait_until
+
+from rankscope.agent.session import Session
+
+OBSERVE_S = 4.0
+
+
+def _named(doc: dict, kind: str) -> list[list[int]]:
+    return [f["ranks"] for f in doc["findings"] if f["kind"] == kind]
+
+
+def test_healthy_job_has_no_finding(sim_job):
+    job = sim_job(4)
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert doc["findings"] == []
+    assert sorted(r["rank"] for r in doc["ranks"]) == [0, 1, 2, 3]
+    assert all(0.03 < r["step_time_s"] < 0.12 for r in doc["ranks"]), doc["ranks"]
+
+
+def test_slow_gpu_is_a_compute_straggler(sim_job):
+    job = sim_job(4, faults=("slow-gpu:2:2",))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("compute_straggler", [2], "gpu"), doc["findings"]
+    assert top["function"] == "cuStreamSynchronize"
+    # forward+backward take ~24 ms of GPU time; twice as slow costs ~24 ms of a ~70 ms step
+    assert 0.2 < top["cost"] < 0.5, top
+    assert _named(doc, "slow_link") == []
+
+
+def test_slow_link_is_named(sim_job):
+    job = sim_job(4, faults=("slow-link:1:4",))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("slow_link", [1], "link"), doc["findings"]
+    assert top["function"] == "ncclAllReduce"
+    assert _named(doc, "compute_straggler") == []
+
+
+def test_rank_and_world_come_from_the_communicator(sim_job, tmp_path):
+    """Attached before ncclCommInitRank, the agent reads rank, size and the shared id from its arguments."""
+    hold = tmp_path / "go"
+    job = sim_job(2, hold_file=hold)
+
+    session = Session()
+    try:
+        for pid in job.pids:
+            session.add(pid)
+        hold.touch()
+        by_pid: dict = {}
+
+        def every_rank_reduced() -> bool:
+            by_pid.update((p.pid, p) for p in session.window() if "ncclAllReduce" in p.functions)
+            return len(by_pid) == 2
+
+        wait_until(every_rank_reduced, 20, "all-reduces after comm init", interval=0.2)
+        patterns = list(by_pid.values())
+        assert {p.identity_source for p in patterns} == {"nccl"}
+        assert sorted(p.rank for p in patterns) == [0, 1] and {p.world_size for p in patterns} == {2}
+        assert len({p.job for p in patterns}) == 1
+        allreduce = by_pid[job.pids[0]].functions["ncclAllReduce"]
+        assert allreduce.bytes == allreduce.count * 25_000_000 * 4  # count x sizeof(float32)
+    finally:
+        session.close()
