@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPattern
 
+from . import histograms
 from .bpf_program import ProbeProgram
+from .probes import sched
 from .probes.nccl import communicators, world_communicator
-from .targets import Identity, Target
+from .targets import Identity, Target, major_faults
 
 MAX_COLLECTIVES = 16  # per pattern: enough to line ranks up, small enough for ~1 KB patterns
 
@@ -25,30 +27,14 @@ class _Cumulative:
     hist: list[int] = field(default_factory=list)
 
 
-def _percentile_s(hist: list[int], q: float) -> float:
-    """Slot s of the kernel's log2 histogram holds [2^(s-1), 2^s) ns: answer the slot's geometric middle."""
-    total = sum(hist)
-    if total <= 0:
-        return 0.0
-    need, seen = q * total, 0
-    for slot, n in enumerate(hist):
-        seen += n
-        if n and seen >= need:
-            return 2 ** (slot - 0.5) / 1e9 if slot else 0.0
-    return 0.0
-
-
-def _window_max_s(hist: list[int], max_ns_ever: int) -> float:
-    top = max((s for s, n in enumerate(hist) if n > 0), default=None)
-    if top is None:
-        return 0.0
-    return min(max_ns_ever, 2**top) / 1e9
-
-
-@dataclass
 class _ProcessCursor:
-    functions: dict[int, _Cumulative] = field(default_factory=dict)
-    last_coll_seq: int = 0
+    """What the previous window read of one process, so the next one reports differences."""
+
+    def __init__(self, pid: int):
+        self.functions: dict[int, _Cumulative] = {}
+        self.last_coll_seq = 0
+        self.sched = sched.SchedReader(pid)
+        self.major_faults = major_faults(pid)
 
 
 class Collector:
@@ -74,10 +60,13 @@ class Collector:
         for key, rec in bpf["coll_ring"].items():
             rings.setdefault(key.pid, []).append((rec.seq, rec.enter_ns, rec.done_ns, rec.bytes, rec.fn))
         comms = communicators(bpf)
+        threads = sched.threads(bpf)
+        thieves = sched.thieves(bpf)
 
         patterns = []
         for t in targets:
-            cursor = self._cursors.setdefault(t.pid, _ProcessCursor())
+            cursor = self._cursors.get(t.pid) or self._cursors.setdefault(t.pid, _ProcessCursor(t.pid))
+            faults = major_faults(t.pid)
             ident = self._identity(t, comms.get(t.pid, []))
             patterns.append(RankPattern(
                 job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
@@ -85,7 +74,11 @@ class Collector:
                 functions=self._functions(cursor, stats.get(t.pid, {})),
                 collectives=self._collectives(cursor, rings.get(t.pid, []), mono_to_unix),
                 identity_source=ident.source,
+                sched=cursor.sched.thread_times(threads.get(t.pid, {})),
+                neighbours=cursor.sched.neighbours(thieves.get(t.pid, {})),
+                major_faults=max(faults - cursor.major_faults, 0),
             ))
+            cursor.major_faults = faults
         return patterns
 
     @staticmethod
@@ -107,14 +100,14 @@ class Collector:
             d_count = count - prev.count
             if d_count <= 0 and total_ns == prev.total_ns:
                 continue
-            d_hist = [a - b for a, b in zip(hist, prev.hist)]
-            max_s = _window_max_s(d_hist, max_ns)
+            d_hist = histograms.minus(hist, prev.hist)
+            max_s = min(max_ns / 1e9, histograms.upper_bound_s(d_hist))
             symbol = self.program.symbol_of.get(fn, f"fn{fn}")
             probe = self.program.probe_of[symbol]
             out[symbol] = FunctionStats(
                 name=symbol, role=probe.role, count=d_count, total_s=(total_ns - prev.total_ns) / 1e9,
-                max_s=max_s, p50_s=min(_percentile_s(d_hist, 0.5), max_s),
-                p99_s=min(_percentile_s(d_hist, 0.99), max_s), bytes=nbytes - prev.bytes,
+                max_s=max_s, p50_s=min(histograms.percentile_s(d_hist, 0.5), max_s),
+                p99_s=min(histograms.percentile_s(d_hist, 0.99), max_s), bytes=nbytes - prev.bytes,
             )
         return out
 

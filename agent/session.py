@@ -18,7 +18,7 @@ from .targets import Target, TargetError, inspect_process
 
 log = logging.getLogger(__name__)
 
-LIBRARY_PATTERNS = {kind.name: kind.library for kind in KINDS}
+LIBRARY_PATTERNS = {kind.name: kind.library for kind in KINDS if kind.library is not None}
 
 
 def host_name() -> str:

@@ -40,13 +40,25 @@ class Target:
         return start == self.start_time and state not in "ZX"  # a zombie has exited, unreaped
 
 
-def _stat(pid: int) -> tuple[str, int]:
-    """(state letter, start time) from /proc/PID/stat."""
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat from the state field on (the name before it may hold spaces and parentheses)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read().decode(errors="replace")
-    # The name field may hold spaces and parentheses: fields after the last ')' are fixed.
-    fields = stat[stat.rindex(")") + 2 :].split()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """(state letter, start time)."""
+    fields = _stat_fields(pid)
     return fields[0], int(fields[19])
+
+
+def major_faults(pid: int) -> int:
+    """Major page faults so far (0 once the process is gone): page-ins that stalled the process on I/O."""
+    try:
+        return int(_stat_fields(pid)[9])
+    except OSError:
+        return 0
 
 
 def _read(pid: int, what: str) -> bytes:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .differential import align_collectives
-from .findings import Finding, compute_straggler, plain, slow_link
+from .findings import Finding, compute_straggler, cpu_contention, plain, slow_link
 from .metrics import RankTable, rank_table
 from .patterns import RankPattern
 
@@ -29,7 +29,7 @@ def find(patterns: Sequence[RankPattern]) -> list[Finding]:
 
 def findings_of(table: RankTable) -> list[Finding]:
     alignment = align_collectives(table.patterns, table.job_step_s)
-    stragglers = compute_straggler(table, alignment)
+    stragglers = compute_straggler(table, alignment) + cpu_contention(table)
     found = stragglers + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 

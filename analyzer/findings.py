@@ -22,6 +22,7 @@ Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 th
 # so on quiet jobs the excess bars below decide, on noisy ones the z-score
 STRAGGLER_MIN_EXCESS = 0.05  # extra work per step, as a fraction of the step time
 LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
+CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended
 
 # The component a straggler's excess lies in, by the role of the function that holds it.
 _COMPONENT = {Role.SYNC: "gpu", Role.LAUNCH: "host", Role.COPY: "host", Role.ALLOC: "host", Role.SETUP: "host"}
@@ -83,12 +84,12 @@ def _decidable(t: RankTable) -> np.ndarray | None:
     return valid if ok else None
 
 
-def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
-    """Ranks whose own work per step (step - COMM) is a robust outlier, and who wait less in collectives
-    than their peers (they arrive last): the others wait for them."""
+def _straggling(t: RankTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float] | None:
+    """Rows whose own work per step (step - COMM) is a robust outlier while they wait less in collectives
+    than their peers (they arrive last; the others wait for them): (rows, z, excess, work, comm median)."""
     valid = _decidable(t)
     if valid is None:
-        return []
+        return None
     step = t.job_step_s
     work = np.where(valid, t.work_s, np.nan)
     z = robust_z(work, Z_FLOOR * step)
@@ -96,8 +97,32 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
     with np.errstate(invalid="ignore"):
         flagged = np.flatnonzero(valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & (t.comm_s < comm_med))
+    return flagged, z, excess, work, comm_med
+
+
+def _runq_excess(t: RankTable) -> np.ndarray:
+    """Per row: how much longer per step its main thread waited for a CPU than its peers' (NaN: unknown)."""
+    return t.runq_s - peers_median(t.runq_s)
+
+
+def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray:
+    """The straggling rows whose extra time is mostly waiting for a CPU, not computing."""
+    with np.errstate(invalid="ignore"):
+        return rows[_runq_excess(t)[rows] >= CONTENTION_SHARE * excess[rows]]
+
+
+def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
+    """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
+    that only waits longer for a CPU is cpu_contention's)."""
+    found = _straggling(t)
+    if found is None:
+        return []
+    rows, z, excess, work, comm_med = found
+    flagged = np.setdiff1d(rows, _contended(t, rows, excess))
     if flagged.size == 0:
         return []
+    step = t.job_step_s
+    valid = _decidable(t)
 
     # Where the excess lies: the function (or host time outside probes) furthest above its peers' median.
     cols = [j for j, r in enumerate(t.fn_roles) if r != Role.COMM]
@@ -144,6 +169,36 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
                      f"{who} {waits}; costs {cost:.0%} of step time"),
             evidence={"step_time_s": step, "peers_work_s": peers_median(work), "peers_comm_s": comm_med,
                       "waited_in": waited_in, "per_rank": per_rank},
+        ))
+    return out
+
+
+def cpu_contention(t: RankTable) -> list[Finding]:
+    """Straggling ranks whose extra time is waiting for a CPU (runnable, not running): the scheduler gave
+    their CPU to other tasks, named from the kernel's view of who ran while they waited."""
+    found = _straggling(t)
+    if found is None:
+        return []
+    rows, z, excess, _work, _comm_med = found
+    step = t.job_step_s
+    runq_excess = _runq_excess(t)
+    out = []
+    for i in _contended(t, rows, excess):
+        p = t.patterns[i]
+        main = p.sched["main"]
+        neighbours = [{"name": n.name, "pid": n.pid, "cgroup": n.cgroup, "waited_s": n.waited_s}
+                      for n in p.neighbours]
+        cost = float(np.clip(excess[i] / step, 0.0, 1.0))
+        who = ", ".join(f"{n['name']} (pid {n['pid']})" for n in neighbours[:2]) or "other tasks"
+        out.append(Finding(
+            kind="cpu_contention", ranks=[int(t.rank[i])], function=None, component="cpu",
+            score=float(z[i]), cost=cost,
+            summary=(f"rank {t.rank[i]}'s main thread waits {_ms(float(runq_excess[i]))} more per step than its "
+                     f"peers' for a CPU it is ready to use, mostly while {who} ran; "
+                     f"costs {cost:.0%} of step time"),
+            evidence={"step_time_s": step, "thread_role": "main", "excess_s": float(excess[i]),
+                      "runq_s": float(t.runq_s[i]), "peers_runq_s": peers_median(t.runq_s),
+                      "preempted": main.preempted, "runq_p99_s": main.runq_p99_s, "neighbours": neighbours},
         ))
     return out
 

@@ -28,6 +28,7 @@ class RankTable:
     fn_names: list[str]  # columns of fn_s
     fn_roles: list[Role]
     fn_s: np.ndarray  # rows x functions; 0 where the rank never called the function
+    runq_s: np.ndarray  # the main thread runnable but not running (waiting for a CPU); NaN: no scheduler view
 
     def __len__(self) -> int:
         return len(self.patterns)
@@ -91,4 +92,6 @@ def rank_table(patterns: Sequence[RankPattern]) -> RankTable:
         fn_names=list(names),
         fn_roles=roles,
         fn_s=fn_per_step,
+        runq_s=np.fromiter((p.sched["main"].runq_s if "main" in p.sched else np.nan for p in patterns), float, n)
+        * per_step,
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-SCHEMA_VERSION = 2  # 2: roles as codes, collective ops as a table, instants as deltas
+SCHEMA_VERSION = 3  # 2: roles as codes, collective ops as a table, instants as deltas; 3: scheduler view
 
 
 class Role(str, Enum):
@@ -54,6 +54,31 @@ class CollectiveRecord:
 
 
 @dataclass
+class ThreadTimes:
+    """Where one group of a rank's threads spent the window, as the scheduler saw it."""
+
+    role: str  # "main" (the training loop's thread), "comm" (NCCL/gloo/c10d threads), "other"
+    threads: int
+    on_cpu_s: float
+    runq_s: float  # runnable but waiting for a CPU
+    sleep_s: float  # asleep by choice (waiting on a lock, a condition, a timer)
+    io_s: float  # blocked uninterruptibly (I/O, page faults)
+    reclaim_s: float  # direct memory reclaim
+    preempted: int  # involuntary context switches
+    runq_p99_s: float
+
+
+@dataclass
+class Neighbour:
+    """A task that held the CPU right before a watched thread got it back after waiting for it."""
+
+    name: str
+    pid: int
+    cgroup: str  # the last components of its cgroup path: which container or pod it is
+    waited_s: float  # how long the rank's threads had waited before it let them run
+
+
+@dataclass
 class RankPattern:
     """Everything the analyzer knows about one rank for one window."""
 
@@ -68,6 +93,9 @@ class RankPattern:
     functions: dict[str, FunctionStats] = field(default_factory=dict)
     collectives: list[CollectiveRecord] = field(default_factory=list)  # oldest first, bounded
     identity_source: str = "env"  # where rank/world/job came from: "nccl" | "env" | "pid"
+    sched: dict[str, ThreadTimes] = field(default_factory=dict)  # by thread role
+    neighbours: list[Neighbour] = field(default_factory=list)  # who took the CPU, most waited first
+    major_faults: int = 0
 
     @property
     def window_s(self) -> float:
@@ -85,6 +113,7 @@ class RankPattern:
 _ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5}
 _ROLE_OF_CODE = {code: role for role, code in _ROLE_CODE.items()}
 _FN_FIELDS = ("role", "count", "total_s", "max_s", "p50_s", "p99_s", "bytes")
+_SCHED_FIELDS = ("threads", "on_cpu_s", "runq_s", "sleep_s", "io_s", "reclaim_s", "preempted", "runq_p99_s")
 
 
 def _us(t: float) -> int:
@@ -121,6 +150,10 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         },
         "ops": ops,
         "coll": coll,
+        "sch": {role: [t.threads, t.on_cpu_s, t.runq_s, t.sleep_s, t.io_s, t.reclaim_s, t.preempted, t.runq_p99_s]
+                for role, t in p.sched.items()},
+        "nb": [[n.name, n.pid, n.cgroup, n.waited_s] for n in p.neighbours],
+        "mf": p.major_faults,
     }
 
 
@@ -192,6 +225,31 @@ def _collectives_from_wire(ops_raw: Any, rows: Any, end_us: int) -> list[Collect
     return out
 
 
+def _sched_from_wire(raw: Any) -> dict[str, ThreadTimes]:
+    if not isinstance(raw, dict):
+        raise PatternDecodeError("sch: expected a map")
+    out = {}
+    for role, row in raw.items():
+        role = _str(role, "thread role")
+        threads, on, runq, sleep, io, reclaim, preempted, p99 = _list(row, f"sched {role}", len(_SCHED_FIELDS))
+        out[role] = ThreadTimes(
+            role=role, threads=_int(threads, f"{role}.threads"), on_cpu_s=_seconds(on, f"{role}.on_cpu_s"),
+            runq_s=_seconds(runq, f"{role}.runq_s"), sleep_s=_seconds(sleep, f"{role}.sleep_s"),
+            io_s=_seconds(io, f"{role}.io_s"), reclaim_s=_seconds(reclaim, f"{role}.reclaim_s"),
+            preempted=_int(preempted, f"{role}.preempted"), runq_p99_s=_seconds(p99, f"{role}.runq_p99_s"),
+        )
+    return out
+
+
+def _neighbours_from_wire(raw: Any) -> list[Neighbour]:
+    out = []
+    for row in _list(raw, "nb"):
+        name, pid, cgroup, waited = _list(row, "neighbour", 4)
+        out.append(Neighbour(name=_str(name, "neighbour name"), pid=_int(pid, "neighbour pid"),
+                             cgroup=_str(cgroup, "neighbour cgroup"), waited_s=_seconds(waited, "neighbour waited")))
+    return out
+
+
 def _pattern_from_wire(d: Any) -> RankPattern:
     if not isinstance(d, dict):
         raise PatternDecodeError(f"pattern: expected a map, got {type(d).__name__}")
@@ -217,6 +275,9 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             identity_source=_str(d["id"], "id"),
             functions={f.name: f for f in (_function_from_wire(k, v) for k, v in fn.items())},
             collectives=_collectives_from_wire(d["ops"], d["coll"], end_us),
+            sched=_sched_from_wire(d["sch"]),
+            neighbours=_neighbours_from_wire(d["nb"]),
+            major_faults=_int(d["mf"], "major faults"),
         )
     except PatternDecodeError:
         raise

@@ -12,6 +12,7 @@ KINDS: dict[str, tuple[str, type, bool] | None] = {
     "slow-gpu": ("factor", float, True),     # kernel durations multiplied by FACTOR
     "slow-link": ("factor", float, True),    # link bandwidth divided by FACTOR
     "input-stall": ("seconds", float, True), # load_batch sleeps SECONDS more every step
+    "slow-cpu": ("factor", float, True),     # load_batch's CPU work multiplied by FACTOR
     "gc": None,                              # cyclic garbage and a full gc.collect() every step
     "hang": ("step", int, True),             # after STEP full steps, never reaches the collective again
 }

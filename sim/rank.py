@@ -316,6 +316,8 @@ class FaultSchedule:
                 self.sim.nccl.rsim_set_link_factor(float(f.arg))
             elif f.kind == "input-stall":
                 self.sim.input_stall_s += float(f.arg)
+            elif f.kind == "slow-cpu":
+                self.sim.cpu_work = round(self.sim.cpu_work * float(f.arg))
             elif f.kind == "gc":
                 self.sim.gc_on = True
             elif f.kind == "hang":
@@ -367,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda, nccl = load(_lib_dir())
         _interruptible_waits(cuda)
         SIM = sim = Sim(cuda, nccl)
-        sim.cpu_work = _calibrate_cpu_work(LOAD_CPU_S)
+        sim.cpu_work = _calibrate_cpu_work(float(os.environ.get("RANKSCOPE_SIM_HOST_CPU_S", LOAD_CPU_S)))
         hold = os.environ.get("RANKSCOPE_SIM_HOLD")
         if hold:
             _wait_for_file(hold)

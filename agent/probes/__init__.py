@@ -2,7 +2,8 @@
 from .base import Probe, ProbeKind
 from .cuda import CUDA
 from .nccl import NCCL
+from .sched import SCHED
 
-KINDS: tuple[ProbeKind, ...] = (CUDA, NCCL)
+KINDS: tuple[ProbeKind, ...] = (CUDA, NCCL, SCHED)
 
 __all__ = ["KINDS", "Probe", "ProbeKind"]

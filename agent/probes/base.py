@@ -1,4 +1,6 @@
-"""What a probe kind declares: the library it recognizes, its BPF source and the functions it probes."""
+"""What a probe kind declares: the library it recognizes, its BPF source and the functions it probes.
+
+A kind without a library (the scheduler) is made of kernel tracepoints, on for every watched process."""
 from __future__ import annotations
 
 import re
@@ -17,6 +19,7 @@ class Probe:
 @dataclass(frozen=True)
 class ProbeKind:
     name: str
-    library: re.Pattern[str]  # matches the basename of the mapped library
-    source: str  # file in bpf/
-    probes: tuple[Probe, ...]
+    library: re.Pattern[str] | None  # matches the basename of the mapped library; None: kernel tracepoints
+    source: str  # file in bpf/; its TRACEPOINT_PROBEs attach when the program loads
+    probes: tuple[Probe, ...] = ()
+    maps: tuple[str, ...] = ()  # its per-process maps (keys with a `pid`), purged when a process is forgotten

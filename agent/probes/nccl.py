@@ -17,6 +17,7 @@ NCCL = ProbeKind(
             "ncclAllReduce", "ncclAllGather", "ncclReduceScatter", "ncclBroadcast", "ncclSend", "ncclRecv")),
         Probe("ncclCommInitRank", Role.SETUP),
     ),
+    maps=("comms",),
 )
 
 

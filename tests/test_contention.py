@@ -1,0 +1,55 @@
+"""The scheduler's view on the simulated job (real sched tracepoints): waiting for a CPU vs computing.
+
+Ranks 0 and 1 share CPU 0; rank 2 has CPU 1 to itself, unless a CPU hog is pinned there.
+"""
+import os
+import subprocess
+
+import pytest
+from conftest import diagnose_json
+
+HOST_CPU_S = 0.004  # CPU work per step of every rank, so that losing the CPU costs time
+OBSERVE_S = 4.0
+
+
+def _pin(pids: list[int]) -> None:
+    for rank, pid in enumerate(pids):
+        os.sched_setaffinity(pid, {0} if rank < 2 else {1})
+
+
+@pytest.fixture
+def hog():
+    """A busy loop on CPU 1 at a higher weight than the rank (nice -5): it takes most of that CPU."""
+    proc = subprocess.Popen(["taskset", "-c", "1", "nice", "-n", "-5", "sh", "-c", "while :; do :; done"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _kinds(doc: dict) -> list[tuple[str, list[int]]]:
+    return [(f["kind"], f["ranks"]) for f in doc["findings"]]
+
+
+def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(sim_job, hog):
+    job = sim_job(3, host_cpu_s=HOST_CPU_S)
+    _pin(job.pids)
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert _kinds(doc) == [("cpu_contention", [2])], doc["findings"]
+    f = doc["findings"][0]
+    assert f["component"] == "cpu"
+    assert f["evidence"]["neighbours"][0]["pid"] == hog.pid
+    assert f["evidence"]["runq_s"] > 2 * f["evidence"]["peers_runq_s"]
+
+
+def test_computing_longer_on_its_own_cpu_is_a_compute_straggler(sim_job):
+    job = sim_job(3, faults=("slow-cpu:2:5",), host_cpu_s=HOST_CPU_S)
+    _pin(job.pids)
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert _kinds(doc) == [("compute_straggler", [2])], doc["findings"]
+    assert doc["findings"][0]["component"] == "cpu"
+
+
+def test_pinned_without_a_hog_is_healthy(sim_job):
+    job = sim_job(3, host_cpu_s=HOST_CPU_S)
+    _pin(job.pids)
+    assert diagnose_json(job.pids, OBSERVE_S)["findings"] == []
