@@ -111,6 +111,16 @@ def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray
         return rows[_runq_excess(t)[rows] >= CONTENTION_SHARE * excess[rows]]
 
 
+def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
+    """What the scheduler saw of a rank, per step: it tells 'slow' from 'waiting for a CPU or a disk'."""
+    p = t.patterns[i]
+    if not p.sched:
+        return {}
+    per_step = t.step_s[i] / p.window_s
+    return {"runq_s": float(t.runq_s[i]), "io_s": sum(x.io_s for x in p.sched.values()) * per_step,
+            "reclaim_s": sum(x.reclaim_s for x in p.sched.values()) * per_step, "major_faults": p.major_faults}
+
+
 def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
     that only waits longer for a CPU is cpu_contention's)."""
@@ -147,6 +157,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
             "work_s": float(work[i]), "comm_s": float(t.comm_s[i]), "sync_s": float(t.sync_s[i]),
             "host_s": float(t.host_s[i]), "function_excess_s": where,
             "arrival_lateness_s": float(a.arrival_late_s[i]) if a is not None else None,
+            **_host_evidence(t, i),
         })
 
     out = []
