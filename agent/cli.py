@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
+
 from .bpf_program import ProbeError
 from .observe import observe
 from .report import render
@@ -36,12 +38,12 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    if args.duration <= 0:
-        raise UsageError("--duration must be positive")
+    if args.duration <= 0 or args.hang_timeout <= 0:
+        raise UsageError("--duration and --hang-timeout must be positive")
     pids = parse_pids(args.pid)
     session = Session()
     try:
-        doc = observe(session, pids, args.duration)
+        doc = observe(session, pids, args.duration, args.hang_timeout)
         print(json.dumps(doc) if args.json else render(doc), flush=True)
     finally:
         session.close()
@@ -52,14 +54,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from .daemon import Agent, serve
 
     host, port = parse_listen(args.listen)
-    if args.window <= 0:
-        raise UsageError("--window must be positive")
+    if args.window <= 0 or args.hang_timeout <= 0:
+        raise UsageError("--window and --hang-timeout must be positive")
     if not args.all and not args.pid:
         raise UsageError("name the processes to watch with --pid, or --all for every training process")
     session = Session()
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
-    asyncio.run(serve(Agent(session, discover_all=args.all), host, port, args.window))
+    asyncio.run(serve(Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout), host, port, args.window))
     return 0
 
 
@@ -75,6 +77,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.fault, args.duration)
 
 
+def add_hang_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S, metavar="SECONDS",
+                   help=f"no collective completing for this long is a hang (default {DEFAULT_HANG_TIMEOUT_S:.0f})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rankscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the agent does")
@@ -84,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", required=True, help="comma-separated PIDs of the ranks on this machine")
     p.add_argument("--duration", type=float, default=10.0, help="seconds to observe (default 10)")
     p.add_argument("--json", action="store_true", help="print the diagnosis document as JSON")
+    add_hang_timeout(p)
     p.set_defaults(func=cmd_diagnose)
 
     p = sub.add_parser("agent", help="the node daemon: watch ranks, serve patterns and diagnosis over HTTP")
@@ -92,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--pid", help="comma-separated PIDs to watch")
     who.add_argument("--all", action="store_true", help="discover every training process on the node")
     p.add_argument("--window", type=float, default=5.0, help="seconds per observation window (default 5)")
+    add_hang_timeout(p)
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("sim", help="run a simulated GPU training job (stand-in libcuda/libnccl)")

@@ -14,9 +14,11 @@ from . import histograms
 from .bpf_program import ProbeProgram
 from .probes import sched
 from .probes.nccl import communicators, world_communicator
+from .stacks import where
 from .targets import Identity, Target, major_faults
 
 MAX_COLLECTIVES = 16  # per pattern: enough to line ranks up, small enough for ~1 KB patterns
+STALLED_SAMPLES = 5  # /proc reads of a rank that completed nothing this window: its state by majority
 
 
 @dataclass
@@ -33,6 +35,7 @@ class _ProcessCursor:
     def __init__(self, pid: int):
         self.functions: dict[int, _Cumulative] = {}
         self.last_coll_seq = 0
+        self.last_progress: float | None = None  # unix s of the last collective completion seen
         self.sched = sched.SchedReader(pid)
         self.major_faults = major_faults(pid)
 
@@ -60,6 +63,7 @@ class Collector:
         for key, rec in bpf["coll_ring"].items():
             rings.setdefault(key.pid, []).append((rec.seq, rec.enter_ns, rec.done_ns, rec.bytes, rec.fn))
         comms = communicators(bpf)
+        pending = {k.value: v.pending_last for k, v in bpf["watched"].items() if v.pending_last}
         threads = sched.threads(bpf)
         thieves = sched.thieves(bpf)
 
@@ -67,16 +71,23 @@ class Collector:
         for t in targets:
             cursor = self._cursors.get(t.pid) or self._cursors.setdefault(t.pid, _ProcessCursor(t.pid))
             faults = major_faults(t.pid)
+            ring = rings.get(t.pid, [])
+            collectives = self._collectives(cursor, ring, mono_to_unix)
+            if collectives:
+                cursor.last_progress = collectives[-1].done
             ident = self._identity(t, comms.get(t.pid, []))
             patterns.append(RankPattern(
                 job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
                 window_start=start, window_end=now, state="exited" if t.pid in exited else "running",
                 functions=self._functions(cursor, stats.get(t.pid, {})),
-                collectives=self._collectives(cursor, rings.get(t.pid, []), mono_to_unix),
+                collectives=collectives,
                 identity_source=ident.source,
                 sched=cursor.sched.thread_times(threads.get(t.pid, {})),
                 neighbours=cursor.sched.neighbours(thieves.get(t.pid, {})),
                 major_faults=max(faults - cursor.major_faults, 0),
+                last_progress=cursor.last_progress,
+                since=t.attached_at,
+                where=self._where(t.pid, ring, pending.get(t.pid), stalled=not collectives),
             ))
             cursor.major_faults = faults
         return patterns
@@ -110,6 +121,12 @@ class Collector:
                 p99_s=min(histograms.percentile_s(d_hist, 0.99), max_s), bytes=nbytes - prev.bytes,
             )
         return out
+
+    def _where(self, pid: int, ring: list, pending_seq: int | None, stalled: bool) -> str:
+        """The main thread's state; a rank with an enqueued collective not yet complete waits for it."""
+        state = where(pid, samples=STALLED_SAMPLES if stalled else 1)
+        op = next((self.program.symbol_of.get(fn) for seq, _e, _d, _b, fn in ring if seq == pending_seq), None)
+        return f"waiting for {op} ({state})" if op else state
 
     def _collectives(self, cursor: _ProcessCursor, ring: list, mono_to_unix: float) -> list[CollectiveRecord]:
         done = sorted(r for r in ring if r[0] > cursor.last_coll_seq and r[2])

@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class Agent:
-    def __init__(self, session: Session, discover_all: bool):
+    def __init__(self, session: Session, discover_all: bool, hang_timeout_s: float):
         self.session = session
+        self.hang_timeout_s = hang_timeout_s
         self.discover_all = discover_all
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
@@ -57,7 +58,7 @@ class Agent:
             window_end=max((p.window_end for p in patterns), default=None),
             targets=views + [v for pid, v in self._exited.items() if pid not in current],
             patterns=patterns,
-            diagnoses=diagnose(patterns),
+            diagnoses=diagnose(patterns, self.hang_timeout_s),
             errors=[f"pid {pid}: {why}" for pid, why in sorted(self._refused.items())],
         )
         self.discover()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
 from rankscope.sim.job import start_job
 
 from .observe import observe
@@ -20,7 +21,7 @@ def run_demo(fault: str, duration: float) -> int:
         time.sleep(WARMUP_S)
         session = Session()
         try:
-            doc = observe(session, job.pids, duration)
+            doc = observe(session, job.pids, duration, DEFAULT_HANG_TIMEOUT_S)
             print()
             print(render(doc), flush=True)
         finally:

@@ -10,7 +10,7 @@ from .session import Session
 from .targets import TargetError
 
 
-def observe(session: Session, pids: list[int], duration: float) -> dict:
+def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: float) -> dict:
     """The diagnosis document of the job `pids` belong to, after `duration` seconds (Ctrl-C ends early).
 
     The caller closes the session, after showing the result: removing probes takes the kernel a while.
@@ -25,5 +25,5 @@ def observe(session: Session, pids: list[int], duration: float) -> dict:
         time.sleep(duration)  # the observation window itself
     except KeyboardInterrupt:
         pass
-    docs = diagnose(session.window())
+    docs = diagnose(session.window(), hang_timeout_s)
     return next(iter(docs.values()), empty_diagnosis())

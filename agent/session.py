@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 from rankscope.analyzer.patterns import RankPattern
 
@@ -41,6 +42,7 @@ class Session:
         if not target.alive():  # exited while we attached: do not keep probes for a reused PID
             self.program.detach(pid)
             raise TargetError(f"process {pid} exited while attaching")
+        target.attached_at = time.time()
         self.targets[pid] = target
         return target
 

@@ -31,6 +31,7 @@ class Target:
     start_time: int  # clock ticks since boot: tells a live process from a reused PID
     libraries: dict[str, str] = field(default_factory=dict)  # kind -> path reachable from the host
     identity: Identity | None = None
+    attached_at: float = 0.0  # unix s when the agent began watching it
 
     def alive(self) -> bool:
         try:

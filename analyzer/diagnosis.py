@@ -8,33 +8,37 @@ import numpy as np
 
 from .differential import align_collectives
 from .findings import Finding, compute_straggler, cpu_contention, plain, slow_link
+from .hangs import DEFAULT_HANG_TIMEOUT_S, hang
 from .metrics import RankTable, rank_table
 from .patterns import RankPattern
 
 NOT_ANALYZED = frozenset({"exited"})  # listed in `ranks`, left out of the comparison
 
 
-def diagnose(patterns: Sequence[RankPattern]) -> dict[str, dict[str, Any]]:
+def diagnose(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> dict[str, dict[str, Any]]:
     """job -> diagnosis document, for patterns of any number of jobs."""
     by_job: dict[str, list[RankPattern]] = {}
     for p in patterns:
         by_job.setdefault(p.job, []).append(p)
-    return {job: diagnose_job(ps) for job, ps in by_job.items()}
+    return {job: diagnose_job(ps, hang_timeout_s) for job, ps in by_job.items()}
 
 
-def find(patterns: Sequence[RankPattern]) -> list[Finding]:
+def find(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> list[Finding]:
     """The findings for the analyzed patterns of one job, largest cost first."""
-    return findings_of(rank_table(patterns))
+    return findings_of(rank_table(patterns), hang_timeout_s)
 
 
-def findings_of(table: RankTable) -> list[Finding]:
+def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> list[Finding]:
+    hung = hang(table.patterns, hang_timeout_s)
+    if hung:  # a stalled job has no steps to compare: the hang is the whole story
+        return hung
     alignment = align_collectives(table.patterns, table.job_step_s)
     stragglers = compute_straggler(table, alignment) + cpu_contention(table)
     found = stragglers + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 
 
-def diagnose_job(patterns: Sequence[RankPattern]) -> dict[str, Any]:
+def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> dict[str, Any]:
     """The contract's diagnosis document for the patterns of one job."""
     if not patterns:
         raise ValueError("diagnose_job needs at least one pattern")
@@ -60,7 +64,7 @@ def diagnose_job(patterns: Sequence[RankPattern]) -> dict[str, Any]:
         "window": plain({"start": min(p.window_start for p in patterns),
                          "end": max(p.window_end for p in patterns)}),
         "ranks": [rank_entry(p) for p in sorted(patterns, key=lambda p: (p.rank, p.pid))],
-        "findings": [f.to_dict() for f in findings_of(table)],
+        "findings": [f.to_dict() for f in findings_of(table, hang_timeout_s)],
     }
 
 

@@ -96,6 +96,9 @@ class RankPattern:
     sched: dict[str, ThreadTimes] = field(default_factory=dict)  # by thread role
     neighbours: list[Neighbour] = field(default_factory=list)  # who took the CPU, most waited first
     major_faults: int = 0
+    last_progress: float | None = None  # unix s of the last collective seen completing since attach
+    since: float | None = None  # unix s when the agent began watching this rank
+    where: str = ""  # the main thread's state at the window's end, e.g. "futex (futex_wait_queue)"
 
     @property
     def window_s(self) -> float:
@@ -154,6 +157,9 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
                 for role, t in p.sched.items()},
         "nb": [[n.name, n.pid, n.cgroup, n.waited_s] for n in p.neighbours],
         "mf": p.major_faults,
+        "lp": None if p.last_progress is None else _us(p.last_progress),
+        "wh": p.where,
+        "since": None if p.since is None else _us(p.since),
     }
 
 
@@ -278,6 +284,9 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             sched=_sched_from_wire(d["sch"]),
             neighbours=_neighbours_from_wire(d["nb"]),
             major_faults=_int(d["mf"], "major faults"),
+            last_progress=None if d["lp"] is None else _int(d["lp"], "last progress") / 1e6,
+            where=_str(d["wh"], "where"),
+            since=None if d["since"] is None else _int(d["since"], "since") / 1e6,
         )
     except PatternDecodeError:
         raise

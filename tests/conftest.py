@@ -110,9 +110,9 @@ def agent() -> Iterator[Callable[..., AgentProcess]]:
         a.stop()
 
 
-def diagnose_json(pids: list[int], duration: float) -> dict:
+def diagnose_json(pids: list[int], duration: float, *extra: str) -> dict:
     out = subprocess.run([*RANKSCOPE, "diagnose", "--pid", ",".join(map(str, pids)), "--duration", str(duration),
-                          "--json"], capture_output=True, text=True, timeout=duration + 60)
+                          "--json", *extra], capture_output=True, text=True, timeout=duration + 60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

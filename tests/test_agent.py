@@ -76,3 +76,15 @@ def test_sigkill_of_the_agent_leaves_no_probe_and_the_job_running(sim_job, agent
 def _switches(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+def test_hang_is_localized_soon_after_the_timeout(sim_job, agent):
+    """Attached before the hang: the waiting ranks are seen waiting for their all-reduce."""
+    job = sim_job(4, faults=("hang:2:60",))
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", "1", "--hang-timeout", "3")
+    hung = wait_until(lambda: [f for f in _findings(a) if f["kind"].endswith("hang")], 40, "a hang finding")
+    assert [(f["kind"], f["ranks"]) for f in hung] == [("noncomm_hang", [2])]
+    # Found within a window or two of the timeout (the bound here is the issue's 15 s).
+    assert hung[0]["evidence"]["stalled_for_s"] <= 3 + 15
+    waiting = [r["where"] for r in hung[0]["evidence"]["per_rank"] if r["rank"] != 2]
+    assert all(w.startswith("waiting for ncclAllReduce") for w in waiting), waiting

@@ -63,3 +63,34 @@ def test_rank_and_world_come_from_the_communicator(sim_job, tmp_path):
         assert allreduce.bytes == allreduce.count * 25_000_000 * 4  # count x sizeof(float32)
     finally:
         session.close()
+
+
+def test_rank_that_never_reaches_the_collective_is_a_noncomm_hang(sim_job):
+    job = sim_job(4, faults=("hang:1:5",))
+    wait_until(lambda: _in_sleep(job.pids[1]) and all(_in_futex(p) for p in job.pids if p != job.pids[1]),
+               30, "rank 1 to stop in wait_forever and the others to wait for it")
+    doc = diagnose_json(job.pids, 2.5, "--hang-timeout", "2")
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], doc["findings"]
+    f = doc["findings"][0]
+    assert f["cost"] == 1.0 and "rank 1: clock_nanosleep" in f["summary"]
+
+
+def test_collective_that_never_completes_is_a_comm_hang(sim_job):
+    """Links so slow that the all-reduce never ends: every rank entered it, none completes."""
+    job = sim_job(4, faults=tuple(f"slow-link:{r}:1e9@1" for r in range(4)))
+    wait_until(lambda: all(_in_sleep(p) for p in job.pids), 30, "every rank to wait for the transfer")
+    doc = diagnose_json(job.pids, 2.5, "--hang-timeout", "2")
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("comm_hang", [0, 1, 2, 3])], doc["findings"]
+
+
+def _syscall(pid: int) -> str:
+    with open(f"/proc/{pid}/syscall") as f:
+        return f.read().split()[0]
+
+
+def _in_sleep(pid: int) -> bool:
+    return _syscall(pid) == "230"  # clock_nanosleep
+
+
+def _in_futex(pid: int) -> bool:
+    return _syscall(pid) == "202"

@@ -1,0 +1,63 @@
+"""Hangs: the job stopped making progress. Which ranks never reached the collective the others wait in?
+
+A rank has made no progress when no collective completed on it for the hang timeout. When every running
+rank is stalled, ranks that wait in a collective share one state (blocked in the same system call), so the
+ranks in a different state are the ones that never arrived (non-communication hang, C4D's classification);
+when all share one state, they all entered and none completes (communication hang).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from .findings import Finding
+from .patterns import RankPattern
+
+DEFAULT_HANG_TIMEOUT_S = 30.0
+
+
+def _stalled_for(p: RankPattern) -> float:
+    last = p.last_progress if p.last_progress is not None else (p.since or p.window_start)
+    return p.window_end - last
+
+
+def _state(p: RankPattern) -> str:
+    """The comparable part of `where`: the system call (or "running"), not the kernel function."""
+    return p.where.split(" (")[0] or "unknown"
+
+
+def _last_op(p: RankPattern) -> str | None:
+    if p.collectives:
+        return p.collectives[-1].op
+    comm = [f for f in p.functions.values() if f.role.value == "comm"]
+    return max(comm, key=lambda f: f.count).name if comm else None
+
+
+def hang(patterns: Sequence[RankPattern], timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> list[Finding]:
+    running = [p for p in patterns if p.state == "running"]
+    if len(running) < 2 or min(_stalled_for(p) for p in running) < timeout_s:
+        return []
+    stalled = min(_stalled_for(p) for p in running)
+    states = Counter(_state(p) for p in running)
+    common, n = states.most_common(1)[0]
+    per_rank = sorted(({"rank": p.rank, "pid": p.pid, "host": p.host, "where": p.where,
+                        "stalled_for_s": _stalled_for(p)} for p in running), key=lambda r: r["rank"])
+    evidence = {"timeout_s": timeout_s, "stalled_for_s": stalled, "waiting_state": common, "per_rank": per_rank}
+    op = next(filter(None, (_last_op(p) for p in running)), None)
+    if n * 2 > len(running) and n < len(running):
+        odd = sorted(p.rank for p in running if _state(p) != common)
+        where = "; ".join(f"rank {r['rank']}: {r['where'] or 'unknown'}" for r in per_rank if r["rank"] in odd)
+        return [Finding(
+            kind="noncomm_hang", ranks=odd, function=None, component=None, score=float(n), cost=1.0,
+            summary=(f"no progress for {stalled:.0f} s: {n} ranks wait in {op or 'a collective'} ({common}) "
+                     f"that {'rank' if len(odd) == 1 else 'ranks'} {', '.join(map(str, odd))} never reached; "
+                     f"{where}"),
+            evidence=evidence,
+        )]
+    ranks = sorted(p.rank for p in running)
+    return [Finding(
+        kind="comm_hang", ranks=ranks, function=op, component="link", score=float(n), cost=1.0,
+        summary=(f"no progress for {stalled:.0f} s: every rank is in {op or 'a collective'} ({common}) and none "
+                 f"completes"),
+        evidence=evidence,
+    )]
