@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from .probes import KINDS, Probe, ProbeKind
-from .symbols import SymbolError, exported_functions
+from .symbols import SymbolError, functions
 from .targets import Target
 
 log = logging.getLogger(__name__)
@@ -32,18 +32,18 @@ class LibraryProbes:
 
     kind: str
     path: str  # as first reached, through /proc/PID/root
-    probes: list[str] = field(default_factory=list)  # symbols attached
-    skipped: list[str] = field(default_factory=list)  # symbols this version does not export
+    probes: list[str] = field(default_factory=list)  # probe names attached
+    skipped: list[str] = field(default_factory=list)  # probe names whose function this version does not export
     events: list[bytes] = field(default_factory=list)  # bcc's uprobe event names, to detach without the file
     users: set[int] = field(default_factory=set)
 
 
 def function_ids(kinds: tuple[ProbeKind, ...]) -> dict[str, int]:
-    """Stable small ids for every probed symbol, the keys of the kernel's per-function stats."""
+    """Stable small ids for every probe (by name), the keys of the kernel's per-function stats."""
     ids: dict[str, int] = {}
     for kind in kinds:
         for probe in kind.probes:
-            ids.setdefault(probe.symbol, len(ids) + 1)
+            ids.setdefault(probe.name, len(ids) + 1)
     return ids
 
 
@@ -58,7 +58,7 @@ class ProbeProgram:
     def __init__(self, kinds: tuple[ProbeKind, ...] = KINDS):
         self.kinds = kinds
         self.ids = function_ids(kinds)
-        self.probe_of = {p.symbol: p for k in kinds for p in k.probes}
+        self.probe_of = {p.name: p for k in kinds for p in k.probes}
         self.symbol_of = {i: s for s, i in self.ids.items()}
         self._bpf = None
         self.libraries: dict[tuple[int, int], LibraryProbes] = {}  # (st_dev, st_ino) -> probes
@@ -108,31 +108,32 @@ class ProbeProgram:
 
     def _attach_library(self, bpf, kind: ProbeKind, lib: LibraryProbes) -> None:
         try:
-            exported = exported_functions(lib.path)
+            exported = functions(lib.path, local=kind.local_symbols)
         except SymbolError as e:
             raise ProbeError(str(e)) from e
         seen_addrs: set[int] = set()
         for probe in kind.probes:
-            addr = exported.get(probe.symbol)
+            symbol = probe.resolve(exported)
+            addr = None if symbol is None else exported[symbol]
             if addr is None or addr in seen_addrs:  # absent in this version, or an alias of one probed
-                lib.skipped.append(probe.symbol)
+                lib.skipped.append(probe.name)
                 continue
             seen_addrs.add(addr)
             before = set(bpf.uprobe_fds)
             try:
-                self._attach_one(bpf, lib.path, probe)
+                self._attach_one(bpf, lib.path, probe, symbol)
             finally:  # record what did attach, so a failure half-way still detaches it
                 lib.events += [ev for ev in bpf.uprobe_fds if ev not in before]
-            lib.probes.append(probe.symbol)
+            lib.probes.append(probe.name)
 
     @staticmethod
-    def _attach_one(bpf, path: str, probe: Probe) -> None:
+    def _attach_one(bpf, path: str, probe: Probe, symbol: str) -> None:
         try:
-            bpf.attach_uprobe(name=path, sym=probe.symbol, fn_name=f"enter_{probe.symbol}")
+            bpf.attach_uprobe(name=path, sym=symbol, fn_name=f"enter_{probe.name}")
             if probe.returns:
-                bpf.attach_uretprobe(name=path, sym=probe.symbol, fn_name=f"return_{probe.symbol}")
+                bpf.attach_uretprobe(name=path, sym=symbol, fn_name=f"return_{probe.name}")
         except Exception as e:
-            raise ProbeError(f"cannot attach to {probe.symbol} in {path}: {e}") from e
+            raise ProbeError(f"cannot attach to {symbol} in {path}: {e}") from e
 
     def detach(self, pid: int) -> None:
         """Stop accounting `pid` (alive or not); a library's probes go with its last watched user.

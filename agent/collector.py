@@ -13,6 +13,8 @@ from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPat
 from . import histograms
 from .bpf_program import ProbeProgram
 from .probes import sched
+from .python_profile import summarize
+from .python_sampler import PythonSampler
 from .probes.nccl import communicators, world_communicator
 from .stacks import where
 from .targets import Identity, Target, major_faults
@@ -41,8 +43,9 @@ class _ProcessCursor:
 
 
 class Collector:
-    def __init__(self, program: ProbeProgram, host: str):
+    def __init__(self, program: ProbeProgram, python: PythonSampler, host: str):
         self.program = program
+        self.python = python
         self.host = host
         self._cursors: dict[int, _ProcessCursor] = {}
         self._window_start = time.time()
@@ -65,6 +68,7 @@ class Collector:
         comms = communicators(bpf)
         pending = {k.value: v.pending_last for k, v in bpf["watched"].items() if v.pending_last}
         threads = sched.threads(bpf)
+        stacks = self.python.read()
         thieves = sched.thieves(bpf)
 
         patterns = []
@@ -78,7 +82,8 @@ class Collector:
             ident = self._identity(t, comms.get(t.pid, []))
             patterns.append(RankPattern(
                 job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
-                window_start=start, window_end=now, state="exited" if t.pid in exited else "running",
+                # A rank attached during this window has been accounted only since then.
+                window_start=max(start, t.attached_at), window_end=now, state="exited" if t.pid in exited else "running",
                 functions=self._functions(cursor, stats.get(t.pid, {})),
                 collectives=collectives,
                 identity_source=ident.source,
@@ -87,6 +92,7 @@ class Collector:
                 major_faults=max(faults - cursor.major_faults, 0),
                 last_progress=cursor.last_progress,
                 since=t.attached_at,
+                python=summarize(stacks.get(t.pid, {}), self.python.frequency),
                 where=self._where(t.pid, ring, pending.get(t.pid), stalled=not collectives),
             ))
             cursor.major_faults = faults
@@ -123,8 +129,11 @@ class Collector:
         return out
 
     def _where(self, pid: int, ring: list, pending_seq: int | None, stalled: bool) -> str:
-        """The main thread's state; a rank with an enqueued collective not yet complete waits for it."""
-        state = where(pid, samples=STALLED_SAMPLES if stalled else 1)
+        """Where a rank that completed no collective this window is stuck ("" for a rank making progress):
+        waiting for a collective it enqueued, or the state of its main thread."""
+        if not stalled:
+            return ""
+        state = where(pid, samples=STALLED_SAMPLES)
         op = next((self.program.symbol_of.get(fn) for seq, _e, _d, _b, fn in ring if seq == pending_seq), None)
         return f"waiting for {op} ({state})" if op else state
 

@@ -13,7 +13,7 @@ from rankscope.analyzer.diagnosis import diagnose
 from .bpf_program import ProbeError
 from .discovery import training_processes
 from .server import make_app
-from .session import LIBRARY_PATTERNS, Session
+from .session import JOB_PATTERNS, Session
 from .snapshot import Snapshot, TargetView, targets_of
 from .targets import TargetError
 
@@ -35,7 +35,7 @@ class Agent:
         if not self.discover_all:
             return
         known = set(self.session.targets) | set(self._refused) | {os.getpid()}
-        for pid in training_processes(LIBRARY_PATTERNS, exclude=known):
+        for pid in training_processes(JOB_PATTERNS, exclude=known):
             try:
                 self.session.add(pid)
                 log.info("watching pid %d", pid)
@@ -45,7 +45,8 @@ class Agent:
 
     def window(self) -> Snapshot:
         """Close a window: read the maps, diagnose, publish. Never raises for one bad process."""
-        libraries = {pid: sorted(t.libraries) for pid, t in self.session.targets.items()}
+        libraries = {pid: sorted(t.libraries) + ([f"cpython-{t.python}"] if t.python else [])
+                     for pid, t in self.session.targets.items()}
         patterns = self.session.window()
         views = targets_of(patterns, libraries)
         for v in views:

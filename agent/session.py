@@ -15,11 +15,14 @@ from rankscope.analyzer.patterns import RankPattern
 from .bpf_program import ProbeProgram
 from .collector import Collector
 from .probes import KINDS
+from .python_sampler import DEFAULT_FREQUENCY, PythonAttachError, PythonSampler
 from .targets import Target, TargetError, inspect_process
 
 log = logging.getLogger(__name__)
 
 LIBRARY_PATTERNS = {kind.name: kind.library for kind in KINDS if kind.library is not None}
+JOB_PATTERNS = {name: pattern for name, pattern in LIBRARY_PATTERNS.items()
+                if next(k for k in KINDS if k.name == name).identifies_job}
 
 
 def host_name() -> str:
@@ -28,36 +31,58 @@ def host_name() -> str:
 
 
 class Session:
-    def __init__(self, program: ProbeProgram | None = None):
+    def __init__(self, program: ProbeProgram | None = None, python_hz: int = DEFAULT_FREQUENCY):
         self.program = program or ProbeProgram()
-        self.collector = Collector(self.program, host_name())
+        self.python = PythonSampler(frequency=python_hz)
+        self.collector = Collector(self.program, self.python, host_name())
         self.targets: dict[int, Target] = {}
 
     def add(self, pid: int) -> Target:
         """Inspect and attach to `pid`; TargetError or ProbeError say why not."""
         if pid in self.targets:
             return self.targets[pid]
-        target = inspect_process(pid, LIBRARY_PATTERNS)
+        target = inspect_process(pid, LIBRARY_PATTERNS, set(JOB_PATTERNS))
         self.program.attach(target)
+        target.attached_at = time.time()  # accounted from here (the watched map entry is in)
         if not target.alive():  # exited while we attached: do not keep probes for a reused PID
             self.program.detach(pid)
             raise TargetError(f"process {pid} exited while attaching")
-        target.attached_at = time.time()
         self.targets[pid] = target
+        self._sample_python(target)
         return target
+
+    def _sample_python(self, target: Target) -> None:
+        """Python frames are a bonus: a process whose interpreter cannot be read is still watched."""
+        try:
+            target.python = self.python.attach(target.pid)
+        except PythonAttachError as e:
+            target.python_error = str(e)
+            log.warning("pid %d: no Python frames: %s", target.pid, e)
 
     def window(self) -> list[RankPattern]:
         """The patterns of every watched process since the previous window."""
         exited = {pid for pid, t in self.targets.items() if not t.alive()}
         for pid in exited:
             self.program.detach(pid)
+            self.python.detach(pid)
         patterns = self.collector.collect(list(self.targets.values()), exited)
         for pid in exited:
             log.info("pid %d exited", pid)
-            del self.targets[pid]
-            self.collector.forget(pid)
-            self.program.purge(pid)
+            self._forget(pid)
         return patterns
 
+    def remove(self, pid: int) -> None:
+        """Stop watching `pid` (its data since the last window is dropped)."""
+        if pid in self.targets:
+            self.program.detach(pid)
+            self.python.detach(pid)
+            self._forget(pid)
+
+    def _forget(self, pid: int) -> None:
+        del self.targets[pid]
+        self.collector.forget(pid)
+        self.program.purge(pid)
+
     def close(self) -> None:
+        self.python.close()
         self.program.close()

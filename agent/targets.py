@@ -32,6 +32,8 @@ class Target:
     libraries: dict[str, str] = field(default_factory=dict)  # kind -> path reachable from the host
     identity: Identity | None = None
     attached_at: float = 0.0  # unix s when the agent began watching it
+    python: str | None = None  # CPython version whose frames are sampled
+    python_error: str | None = None  # why its Python frames are not sampled
 
     def alive(self) -> bool:
         try:
@@ -120,8 +122,9 @@ def identity_from_env(pid: int, env: dict[str, str]) -> Identity:
     return Identity(job=job, rank=rank, world_size=world, local_rank=_int(env, "LOCAL_RANK"), source="env")
 
 
-def inspect_process(pid: int, patterns: dict[str, re.Pattern[str]]) -> Target:
-    """A Target for `pid`, or TargetError saying why it cannot be watched."""
+def inspect_process(pid: int, patterns: dict[str, re.Pattern[str]], identifying: set[str]) -> Target:
+    """A Target for `pid`, or TargetError saying why it cannot be watched: it must map one of the
+    `identifying` kinds' libraries (the others, like libpython, are probed only in training processes)."""
     if pid <= 0:
         raise TargetError(f"not a process id: {pid}")
     try:
@@ -132,10 +135,10 @@ def inspect_process(pid: int, patterns: dict[str, re.Pattern[str]]) -> Target:
         raise TargetError(f"process {pid} has exited")
     name = _read(pid, "comm").decode(errors="replace").strip()
     libraries = mapped_libraries(pid, patterns)
-    if not libraries:
+    if not identifying & set(libraries):
         raise TargetError(
             f"process {pid} ({name}) maps none of the libraries rankscope probes "
-            f"({', '.join(sorted(patterns))}): is it a training process?"
+            f"({', '.join(sorted(identifying))}): is it a training process?"
         )
     return Target(pid=pid, name=name, start_time=start, libraries=libraries,
                   identity=identity_from_env(pid, environment(pid)))

@@ -33,7 +33,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     if hung:  # a stalled job has no steps to compare: the hang is the whole story
         return hung
     alignment = align_collectives(table.patterns, table.job_step_s)
-    stragglers = compute_straggler(table, alignment) + cpu_contention(table)
+    stragglers = compute_straggler(table, alignment) + cpu_contention(table, alignment)
     found = stragglers + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 

@@ -40,6 +40,32 @@ def robust_z(x: np.ndarray, floor: float) -> np.ndarray:
     return (x - med) / scale
 
 
+LEAVE_ONE_OUT_MAX = 64  # below this many ranks, each rank is compared with the others only
+
+
+def peer_deviation(x: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
+    """(z, excess) of each rank against its peers: excess = x - the peers' median, z = excess / robust scale.
+
+    In a small job a rank is compared with the *others* only: with 4 ranks, the outlier itself (and one
+    noisy peer on the other side) would otherwise inflate the MAD enough to hide it. In a large job one
+    rank moves neither the median nor the MAD, so the global statistics serve every rank at once.
+    """
+    finite = np.isfinite(x)
+    n = int(finite.sum())
+    if n > LEAVE_ONE_OUT_MAX or n < 2:
+        med = peers_median(x)
+        return robust_z(x, floor), x - med
+    z = np.full(x.shape, np.nan)
+    excess = np.full(x.shape, np.nan)
+    for i in np.flatnonzero(finite):
+        others = x[finite & (np.arange(x.size) != i)]
+        med = float(np.median(others))
+        scale = max(MAD_TO_SIGMA * float(np.median(np.abs(others - med))), floor, 1e-12)
+        excess[i] = x[i] - med
+        z[i] = excess[i] / scale
+    return z, excess
+
+
 @dataclass(frozen=True)
 class Alignment:
     """Per-rank medians over the collective instances that every compared rank saw (NaN: not compared).

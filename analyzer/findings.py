@@ -6,13 +6,14 @@ findings. Rules never guess: with too few ranks to tell a peer from an outlier t
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .differential import Alignment, peers_median, robust_z
+from .differential import Alignment, peer_deviation, peers_median
 from .metrics import RankTable
 from .patterns import Role
 
@@ -23,9 +24,13 @@ Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 th
 STRAGGLER_MIN_EXCESS = 0.05  # extra work per step, as a fraction of the step time
 LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended
+PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
+# Python functions of the input pipeline (data loaders, datasets, batch loading), by name.
+DATA_LOADING = re.compile(r"load|batch|__next__|__getitem__|_next_data|fetch|collate|dataset|dataloader", re.I)
 
 # The component a straggler's excess lies in, by the role of the function that holds it.
-_COMPONENT = {Role.SYNC: "gpu", Role.LAUNCH: "host", Role.COPY: "host", Role.ALLOC: "host", Role.SETUP: "host"}
+_COMPONENT = {Role.SYNC: "gpu", Role.LAUNCH: "host", Role.COPY: "host", Role.ALLOC: "host", Role.SETUP: "host",
+              Role.GC: "python"}
 _HOST_TIME = None  # "function" of time outside every probed function
 
 
@@ -92,8 +97,7 @@ def _straggling(t: RankTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
         return None
     step = t.job_step_s
     work = np.where(valid, t.work_s, np.nan)
-    z = robust_z(work, Z_FLOOR * step)
-    excess = work - peers_median(work)
+    z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
     with np.errstate(invalid="ignore"):
         flagged = np.flatnonzero(valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & (t.comm_s < comm_med))
@@ -109,6 +113,23 @@ def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray
     """The straggling rows whose extra time is mostly waiting for a CPU, not computing."""
     with np.errstate(invalid="ignore"):
         return rows[_runq_excess(t)[rows] >= CONTENTION_SHARE * excess[rows]]
+
+
+def _python_excess(t: RankTable, i: int, valid: np.ndarray, excess: float) -> str | None:
+    """The Python function (of the rank's main thread) holding most of a straggler's extra time, if any."""
+    if not t.py_names:
+        return None
+    extra = t.py_s[i] - np.median(t.py_s[valid], axis=0)
+    j = int(np.argmax(extra))
+    return t.py_names[j] if extra[j] >= PYTHON_SHARE * excess else None
+
+
+def _delay(a: Alignment | None, i: int, excess: float) -> float:
+    """How long the other ranks wait for rank row i each step: its arrival lateness at the collectives
+    when ranks could be lined up (the direct measure), else its extra work per step."""
+    if a is not None and np.isfinite(a.arrival_late_s[i]):
+        return max(float(a.arrival_late_s[i] - np.nanmedian(a.arrival_late_s)), 0.0)
+    return excess
 
 
 def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
@@ -143,7 +164,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     if comm_cols:
         waited_in = t.fn_names[comm_cols[int(np.argmax(np.median(t.fn_s[valid][:, comm_cols], axis=0)))]]
 
-    groups: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
     for i in flagged:
         fn_excess = t.fn_s[i, cols] - fn_med
         host_excess = t.host_s[i] - host_med
@@ -152,28 +173,38 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
             function, component, where = t.fn_names[j], _COMPONENT[t.fn_roles[j]], float(fn_excess.max())
         else:
             function, component, where = _HOST_TIME, "cpu", float(host_excess)
-        groups.setdefault((component, function), []).append({
+        python = _python_excess(t, i, valid, excess[i])
+        kind = "python_gc" if component == "python" else "compute_straggler"
+        if python is not None and component == "cpu":  # time outside CUDA/NCCL: the Python function is the where
+            function = python
+            if DATA_LOADING.search(python):
+                kind, component = "input_straggler", "input"
+        groups.setdefault((kind, component, function), []).append({
             "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i]),
             "work_s": float(work[i]), "comm_s": float(t.comm_s[i]), "sync_s": float(t.sync_s[i]),
-            "host_s": float(t.host_s[i]), "function_excess_s": where,
+            "host_s": float(t.host_s[i]), "function_excess_s": where, "python_function": python,
             "arrival_lateness_s": float(a.arrival_late_s[i]) if a is not None else None,
+            "delay_s": _delay(a, i, float(excess[i])),
             **_host_evidence(t, i),
         })
 
     out = []
-    for (component, function), per_rank in groups.items():
+    for (kind, component, function), per_rank in groups.items():
         per_rank.sort(key=lambda r: r["rank"])
         ranks = [r["rank"] for r in per_rank]
-        worst = max(r["excess_s"] for r in per_rank)
-        # What-if: without the straggler(s) the step shrinks by the largest excess (the others wait for it).
-        cost = float(np.clip(worst / step, 0.0, 1.0))
-        where = {"gpu": f"GPU work, waits in {function}", "cpu": "CPU work outside CUDA and NCCL calls",
+        # What-if: without the straggler(s) the step shrinks by the time the others wait for the last one.
+        cost = float(np.clip(max(r["delay_s"] for r in per_rank) / step, 0.0, 1.0))
+        caller = per_rank[0]["python_function"]
+        where = {"gpu": f"GPU work, waits in {function}" + (f" called from {caller}" if caller else ""),
+                 "cpu": f"host work in {function}" if function else "host work outside CUDA and NCCL calls",
+                 "input": f"loading input in {function}",
+                 "python": "Python garbage collection pauses" + (f" triggered in {caller}" if caller else ""),
                  "host": f"host-side CUDA calls, in {function}"}[component]
         who = "it" if len(ranks) == 1 else "them"
         waits = f"in {waited_in}" if waited_in else "in collectives"
-        verb = "computes" if len(ranks) == 1 else "compute"
+        verb = {"input_straggler": "spend", "python_gc": "stall"}.get(kind, "compute") + ("s" if len(ranks) == 1 else "")
         out.append(Finding(
-            kind="compute_straggler", ranks=ranks, function=function, component=component,
+            kind=kind, ranks=ranks, function=function, component=component,
             score=max(r["z"] for r in per_rank), cost=cost,
             summary=(f"{_rank_list(ranks)} {verb} {_range_ms([r['excess_s'] for r in per_rank])} longer per step "
                      f"than {'its' if len(ranks) == 1 else 'their'} peers ({where}); the other ranks wait for "
@@ -184,7 +215,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     return out
 
 
-def cpu_contention(t: RankTable) -> list[Finding]:
+def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Straggling ranks whose extra time is waiting for a CPU (runnable, not running): the scheduler gave
     their CPU to other tasks, named from the kernel's view of who ran while they waited."""
     found = _straggling(t)
@@ -199,7 +230,7 @@ def cpu_contention(t: RankTable) -> list[Finding]:
         main = p.sched["main"]
         neighbours = [{"name": n.name, "pid": n.pid, "cgroup": n.cgroup, "waited_s": n.waited_s}
                       for n in p.neighbours]
-        cost = float(np.clip(excess[i] / step, 0.0, 1.0))
+        cost = float(np.clip(_delay(a, i, float(excess[i])) / step, 0.0, 1.0))
         who = ", ".join(f"{n['name']} (pid {n['pid']})" for n in neighbours[:2]) or "other tasks"
         out.append(Finding(
             kind="cpu_contention", ranks=[int(t.rank[i])], function=None, component="cpu",
@@ -228,9 +259,8 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     late = np.where(valid, a.finish_late_s, np.nan)
     if np.count_nonzero(np.isfinite(late)) < MIN_RANKS:
         return []
-    z = robust_z(late, Z_FLOOR * step)
+    z, excess = peer_deviation(late, Z_FLOOR * step)
     peers_late = peers_median(late)
-    excess = late - peers_late
     with np.errstate(invalid="ignore"):
         flagged = np.flatnonzero((z >= Z_MIN) & (excess >= LINK_MIN_LATENESS * step)
                                  & ~np.isin(t.rank, list(stragglers)))

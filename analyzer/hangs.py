@@ -22,8 +22,12 @@ def _stalled_for(p: RankPattern) -> float:
 
 
 def _state(p: RankPattern) -> str:
-    """The comparable part of `where`: the system call (or "running"), not the kernel function."""
-    return p.where.split(" (")[0] or "unknown"
+    """The comparable part of `where`: the system call (or "running"), not the kernel function nor the
+    collective a rank is known to wait for (that is known only for collectives enqueued while watched)."""
+    where = p.where
+    if where.startswith("waiting for ") and " (" in where:
+        where = where.split(" (", 1)[1]
+    return where.split(" (")[0] or "unknown"
 
 
 def _last_op(p: RankPattern) -> str | None:

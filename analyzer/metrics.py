@@ -29,6 +29,8 @@ class RankTable:
     fn_roles: list[Role]
     fn_s: np.ndarray  # rows x functions; 0 where the rank never called the function
     runq_s: np.ndarray  # the main thread runnable but not running (waiting for a CPU); NaN: no scheduler view
+    py_names: list[str]  # columns of py_s
+    py_s: np.ndarray  # rows x Python functions: self wall time per step; 0 where not among the rank's top
 
     def __len__(self) -> int:
         return len(self.patterns)
@@ -78,6 +80,15 @@ def rank_table(patterns: Sequence[RankPattern]) -> RankTable:
         total = fn_per_step[:, role_arr == role.value].sum(axis=1) if roles else np.zeros(n)
         return np.where(np.isfinite(step), total, np.nan)  # unknown step: unknown per-step times
 
+    py_names: dict[str, int] = {}
+    for p in patterns:
+        for f in p.python:
+            py_names.setdefault(f.name, len(py_names))
+    py = np.zeros((n, len(py_names)))
+    for i, p in enumerate(patterns):
+        for f in p.python:
+            py[i, py_names[f.name]] = f.self_s
+
     comm = in_role(Role.COMM)
     # Probed calls on other threads may overlap, so the remainder can dip below zero: clip.
     host = np.clip(step - fn_per_step.sum(axis=1), 0.0, None)
@@ -94,4 +105,6 @@ def rank_table(patterns: Sequence[RankPattern]) -> RankTable:
         fn_s=fn_per_step,
         runq_s=np.fromiter((p.sched["main"].runq_s if "main" in p.sched else np.nan for p in patterns), float, n)
         * per_step,
+        py_names=list(py_names),
+        py_s=py * per_step[:, None],
     )

@@ -27,6 +27,7 @@ class Role(str, Enum):
     COPY = "copy"  # host <-> device copies
     ALLOC = "alloc"  # device memory management
     SETUP = "setup"  # one-off calls (init, communicator set-up)
+    GC = "gc"  # the Python garbage collector: the interpreter stops the rank's Python code while it runs
 
 
 @dataclass
@@ -79,6 +80,16 @@ class Neighbour:
 
 
 @dataclass
+class PyFunction:
+    """Wall time of one Python function of the rank's main thread during the window (from sampling)."""
+
+    name: str  # "file.py:Qualified.name"
+    self_s: float  # innermost: the function itself (and C code it called), on or off CPU
+    total_s: float  # anywhere on the stack
+    cpu_s: float  # the on-CPU part of self_s
+
+
+@dataclass
 class RankPattern:
     """Everything the analyzer knows about one rank for one window."""
 
@@ -98,7 +109,8 @@ class RankPattern:
     major_faults: int = 0
     last_progress: float | None = None  # unix s of the last collective seen completing since attach
     since: float | None = None  # unix s when the agent began watching this rank
-    where: str = ""  # the main thread's state at the window's end, e.g. "futex (futex_wait_queue)"
+    where: str = ""  # of a rank that completed nothing this window: e.g. "futex (futex_wait_queue)"
+    python: list[PyFunction] = field(default_factory=list)  # main thread's top functions by self time
 
     @property
     def window_s(self) -> float:
@@ -113,7 +125,7 @@ class RankPattern:
 # are positional lists with the role as a small integer, collective op names travel once in a table, and
 # collective instants are integer microseconds, each relative to the previous one (small ints pack small;
 # float32 is too coarse for unix time).
-_ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5}
+_ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5, Role.GC: 6}
 _ROLE_OF_CODE = {code: role for role, code in _ROLE_CODE.items()}
 _FN_FIELDS = ("role", "count", "total_s", "max_s", "p50_s", "p99_s", "bytes")
 _SCHED_FIELDS = ("threads", "on_cpu_s", "runq_s", "sleep_s", "io_s", "reclaim_s", "preempted", "runq_p99_s")
@@ -160,6 +172,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         "lp": None if p.last_progress is None else _us(p.last_progress),
         "wh": p.where,
         "since": None if p.since is None else _us(p.since),
+        "py": [[f.name, f.self_s, f.total_s, f.cpu_s] for f in p.python],
     }
 
 
@@ -256,6 +269,16 @@ def _neighbours_from_wire(raw: Any) -> list[Neighbour]:
     return out
 
 
+def _python_from_wire(raw: Any) -> list[PyFunction]:
+    out = []
+    for row in _list(raw, "py"):
+        name, self_s, total_s, cpu_s = _list(row, "python function", 4)
+        name = _str(name, "python function name")
+        out.append(PyFunction(name=name, self_s=_seconds(self_s, f"{name}.self_s"),
+                              total_s=_seconds(total_s, f"{name}.total_s"), cpu_s=_seconds(cpu_s, f"{name}.cpu_s")))
+    return out
+
+
 def _pattern_from_wire(d: Any) -> RankPattern:
     if not isinstance(d, dict):
         raise PatternDecodeError(f"pattern: expected a map, got {type(d).__name__}")
@@ -287,6 +310,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             last_progress=None if d["lp"] is None else _int(d["lp"], "last progress") / 1e6,
             where=_str(d["wh"], "where"),
             since=None if d["since"] is None else _int(d["since"], "since") / 1e6,
+            python=_python_from_wire(d["py"]),
         )
     except PatternDecodeError:
         raise

@@ -588,15 +588,7 @@ RSIM_EXPORT ncclResult_t pncclCommDestroy(ncclComm_t comm) {
 NCCL_ALIAS(ncclCommDestroy);
 
 RSIM_EXPORT ncclResult_t pncclCommAbort(ncclComm_t comm) {
-    if (!comm_ok(comm))
-        return ncclInvalidArgument;
-    comm->destroyed = 1;
-    atomic_store(&comm->ranks[comm->rank].state, R_DETACHED);
-    uint32_t detached = atomic_fetch_add(&comm->hdr->detached, 1) + 1;
-    if (comm->rank == 0 || detached == (uint32_t)comm->nranks)
-        comm_unlink_if_ours(comm);
-    comm_unref(comm);
-    return ncclSuccess;
+    return pncclCommDestroy(comm); /* nothing is in flight on the host side to abort */
 }
 NCCL_ALIAS(ncclCommAbort);
 

@@ -4,25 +4,10 @@ import signal
 
 from conftest import wait_until
 
-from rankscope.agent.symbols import exported_functions
+from rankscope.agent.symbols import code_byte
 
 WINDOW_S = 1.5
 INT3 = 0xCC
-
-
-def _first_byte(pid: int, library: str, symbol: str) -> int:
-    """The first instruction byte of `symbol` in `pid`'s memory: 0xCC while a uprobe is armed there."""
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 6 and parts[5].endswith(library) and int(parts[2], 16) == 0:
-                base, path = int(parts[0].split("-")[0], 16), parts[5]
-                break
-        else:
-            raise AssertionError(f"{library} not mapped in {pid}")
-    with open(f"/proc/{pid}/mem", "rb") as mem:
-        mem.seek(base + exported_functions(path)[symbol])
-        return mem.read(1)[0]
 
 
 def _findings(a) -> list:
@@ -38,7 +23,8 @@ def test_diagnosis_within_two_windows_of_attach(sim_job, agent):
     assert named, second["findings"]
     targets = a.get("/v1/targets")["targets"]
     assert sorted(t["rank"] for t in targets) == [0, 1, 2, 3]
-    assert all(t["state"] == "running" and set(t["libraries"]) == {"cuda", "nccl"} for t in targets)
+    assert all(t["state"] == "running" and {"cuda", "nccl"} <= set(t["libraries"]) for t in targets)
+    assert all(any(lib.startswith("cpython-3.") for lib in t["libraries"]) for t in targets)
 
 
 def test_exited_rank_is_reported_and_the_rest_still_served(sim_job, agent):
@@ -60,12 +46,12 @@ def test_sigkill_of_the_agent_leaves_no_probe_and_the_job_running(sim_job, agent
     a = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
     wait_until(lambda: len(a.get("/v1/targets")["targets"]) == 2, 10, "the agent to attach")
     for pid in job.pids:
-        assert _first_byte(pid, "libcuda.so.1", "cuStreamSynchronize") == INT3  # probes really armed
+        assert code_byte(pid, "libcuda.so.1", "cuStreamSynchronize") == INT3  # probes really armed
     a.proc.kill()
     a.proc.wait(timeout=10)
     for pid in job.pids:
-        assert _first_byte(pid, "libcuda.so.1", "cuStreamSynchronize") != INT3
-        assert _first_byte(pid, "libnccl.so.2", "ncclAllReduce") != INT3
+        assert code_byte(pid, "libcuda.so.1", "cuStreamSynchronize") != INT3
+        assert code_byte(pid, "libnccl.so.2", "ncclAllReduce") != INT3
     with open("/sys/kernel/tracing/uprobe_events") as f:
         assert "libcuda" not in f.read()
     # Still training: every step sleeps in its syncs, so its voluntary context switches keep growing.
@@ -80,8 +66,10 @@ def _switches(pid: int) -> int:
 
 def test_hang_is_localized_soon_after_the_timeout(sim_job, agent):
     """Attached before the hang: the waiting ranks are seen waiting for their all-reduce."""
-    job = sim_job(4, faults=("hang:2:60",))
+    job = sim_job(4, faults=("hang:2:160",))  # ~8 s in: after the agent has seen every rank step
     a = agent("--pid", ",".join(map(str, job.pids)), "--window", "1", "--hang-timeout", "3")
+    wait_until(lambda: len(ranks := a.get("/v1/diagnosis")["ranks"]) == 4 and all(r["step_time_s"] for r in ranks),
+               20, "a window in which every rank steps")
     hung = wait_until(lambda: [f for f in _findings(a) if f["kind"].endswith("hang")], 40, "a hang finding")
     assert [(f["kind"], f["ranks"]) for f in hung] == [("noncomm_hang", [2])]
     # Found within a window or two of the timeout (the bound here is the issue's 15 s).

@@ -78,7 +78,8 @@ def test_rank_that_never_reaches_the_collective_is_a_noncomm_hang(sim_job):
 def test_collective_that_never_completes_is_a_comm_hang(sim_job):
     """Links so slow that the all-reduce never ends: every rank entered it, none completes."""
     job = sim_job(4, faults=tuple(f"slow-link:{r}:1e9@1" for r in range(4)))
-    wait_until(lambda: all(_in_sleep(p) for p in job.pids), 30, "every rank to wait for the transfer")
+    wait_until(lambda: len({_syscall(p) for p in job.pids}) == 1 and _syscall(job.pids[0]) != "running", 30,
+               "every rank to block alike, waiting for the transfer")
     doc = diagnose_json(job.pids, 2.5, "--hang-timeout", "2")
     assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("comm_hang", [0, 1, 2, 3])], doc["findings"]
 
@@ -94,3 +95,20 @@ def _in_sleep(pid: int) -> bool:
 
 def _in_futex(pid: int) -> bool:
     return _syscall(pid) == "202"
+
+
+def test_input_stall_is_an_input_straggler_naming_the_loader(sim_job):
+    job = sim_job(4, faults=("input-stall:3:0.02",))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("input_straggler", [3], "input"), doc["findings"]
+    assert top["function"] == "rank.py:load_batch"
+    assert 0.15 < top["cost"] < 0.45, top  # 20 ms of a ~68 ms step
+
+
+def test_gc_pauses_are_python_gc(sim_job):
+    job = sim_job(4, faults=("gc:2",))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("python_gc", [2], "python"), doc["findings"]
+    assert top["function"] == "gc_collect_main"

@@ -1,8 +1,8 @@
 """The CPython frame sampler on real interpreters: every supported layout, a pid namespace, threads, deep
-stacks, and interpreters it must refuse. Real eBPF: needs root.
+stacks, time off CPU, and interpreters it must refuse. Real eBPF: needs root.
 
-Every target prints a line when it is ready and burns CPU until killed; the only waiting on the clock is
-the measurement window, which ends as soon as enough samples are in.
+Every target prints a line when it is ready and runs until killed; the only waiting on the clock is the
+measurement window, which ends as soon as enough samples are in (or, for time off CPU, after a second).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from rankscope.agent.interpreters import NATIVE_THREAD, SPECIAL_FRAMES, TRUNCATED, Frame, cpython
-from rankscope.agent.python_sampler import PythonSampler, UnsupportedInterpreter
+from rankscope.agent.python_sampler import PythonSampler, StackTime, UnsupportedInterpreter
 
 PYENV = Path.home() / ".pyenv" / "versions"
 INTERPRETERS = {
@@ -129,14 +129,16 @@ def target_script(tmp_path: Path) -> Path:
 
 
 def collect(sampler: PythonSampler, pid: int, min_samples: int = MIN_SAMPLES, limit: float = 8.0):
-    """Samples of `pid` until there are `min_samples` (a measurement window, not a synchronisation)."""
+    """On-CPU samples of `pid` until there are `min_samples` (a measurement window, not a synchronisation)."""
     sampler.read()  # start from now
     counts: dict[tuple[Frame, ...], int] = {}
     deadline = time.monotonic() + limit
     while sum(counts.values()) < min_samples and time.monotonic() < deadline:
         time.sleep(0.2)
-        for stack, n in sampler.read().get(pid, {}).items():
-            counts[stack] = counts.get(stack, 0) + n
+        for stack, t in sampler.read().get(pid, {}).items():
+            assert isinstance(t, StackTime)
+            if t.samples:
+                counts[stack] = counts.get(stack, 0) + t.samples
     assert sum(counts.values()) >= min_samples // 2, f"only {sum(counts.values())} samples of pid {pid}"
     return counts
 
@@ -236,13 +238,112 @@ def test_deep_stack_is_cut_at_max_depth_keeping_the_innermost(sampler, procs, tm
 
 
 @needs_root
-def test_detached_process_is_no_longer_sampled(sampler, procs, tmp_path):
-    p, _ = start(procs, [str(interpreter("3.12")), str(target_script(tmp_path))])
+def test_the_largest_max_depth_builds_and_keeps_whole_stacks(procs, tmp_path):
+    """127 code objects per stack: its scratch is zeroed in pieces (clang makes one memset of over 1 KiB a
+    call, which BPF lacks, and LLVM then ends the whole process)."""
+    p, _ = start(procs, [str(interpreter("3.12")), str(target_script(tmp_path)), "deep"])
+    with PythonSampler(frequency=FREQUENCY, max_depth=127) as deep_sampler:
+        deep_sampler.attach(p.pid)
+        counts = collect(deep_sampler, p.pid, min_samples=50)
+    top = max(counts, key=counts.get)
+    assert names(top) == ["<module>", "main"] + ["deep"] * 101 + ["hot_a"]
+
+
+# -- time off CPU ---------------------------------------------------------------------------------------------
+
+# The main thread alternates 20 ms asleep in sleepy() and 5 ms on CPU in busy(); a "loader" thread is blocked
+# in wait_for_batch() on an empty queue from before the process is watched to the end.
+OFFCPU_TARGET = r'''
+import queue, sys, threading, time
+
+def sleepy():
+    time.sleep(0.02)
+
+def busy():
+    end = time.perf_counter() + 0.005
+    while time.perf_counter() < end:
+        pass
+
+def wait_for_batch(q):
+    return q.get()
+
+def main():
+    q = queue.Queue()
+    threading.Thread(target=wait_for_batch, args=(q,), name="loader", daemon=True).start()
+    while not q.not_empty._waiters:  # until the loader is in Condition.wait, about to block on its lock
+        pass
+    print("ready", sys.version.split()[0], flush=True)
+    while True:
+        sleepy()
+        busy()
+
+main()
+'''
+OFFCPU_WINDOW = 1.0  # seconds: 40 sleepy/busy rounds
+
+
+def collect_time(sampler: PythonSampler, pid: int, seconds: float = OFFCPU_WINDOW, reads: int = 4):
+    """Stack times of `pid` over `seconds`, summed over `reads` reads, and the wall time they cover (from
+    the start of the first read to the start of the last: each read counts sleeps up to its start)."""
+    times: dict[tuple[Frame, ...], StackTime] = {}
+    t0 = time.monotonic()
+    sampler.read()  # start from now
+    for _ in range(reads):
+        time.sleep(seconds / reads)  # the measurement window
+        t1 = time.monotonic()
+        for stack, t in sampler.read().get(pid, {}).items():
+            old = times.get(stack, StackTime())
+            times[stack] = StackTime(old.samples + t.samples, old.off_cpu_s + t.off_cpu_s)
+    return times, t1 - t0
+
+
+@needs_root
+@pytest.mark.parametrize("name", list(INTERPRETERS))
+def test_off_cpu_time_goes_to_the_stack_that_slept(sampler, procs, tmp_path, name):
+    script = tmp_path / "offcpu.py"
+    script.write_text(OFFCPU_TARGET)
+    p, _ = start(procs, [str(interpreter(name)), str(script)])
     sampler.attach(p.pid)
+    try:
+        times, wall = collect_time(sampler, p.pid)
+    finally:
+        sampler.detach(p.pid)
+
+    def where(leaf: list[str]):
+        return [t for s, t in times.items() if [n.rsplit(".", 1)[-1] for n in names(s)[-len(leaf):]] == leaf]
+
+    sleepy = where(["main", "sleepy"])
+    busy = where(["main", "busy"])
+    assert all(f.filename == str(script) for s in times for f in s if f.qualname in ("sleepy", "busy"))
+    slept = sum(t.off_cpu_s for t in sleepy)
+    assert slept >= 0.7 * wall, f"sleepy: {slept:.3f} s off CPU in {wall:.3f} s: {times}"
+    assert sum(t.off_cpu_s for t in busy) <= 0.02 * wall, times
+    samples = sum(t.samples for t in times.values())
+    assert samples >= 15, times
+    assert sum(t.samples for t in busy) >= 0.75 * samples, f"on-CPU samples not mostly in busy: {times}"
+
+    # Blocked since before the attach: found from user space, then counted up to every read.
+    loader = where(["wait_for_batch", "get", "wait"])
+    assert len(loader) == 1, times
+    assert 0.9 * wall <= loader[0].off_cpu_s <= 1.1 * wall, f"{loader[0]} in {wall:.3f} s"
+    assert loader[0].samples == 0
+    total_off = sum(t.off_cpu_s for t in times.values())
+    assert total_off <= 2.05 * wall, f"two threads, {total_off:.3f} s off CPU in {wall:.3f} s"
+
+
+@needs_root
+def test_detached_process_is_no_longer_sampled(sampler, procs, tmp_path):
+    script = tmp_path / "offcpu.py"
+    script.write_text(OFFCPU_TARGET)
+    p, _ = start(procs, [str(interpreter("3.12")), str(script)])
+    sampler.attach(p.pid)
+    time.sleep(0.1)  # a window with samples and sleeps
     sampler.detach(p.pid)
     sampler.read()
     time.sleep(0.3)  # a window in which samples would have been taken
     assert p.pid not in sampler.read()
+    (prog,) = (prog for prog in sampler._programs.values() if prog.layout.version == (3, 12))
+    assert all(v.stack.pid != p.pid for v in prog.bpf["py_sleeping"].values())
 
 
 # -- refusals -------------------------------------------------------------------------------------------------

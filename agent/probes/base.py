@@ -4,6 +4,7 @@ A kind without a library (the scheduler) is made of kernel tracepoints, on for e
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rankscope.analyzer.patterns import Role
@@ -11,9 +12,20 @@ from rankscope.analyzer.patterns import Role
 
 @dataclass(frozen=True)
 class Probe:
-    symbol: str  # exported function; the BPF source defines enter_<symbol> (and return_<symbol>)
+    symbol: str  # exported function (its ELF name: mangled for C++)
     role: Role
     returns: bool = True  # also a uretprobe; False for hot calls that are only counted
+    # C identifier naming the probe: the BPF source defines enter_<name> (and return_<name>), the loader
+    # FN_<name>, and patterns report the function under it. Defaults to the symbol, when that is one.
+    name: str = ""
+
+    def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", self.symbol)
+
+    def resolve(self, functions: Mapping[str, int]) -> str | None:
+        """The symbol to attach to among a library's defined functions (name -> address); None if absent."""
+        return self.symbol if self.symbol in functions else None
 
 
 @dataclass(frozen=True)
@@ -23,3 +35,5 @@ class ProbeKind:
     source: str  # file in bpf/; its TRACEPOINT_PROBEs attach when the program loads
     probes: tuple[Probe, ...] = ()
     maps: tuple[str, ...] = ()  # its per-process maps (keys with a `pid`), purged when a process is forgotten
+    local_symbols: bool = False  # its functions may be static ones, found in .symtab (unstripped builds)
+    identifies_job: bool = True  # mapping this library makes a process a training process (not libpython)

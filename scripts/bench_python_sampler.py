@@ -1,7 +1,7 @@
 """Measurements of the CPython frame sampler (not collected by pytest; run as root):
 
-    .venv/bin/python tests/bench_python_sampler.py overhead [--frequency 49] [--pairs 6] [--phase 2.5]
-    .venv/bin/python tests/bench_python_sampler.py accuracy [--frequency 49] [--seconds 4]
+    .venv/bin/python scripts/bench_python_sampler.py overhead [--frequency 49] [--pairs 6] [--phase 2.5]
+    .venv/bin/python scripts/bench_python_sampler.py accuracy [--frequency 49] [--seconds 4]
 
 overhead: one CPU-bound CPython process counts loop iterations; phases without the sampler loaded and with
 it attached alternate (A/B/A/B...), and each phase's rate is taken from the process's own reports, per wall
@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from rankscope.agent.python_sampler import PythonSampler  # noqa: E402
 from test_python_sampler import INTERPRETERS, TARGET  # noqa: E402
@@ -73,7 +73,7 @@ def overhead(args) -> None:
             t0 = time.monotonic()
             time.sleep(args.phase)
             on.append(rate(t0, time.monotonic()))
-            samples += sum(sum(c.values()) for c in sampler.read().values())
+            samples += sum(t.samples for c in sampler.read().values() for t in c.values())
             sampler.close()
     finally:
         p.kill()
@@ -101,7 +101,7 @@ def accuracy(args) -> None:
                 sampler.attach(p.pid)
                 sampler.read()
                 time.sleep(args.seconds)  # the measurement window
-                counts = sampler.read().get(p.pid, {})
+                counts = {s: t.samples for s, t in sampler.read().get(p.pid, {}).items() if t.samples}
                 sampler.detach(p.pid)
             finally:
                 p.kill()

@@ -1,0 +1,42 @@
+// gloo inside PyTorch's libtorch_cpu.so (c10d's ProcessGroupGloo): CPU training jobs.
+// c10d::ProcessGroupGloo::<op> enqueues a collective on the training thread and returns a Work at once:
+// counted. One of the process group's worker threads then runs gloo::<op>, which returns only when every
+// rank has taken part: a blocking collective, timed, complete when it returns.
+// Probe names are C identifiers; agent/probes/gloo.py maps them to the mangled C++ symbols.
+
+// Payload of a gloo options object: its element count and element size (two adjacent size_t) at
+// `offset`. The layouts (x86-64, libstdc++) of gloo as bundled with torch 2.13:
+//   AllreduceOptions { AllreduceOptionsImpl { shared_ptr<Context> context; milliseconds timeout;
+//     Algorithm algorithm; vector<unique_ptr<UnboundBuffer>> in, out; size_t elements, elementSize; ... } }
+//     -> elements at 80
+//   BroadcastOptions { shared_ptr<Context> context; unique_ptr<UnboundBuffer> in, out;
+//     size_t elements, elementSize; int root; ... } -> elements at 32
+// A value that does not look like one (another layout) gives 0 bytes rather than a wrong payload.
+static __always_inline u64 gloo_payload(u64 opts, u64 offset) {
+    u64 v[2] = {};
+    if (!opts || bpf_probe_read_user(v, sizeof(v), (void *)(opts + offset)))
+        return 0;
+    u64 elements = v[0], size = v[1];
+    if ((size != 1 && size != 2 && size != 4 && size != 8) || elements > (1ULL << 40))
+        return 0;
+    return elements * size;
+}
+
+// gloo::allreduce(const AllreduceOptions&), gloo::broadcast(BroadcastOptions&): payload decoded.
+COLLECTIVE(gloo_allreduce, gloo_payload(PT_REGS_PARM1(ctx), 80), true)
+COLLECTIVE(gloo_broadcast, gloo_payload(PT_REGS_PARM1(ctx), 32), true)
+// gloo::allgather(AllgatherOptions&): the size lives in the buffers, behind pointers: 0 bytes.
+COLLECTIVE(gloo_allgather, 0, true)
+
+// c10d::ProcessGroupGloo::<op>(...) (this, tensors, options): the enqueue, counted. The tensors' sizes are
+// deep inside at::Tensor: 0 bytes (the gloo level above has the payload).
+COUNTED(ProcessGroupGloo_allreduce, 0)
+COUNTED(ProcessGroupGloo_allreduce_coalesced, 0)
+COUNTED(ProcessGroupGloo_broadcast, 0)
+COUNTED(ProcessGroupGloo_allgather, 0)
+COUNTED(ProcessGroupGloo_allgather_base, 0)
+COUNTED(ProcessGroupGloo_reduce_scatter, 0)
+COUNTED(ProcessGroupGloo_reduce_scatter_base, 0)
+COUNTED(ProcessGroupGloo_reduce, 0)
+COUNTED(ProcessGroupGloo_barrier, 0)
+COUNTED(ProcessGroupGloo_alltoall_base, 0)

@@ -1,0 +1,38 @@
+"""Hang classification on synthetic ranks: who is stuck where decides comm_hang vs noncomm_hang."""
+from rankscope.analyzer.diagnosis import diagnose_job
+from rankscope.analyzer.patterns import RankPattern
+
+T = 1_700_000_000.0
+
+
+def rank(r: int, where: str, last_progress: float | None = T - 40) -> RankPattern:
+    return RankPattern(job="j", rank=r, world_size=4, pid=100 + r, host="n", window_start=T - 5, window_end=T,
+                       last_progress=last_progress, since=T - 60, where=where)
+
+
+def kinds(patterns, timeout=30.0):
+    return [(f["kind"], f["ranks"]) for f in diagnose_job(patterns, timeout)["findings"]]
+
+
+def test_the_rank_elsewhere_never_reached_the_collective():
+    pats = [rank(0, "waiting for ncclAllReduce (futex (futex_wait))"), rank(1, "futex (futex_wait)"),
+            rank(2, "clock_nanosleep (hrtimer_nanosleep)"), rank(3, "futex (futex_wait)")]
+    assert kinds(pats) == [("noncomm_hang", [2])]
+
+
+def test_all_alike_is_a_comm_hang():
+    pats = [rank(r, "futex (futex_wait)") for r in range(4)]
+    assert kinds(pats) == [("comm_hang", [0, 1, 2, 3])]
+
+
+def test_no_hang_before_the_timeout_or_while_one_rank_progresses():
+    pats = [rank(r, "futex (futex_wait)") for r in range(4)]
+    assert kinds(pats, timeout=60.0) == []
+    pats[1].last_progress = T - 1
+    assert kinds(pats) == []
+
+
+def test_never_progressed_since_attach_counts_from_attach():
+    pats = [rank(r, "futex (futex_wait)", last_progress=None) for r in range(3)]
+    assert kinds(pats, timeout=50.0) == [("comm_hang", [0, 1, 2])]
+    assert kinds(pats, timeout=70.0) == []

@@ -1,0 +1,155 @@
+"""End to end on a real PyTorch job: DDP over gloo on the CPU, started with torchrun, probed with real
+uprobes on the gloo collectives inside libtorch_cpu.so, and diagnosed."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import diagnose_json, free_port, maps_library, wait_until
+
+from rankscope.agent.collector import MAX_COLLECTIVES
+
+SCRIPT = Path(__file__).resolve().parent / "torch_ddp_train.py"
+RANKS = 3
+OBSERVE_S = 4.0
+STEADY_STEPS = 30  # steps every rank has done before the job is observed
+STEP_TOLERANCE = 0.10
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            out.append(int(entry))
+    return sorted(out)
+
+
+def _imports_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return SCRIPT.name.encode() in cmdline and maps_library(pid, "libtorch_cpu.so")
+
+
+@dataclass
+class TorchJob:
+    run_id: str
+    launcher: subprocess.Popen
+    reports: Path  # directory of r<rank>.json
+    log: Path
+    pids: list[int]  # rank processes (torchrun's children), in no particular order
+
+    def report(self, rank: int) -> dict | None:
+        try:
+            return json.loads((self.reports / f"r{rank}.json").read_text())
+        except (OSError, ValueError):  # not written yet
+            return None
+
+    def own_step_medians(self, rank: int, end: float, n: int) -> list[float]:
+        """The rank's own median step time over the n steps that its last n + 1 collectives done by `end`
+        (unix s) span, lined up by when each step's all-reduce was done; also one step earlier and later, as
+        the script sees the all-reduce done a little after gloo returns on its worker thread."""
+        report = self.report(rank)
+        durations = [d for _start, d in report["recent"]]
+        last = max(i for i, done in enumerate(report["reduced"]) if done <= end)
+        return [statistics.median(durations[max(last + k - n, 0):last + k]) for k in (0, -1, 1)]
+
+    def kill(self) -> None:
+        """SIGKILL the launcher's process group and each rank's (torchrun puts every rank in its own session)."""
+        ranks = set(self.pids)
+        if self.launcher.poll() is None:
+            ranks.update(_children(self.launcher.pid))
+        for pgid in (self.launcher.pid, *sorted(ranks)):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.launcher.wait()
+
+
+@pytest.fixture
+def torch_job(tmp_path) -> Iterator[Callable[..., TorchJob]]:
+    """Start DDP jobs of RANKS ranks under torchrun, wait until every rank trains; always kill them after."""
+    jobs: list[TorchJob] = []
+
+    def start(*args: str) -> TorchJob:
+        run_id = f"torch-{secrets.token_hex(4)}"
+        reports = tmp_path / run_id
+        reports.mkdir()
+        log = tmp_path / f"{run_id}.log"
+        with open(log, "wb") as out:
+            launcher = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
+                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--rdzv-id", run_id,
+                 str(SCRIPT), "--report", str(reports / "r{rank}.json"), *args],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        job = TorchJob(run_id, launcher, reports, log, [])
+        jobs.append(job)
+
+        def ranks_up() -> list[int]:
+            if launcher.poll() is not None:
+                raise AssertionError(f"torchrun exited {launcher.returncode}: {log.read_text()[-2000:]}")
+            pids = [p for p in _children(launcher.pid) if _imports_torch(p)]
+            return pids if len(pids) == RANKS else []
+
+        job.pids = wait_until(ranks_up, 60, "torchrun's ranks to load torch", interval=0.2)
+
+        def training() -> bool:
+            return all((r := job.report(rank)) and r["steps"] >= STEADY_STEPS for rank in range(RANKS))
+
+        wait_until(training, 60, f"every rank to train {STEADY_STEPS} steps", interval=0.2)
+        return job
+
+    yield start
+    for job in jobs:
+        job.kill()
+
+
+def test_healthy_ddp_job(torch_job):
+    job = torch_job()
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert doc["findings"] == [], doc
+    assert doc["job"] == job.run_id
+    ranks = sorted(doc["ranks"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == list(range(RANKS))
+    assert {r["identity_source"] for r in ranks} == {"env"}
+    assert sorted(r["pid"] for r in ranks) == sorted(job.pids)
+    # rankscope's step time is the median period of the last MAX_COLLECTIVES collectives of its window: the
+    # script's own median over those very steps must agree.
+    end = doc["window"]["end"]
+    for r in ranks:
+        own = job.own_step_medians(r["rank"], end, MAX_COLLECTIVES - 1)
+        assert any(r["step_time_s"] == pytest.approx(m, rel=STEP_TOLERANCE) for m in own), (r, own)
+        assert r["comm_s"] > 0, r  # the gloo all-reduce was timed on its worker thread
+
+
+def test_sleep_before_forward_is_a_compute_straggler(torch_job):
+    job = torch_job("--sleep-before-forward", "1:0.03")
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert doc["findings"], doc
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("compute_straggler", [1], "cpu"), doc["findings"]
+    # Host time outside every probed call; where Python frames are sampled, the script's function that sleeps.
+    assert top["function"] is None or "sleep_before_forward" in top["function"], top
+    # Its peers wait for it in the gloo all-reduce, about the 30 ms it sleeps per step (reported as less
+    # while the window's length still counts the time attaching took).
+    assert top["evidence"]["waited_in"] == "gloo_allreduce"
+    assert 0.010 < top["evidence"]["per_rank"][0]["excess_s"] < 0.040, top
