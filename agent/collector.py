@@ -19,7 +19,7 @@ from .probes.nccl import communicators, world_communicator
 from .stacks import where
 from .targets import Identity, Target, major_faults
 
-MAX_COLLECTIVES = 16  # per pattern: enough to line ranks up, small enough for ~1 KB patterns
+MAX_COLLECTIVES = 12  # per pattern: enough to line ranks up, small enough for ~1 KB patterns
 STALLED_SAMPLES = 5  # /proc reads of a rank that completed nothing this window: its state by majority
 
 

@@ -15,7 +15,7 @@ from rankscope.analyzer.patterns import PyFunction
 from .interpreters import SPECIAL_FRAMES, Frame
 from .python_sampler import StackTime
 
-TOP_FUNCTIONS = 6  # per pattern: the few functions worth comparing across ranks (~30 bytes each)
+TOP_FUNCTIONS = 5  # per pattern: the few functions worth comparing across ranks (~30 bytes each)
 
 
 def function_name(frame: Frame) -> str:

@@ -52,6 +52,7 @@ from .interpreters.cpython import (
     inspect,
     ns_tid_map,
     pthread_tid_offset,
+    task_status,
     thread_stacks,
 )
 from .kernel_btf import BTFError, kernel_offset
@@ -391,10 +392,13 @@ _ASLEEP = frozenset("SDITt")  # /proc states of a thread off CPU by its own doin
 def _thread_states(pid: int) -> dict[int, tuple[str, int, int]]:
     """tid -> (state letter, voluntary and involuntary context switches) of every thread of `pid`."""
     out = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
+    for tid, fields in task_status(pid).items():
+        try:
+            out[tid] = (fields["State"].split()[0], int(fields["voluntary_ctxt_switches"]),
+                        int(fields["nonvoluntary_ctxt_switches"]))
+        except (KeyError, ValueError, IndexError):
+            continue
+    return out
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:

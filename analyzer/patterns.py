@@ -121,7 +121,7 @@ class RankPattern:
 
 
 # --- wire format -------------------------------------------------------------------------------------
-# A pattern must stay near 1 KB (12 functions, 16 collectives), so nothing repeats on the wire: functions
+# A pattern must stay near 1 KB (12 functions, 12 collectives, 5 Python functions), so nothing repeats on the wire: functions
 # are positional lists with the role as a small integer, collective op names travel once in a table, and
 # collective instants are integer microseconds, each relative to the previous one (small ints pack small;
 # float32 is too coarse for unix time).

@@ -869,13 +869,30 @@ def _thread_db_tid_offset(path: str) -> int | None:
     return offset if bits == 32 and count == 1 and offset < 4096 else None
 
 
-def ns_tid_map(pid: int) -> dict[int, int]:
-    """The process's threads: id in its own pid namespace -> id on the host (NSpid's last and first fields)."""
+def task_status(pid: int) -> dict[int, dict[str, str]]:
+    """tid -> the fields of /proc/PID/task/TID/status, for every thread still there."""
     out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                out[int(tid)] = dict((k, v.strip()) for k, v in (line.split(":", 1) for line in f if ":" in line))
+        except OSError:
+            continue
+    return out
+
+
+def ns_tid_map(pid: int) -> dict[int, int]:
+    """The process's threads: id in its own pid namespace -> id on the host (NSpid's last and first fields)."""
+    out = {}
+    for fields in task_status(pid).values():
+        ids = fields.get("NSpid", "").split()
+        if ids:
+            out[int(ids[-1])] = int(ids[0])
+    return out
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/status") as f:
