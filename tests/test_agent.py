@@ -76,3 +76,13 @@ def test_hang_is_localized_soon_after_the_timeout(sim_job, agent):
     assert hung[0]["evidence"]["stalled_for_s"] <= 3 + 15
     waiting = [r["where"] for r in hung[0]["evidence"]["per_rank"] if r["rank"] != 2]
     assert all(w.startswith("waiting for ncclAllReduce") for w in waiting), waiting
+
+
+def test_all_discovers_the_training_processes_of_the_node(sim_job, agent):
+    job = sim_job(3)
+    a = agent("--all", "--window", "1")
+    found = wait_until(lambda: {t["pid"] for t in a.get("/v1/targets")["targets"]} >= set(job.pids) or None, 20,
+                       "the agent to discover the ranks")
+    assert found
+    ranks = wait_until(lambda: a.get(f"/v1/diagnosis?job={job.job_id}")["ranks"], 10, "a diagnosis of the job")
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2]
