@@ -73,7 +73,9 @@ class Collector:
 
         patterns = []
         for t in targets:
-            cursor = self._cursors.get(t.pid) or self._cursors.setdefault(t.pid, _ProcessCursor(t.pid))
+            if t.pid not in self._cursors:
+                self._cursors[t.pid] = _ProcessCursor(t.pid)
+            cursor = self._cursors[t.pid]
             faults = major_faults(t.pid)
             ring = rings.get(t.pid, [])
             collectives = self._collectives(cursor, ring, mono_to_unix)

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class Agent:
+    MAX_EXITED = 256  # exited targets kept in /v1/targets
+
     def __init__(self, session: Session, discover_all: bool, hang_timeout_s: float):
         self.session = session
         self.hang_timeout_s = hang_timeout_s
@@ -28,8 +30,6 @@ class Agent:
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
         self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
-
-    MAX_EXITED = 256
 
     def discover(self) -> None:
         if not self.discover_all:

@@ -399,15 +399,6 @@ def _thread_states(pid: int) -> dict[int, tuple[str, int, int]]:
         except (KeyError, ValueError, IndexError):
             continue
     return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            out[int(tid)] = (fields["State"].split()[0], int(fields["voluntary_ctxt_switches"]),
-                             int(fields["nonvoluntary_ctxt_switches"]))
-        except (OSError, KeyError, ValueError, IndexError):
-            continue
-    return out
 
 
 # -- threads asleep, and running py_flush ----------------------------------------------------------------------------------------

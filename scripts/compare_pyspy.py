@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import subprocess
 import sys
 import tempfile

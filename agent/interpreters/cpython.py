@@ -888,19 +888,8 @@ def task_status(pid: int) -> dict[int, dict[str, str]]:
 def ns_tid_map(pid: int) -> dict[int, int]:
     """The process's threads: id in its own pid namespace -> id on the host (NSpid's last and first fields)."""
     out = {}
-    for fields in task_status(pid).values():
-        ids = fields.get("NSpid", "").split()
+    for status in task_status(pid).values():
+        ids = status.get("NSpid", "").split()
         if ids:
             out[int(ids[-1])] = int(ids[0])
-    return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                for line in f:
-                    if line.startswith("NSpid:"):
-                        ids = line.split()[1:]
-                        out[int(ids[-1])] = int(ids[0])
-                        break
-        except OSError:
-            continue
     return out
