@@ -7,9 +7,11 @@ import json
 import logging
 import sys
 
+from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
 from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
 
 from .bpf_program import ProbeError
+from .detail import DEEP_SECONDS, SlowdownTrigger
 from .observe import observe
 from .report import render
 from .session import Session
@@ -58,10 +60,15 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UsageError("--window and --hang-timeout must be positive")
     if not args.all and not args.pid:
         raise UsageError("name the processes to watch with --pid, or --all for every training process")
+    try:
+        trigger = SlowdownTrigger(args.slowdown_threshold, args.deep_seconds)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     session = Session()
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
-    asyncio.run(serve(Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout), host, port, args.window))
+    agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger)
+    asyncio.run(serve(agent, host, port, args.window))
     return 0
 
 
@@ -100,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--pid", help="comma-separated PIDs to watch")
     who.add_argument("--all", action="store_true", help="discover every training process on the node")
     p.add_argument("--window", type=float, default=5.0, help="seconds per observation window (default 5)")
+    p.add_argument("--slowdown-threshold", type=float, default=SLOWDOWN_THRESHOLD, metavar="FRACTION",
+                   help="a job this much slower than its baseline steps triggers deep mode "
+                        f"(default {SLOWDOWN_THRESHOLD})")
+    p.add_argument("--deep-seconds", type=float, default=DEEP_SECONDS, metavar="SECONDS",
+                   help=f"how long deep mode lasts once triggered (default {DEEP_SECONDS:.0f})")
     add_hang_timeout(p)
     p.set_defaults(func=cmd_agent)
 

@@ -12,14 +12,14 @@ from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPat
 
 from . import histograms
 from .bpf_program import ProbeProgram
+from .detail import LIGHT, Detail
 from .probes import sched
+from .probes.nccl import communicators, world_communicator
 from .python_profile import summarize
 from .python_sampler import PythonSampler
-from .probes.nccl import communicators, world_communicator
 from .stacks import where
 from .targets import Identity, Target, major_faults
 
-MAX_COLLECTIVES = 12  # per pattern: enough to line ranks up, small enough for ~1 KB patterns
 STALLED_SAMPLES = 5  # /proc reads of a rank that completed nothing this window: its state by majority
 
 
@@ -49,6 +49,7 @@ class Collector:
         self.host = host
         self._cursors: dict[int, _ProcessCursor] = {}
         self._window_start = time.time()
+        self.detail: Detail = LIGHT
 
     def forget(self, pid: int) -> None:
         self._cursors.pop(pid, None)
@@ -94,7 +95,7 @@ class Collector:
                 major_faults=max(faults - cursor.major_faults, 0),
                 last_progress=cursor.last_progress,
                 since=t.attached_at,
-                python=summarize(stacks.get(t.pid, {}), self.python.frequency),
+                python=summarize(stacks.get(t.pid, {}), self.python.frequency, self.detail.top_python),
                 where=self._where(t.pid, ring, pending.get(t.pid), stalled=not collectives),
             ))
             cursor.major_faults = faults
@@ -146,5 +147,5 @@ class Collector:
         return [
             CollectiveRecord(op=self.program.symbol_of.get(fn, f"fn{fn}"), bytes=nbytes,
                              enter=enter / 1e9 + mono_to_unix, done=done_ns / 1e9 + mono_to_unix)
-            for _seq, enter, done_ns, nbytes, fn in done[-MAX_COLLECTIVES:]
+            for _seq, enter, done_ns, nbytes, fn in done[-self.detail.max_collectives:]
         ]

@@ -5,12 +5,14 @@ import asyncio
 import logging
 import os
 import signal
+import time
 
 from aiohttp import web
-
+from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.diagnosis import diagnose
 
 from .bpf_program import ProbeError
+from .detail import SlowdownTrigger
 from .discovery import training_processes
 from .server import make_app
 from .session import JOB_PATTERNS, Session
@@ -23,10 +25,13 @@ log = logging.getLogger(__name__)
 class Agent:
     MAX_EXITED = 256  # exited targets kept in /v1/targets
 
-    def __init__(self, session: Session, discover_all: bool, hang_timeout_s: float):
+    def __init__(self, session: Session, discover_all: bool, hang_timeout_s: float,
+                 trigger: SlowdownTrigger | None = None):
         self.session = session
         self.hang_timeout_s = hang_timeout_s
         self.discover_all = discover_all
+        self.trigger = trigger or SlowdownTrigger()
+        self.baselines: dict[str, Baseline] = {}  # job -> its recent windows (jobs that ended are dropped)
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
         self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
@@ -55,11 +60,16 @@ class Agent:
         while len(self._exited) > self.MAX_EXITED:
             del self._exited[next(iter(self._exited))]
         current = {v.pid for v in views}
+        docs = diagnose(patterns, self.hang_timeout_s, self.baselines)
+        self.baselines = {job: b for job, b in self.baselines.items() if job in docs}
+        self.session.set_detail(self.trigger.update(docs, time.time()))
+        for doc in docs.values():
+            doc["mode"] = self.trigger.mode()
         self.snapshot = Snapshot(
             window_end=max((p.window_end for p in patterns), default=None),
             targets=views + [v for pid, v in self._exited.items() if pid not in current],
             patterns=patterns,
-            diagnoses=diagnose(patterns, self.hang_timeout_s),
+            diagnoses=docs,
             errors=[f"pid {pid}: {why}" for pid, why in sorted(self._refused.items())],
         )
         self.discover()

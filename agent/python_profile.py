@@ -15,9 +15,6 @@ from rankscope.analyzer.patterns import PyFunction
 from .interpreters import SPECIAL_FRAMES, Frame
 from .python_sampler import StackTime
 
-TOP_FUNCTIONS = 5  # per pattern: the few functions worth comparing across ranks (~30 bytes each)
-
-
 def function_name(frame: Frame) -> str:
     """The contract's spelling: "train.py:Model.forward"."""
     return f"{os.path.basename(frame.filename)}:{frame.qualname}"
@@ -27,7 +24,8 @@ def _is_background(stack: tuple[Frame, ...]) -> bool:
     return bool(stack) and stack[0].filename.endswith("threading.py") and stack[0].qualname.endswith("_bootstrap")
 
 
-def summarize(stacks: Mapping[tuple[Frame, ...], StackTime], frequency: float) -> list[PyFunction]:
+def summarize(stacks: Mapping[tuple[Frame, ...], StackTime], frequency: float, top: int) -> list[PyFunction]:
+    """The `top` functions by self time (each ~30 bytes of pattern)."""
     self_s: dict[Frame, float] = {}
     cpu_s: dict[Frame, float] = {}
     total_s: dict[Frame, float] = {}
@@ -41,5 +39,5 @@ def summarize(stacks: Mapping[tuple[Frame, ...], StackTime], frequency: float) -
         cpu_s[leaf] = cpu_s.get(leaf, 0.0) + on
         for frame in set(stack):
             total_s[frame] = total_s.get(frame, 0.0) + wall
-    top = sorted((f for f in self_s if f not in SPECIAL_FRAMES), key=lambda f: -self_s[f])[:TOP_FUNCTIONS]
+    top = sorted((f for f in self_s if f not in SPECIAL_FRAMES), key=lambda f: -self_s[f])[:top]
     return [PyFunction(name=function_name(f), self_s=self_s[f], total_s=total_s[f], cpu_s=cpu_s[f]) for f in top]

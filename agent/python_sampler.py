@@ -258,7 +258,7 @@ class PythonSampler:
             except BTFError as e:
                 raise SamplerError(f"cannot sample CPython {layout.version[0]}.{layout.version[1]}: {e}") from e
         try:
-            from bcc import BPF, PerfSWConfig, PerfType
+            from bcc import BPF
         except ImportError as e:
             raise SamplerError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
         text = (resources.files("rankscope.bpf") / "python.bpf.c").read_text()
@@ -268,10 +268,7 @@ class PythonSampler:
         except Exception as e:  # bcc raises bare Exception for compile and load failures
             raise SamplerError(f"cannot build the Python sampler (root, kernel headers?): {e}") from e
         try:
-            # System-wide, one event per CPU: threads created later are covered, and the program itself
-            # filters by py_watched (a per-task event would need one per thread).
-            bpf.attach_perf_event(ev_type=PerfType.SOFTWARE, ev_config=PerfSWConfig.CPU_CLOCK,
-                                  fn_name=b"py_sample", sample_freq=self.frequency)
+            self._attach_clock(bpf)
             flush_fd = bpf.load_func(b"py_flush", BPF.RAW_TRACEPOINT).fd  # run on demand, never attached
         except Exception as e:
             bpf.cleanup()
@@ -279,6 +276,28 @@ class PythonSampler:
         prog = _Program(bpf, layout, flush_fd)
         self._programs[key] = prog
         return prog
+
+    def _attach_clock(self, bpf) -> None:
+        from bcc import PerfSWConfig, PerfType
+
+        # System-wide, one event per CPU: threads created later are covered, and the program itself
+        # filters by py_watched (a per-task event would need one per thread).
+        bpf.attach_perf_event(ev_type=PerfType.SOFTWARE, ev_config=PerfSWConfig.CPU_CLOCK,
+                              fn_name=b"py_sample", sample_freq=self.frequency)
+
+    def set_frequency(self, frequency: int) -> None:
+        """Sample `frequency` times a second from now on. Call it right after a read(): samples already
+        counted are converted to seconds with the frequency of the next read."""
+        if not 1 <= frequency <= 10_000:
+            raise ValueError(f"frequency must be 1..10000 Hz, not {frequency}")
+        if frequency == self.frequency:
+            return
+        from bcc import PerfSWConfig, PerfType
+
+        self.frequency = frequency
+        for prog in self._programs.values():
+            prog.bpf.detach_perf_event(ev_type=PerfType.SOFTWARE, ev_config=PerfSWConfig.CPU_CLOCK)
+            self._attach_clock(prog.bpf)
 
     # -- reading -------------------------------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ MSGPACK = "application/msgpack"
 
 
 def empty_diagnosis(job: str | None = None) -> dict:
-    return {"job": job, "window": {"start": None, "end": None}, "ranks": [], "findings": []}
+    """The document before anything was observed: every key of a real one, nothing in them."""
+    return {"job": job, "window": {"start": None, "end": None}, "step_time_s": None, "baseline": None,
+            "ranks": [], "findings": []}
 
 
 def make_app(current: Callable[[], Snapshot]) -> web.Application:

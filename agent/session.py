@@ -14,6 +14,7 @@ from rankscope.analyzer.patterns import RankPattern
 
 from .bpf_program import ProbeProgram
 from .collector import Collector
+from .detail import Detail
 from .probes import KINDS
 from .python_sampler import DEFAULT_FREQUENCY, PythonAttachError, PythonSampler
 from .targets import Target, TargetError, inspect_process
@@ -70,6 +71,13 @@ class Session:
             log.info("pid %d exited", pid)
             self._forget(pid)
         return patterns
+
+    def set_detail(self, detail: Detail) -> None:
+        """What the next windows record (call right after window(): samples are counted at one rate)."""
+        if detail != self.collector.detail:
+            log.info("detail: %s", detail.level)
+            self.python.set_frequency(detail.python_hz)
+            self.collector.detail = detail
 
     def remove(self, pid: int) -> None:
         """Stop watching `pid` (its data since the last window is dropped)."""

@@ -6,21 +6,26 @@ from typing import Any
 
 import numpy as np
 
+from .baseline import Baseline, Reference, StepProfile, regression
 from .differential import align_collectives
 from .findings import Finding, compute_straggler, cpu_contention, plain, slow_link
-from .hangs import DEFAULT_HANG_TIMEOUT_S, hang
+from .hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
 from .metrics import RankTable, rank_table
 from .patterns import RankPattern
 
 NOT_ANALYZED = frozenset({"exited"})  # listed in `ranks`, left out of the comparison
 
 
-def diagnose(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> dict[str, dict[str, Any]]:
-    """job -> diagnosis document, for patterns of any number of jobs."""
+def diagnose(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+             baselines: dict[str, Baseline] | None = None) -> dict[str, dict[str, Any]]:
+    """job -> diagnosis document, for patterns of any number of jobs. With `baselines` (job -> its past,
+    kept by the caller across windows), each job is also compared with its own baseline, which this window
+    then joins."""
     by_job: dict[str, list[RankPattern]] = {}
     for p in patterns:
         by_job.setdefault(p.job, []).append(p)
-    return {job: diagnose_job(ps, hang_timeout_s) for job, ps in by_job.items()}
+    return {job: diagnose_job(ps, hang_timeout_s, None if baselines is None else baselines.setdefault(job, Baseline()))
+            for job, ps in by_job.items()}
 
 
 def find(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> list[Finding]:
@@ -28,18 +33,23 @@ def find(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_T
     return findings_of(rank_table(patterns), hang_timeout_s)
 
 
-def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> list[Finding]:
+def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+                reference: Reference | None = None) -> list[Finding]:
     hung = hang(table.patterns, hang_timeout_s)
     if hung:  # a stalled job has no steps to compare: the hang is the whole story
         return hung
     alignment = align_collectives(table.patterns, table.job_step_s)
     stragglers = compute_straggler(table, alignment) + cpu_contention(table, alignment)
     found = stragglers + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
+    if not found:  # no rank differs from its peers: has the whole job changed?
+        found = regression(table, reference)
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 
 
-def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> dict[str, Any]:
-    """The contract's diagnosis document for the patterns of one job."""
+def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+                 baseline: Baseline | None = None) -> dict[str, Any]:
+    """The contract's diagnosis document for the patterns of one job (compared with `baseline` when
+    given, which this window then joins unless the job is hung)."""
     if not patterns:
         raise ValueError("diagnose_job needs at least one pattern")
     jobs = {p.job for p in patterns}
@@ -59,12 +69,20 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         entry["identity_source"] = p.identity_source
         return entry
 
+    reference = baseline.reference() if baseline is not None else None
+    findings = findings_of(table, hang_timeout_s, reference)
+    profile = StepProfile.of(table) if analyzed else None
+    if baseline is not None and not any(f.kind in HANGS for f in findings):
+        baseline.add(profile)
     return {
         "job": patterns[0].job,
         "window": plain({"start": min(p.window_start for p in patterns),
                          "end": max(p.window_end for p in patterns)}),
+        "step_time_s": plain(profile.step_s if profile else None),
+        "baseline": plain({"step_time_s": reference.profile.step_s, "windows": reference.windows,
+                           "end": reference.profile.end}) if reference else None,
         "ranks": [rank_entry(p) for p in sorted(patterns, key=lambda p: (p.rank, p.pid))],
-        "findings": [f.to_dict() for f in findings_of(table, hang_timeout_s)],
+        "findings": [f.to_dict() for f in findings],
     }
 
 

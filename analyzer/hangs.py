@@ -14,6 +14,7 @@ from .findings import Finding
 from .patterns import RankPattern
 
 DEFAULT_HANG_TIMEOUT_S = 30.0
+HANGS = frozenset({"noncomm_hang", "comm_hang"})  # the kinds this module finds
 
 
 def _stalled_for(p: RankPattern) -> float:
@@ -28,6 +29,11 @@ def _state(p: RankPattern) -> str:
     if where.startswith("waiting for ") and " (" in where:
         where = where.split(" (", 1)[1]
     return where.split(" (")[0] or "unknown"
+
+
+def _python_where(p: RankPattern) -> str | None:
+    """The Python function a stalled rank spends its time in (sampled), if its frames are read."""
+    return max(p.python, key=lambda f: f.self_s).name if p.python else None
 
 
 def _last_op(p: RankPattern) -> str | None:
@@ -45,14 +51,18 @@ def hang(patterns: Sequence[RankPattern], timeout_s: float = DEFAULT_HANG_TIMEOU
     states = Counter(_state(p) for p in running)
     common, n = states.most_common(1)[0]
     per_rank = sorted(({"rank": p.rank, "pid": p.pid, "host": p.host, "where": p.where,
-                        "stalled_for_s": _stalled_for(p)} for p in running), key=lambda r: r["rank"])
+                        "python_function": _python_where(p), "stalled_for_s": _stalled_for(p)}
+                       for p in running), key=lambda r: r["rank"])
     evidence = {"timeout_s": timeout_s, "stalled_for_s": stalled, "waiting_state": common, "per_rank": per_rank}
     op = next(filter(None, (_last_op(p) for p in running)), None)
     if n * 2 > len(running) and n < len(running):
         odd = sorted(p.rank for p in running if _state(p) != common)
-        where = "; ".join(f"rank {r['rank']}: {r['where'] or 'unknown'}" for r in per_rank if r["rank"] in odd)
+        stuck = [r for r in per_rank if r["rank"] in odd]
+        where = "; ".join(f"rank {r['rank']}: " + (f"in {r['python_function']}, " if r["python_function"] else "")
+                          + (r["where"] or "unknown") for r in stuck)
         return [Finding(
-            kind="noncomm_hang", ranks=odd, function=None, component=None, score=float(n), cost=1.0,
+            kind="noncomm_hang", ranks=odd, function=stuck[0]["python_function"], component=None,
+            score=float(n), cost=1.0,
             summary=(f"no progress for {stalled:.0f} s: {n} ranks wait in {op or 'a collective'} ({common}) "
                      f"that {'rank' if len(odd) == 1 else 'ranks'} {', '.join(map(str, odd))} never reached; "
                      f"{where}"),

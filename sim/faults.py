@@ -1,4 +1,4 @@
-"""Faults injected into a simulated job: `KIND:RANK[:ARG][@SECONDS]`.
+"""Faults injected into a simulated job: `KIND:RANK[:ARG][@SECONDS]`; RANK `*` is every rank.
 
 Kept free of package-relative imports: rank.py may run as a plain script under another interpreter.
 """
@@ -17,7 +17,8 @@ KINDS: dict[str, tuple[str, type, bool] | None] = {
     "hang": ("step", int, True),             # after STEP full steps, never reaches the collective again
 }
 
-GRAMMAR = "KIND:RANK[:ARG][@SECONDS] with KIND one of " + ", ".join(KINDS)
+GRAMMAR = "KIND:RANK[:ARG][@SECONDS] (RANK * for every rank) with KIND one of " + ", ".join(KINDS)
+EVERY_RANK = -1  # Fault.rank of RANK `*`: a change of the whole job (a slower driver, dataset, network)
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,12 @@ class Fault:
     arg: float | int | None = None  # factor, seconds or step, per kind
     onset_s: float = 0.0  # delay after the first step before the fault starts
 
+    def applies_to(self, rank: int) -> bool:
+        return self.rank in (rank, EVERY_RANK)
+
     def spec(self) -> str:
         """The SPEC string that parses back to this fault."""
-        s = f"{self.kind}:{self.rank}"
+        s = f"{self.kind}:{'*' if self.rank == EVERY_RANK else self.rank}"
         if self.arg is not None:
             s += f":{self.arg}"
         if self.onset_s:
@@ -65,8 +69,9 @@ def parse_fault(spec: str) -> Fault:
         raise ValueError(f"fault {spec!r}: unknown kind {parts[0]!r}; expected {GRAMMAR}")
     if len(parts) < 2 or not parts[1].strip():
         raise ValueError(f"fault {spec!r}: missing RANK; expected {GRAMMAR}")
-    rank = _number(parts[1].strip(), int, "RANK", spec)
-    if rank < 0:
+    every = parts[1].strip() == "*"
+    rank = EVERY_RANK if every else _number(parts[1].strip(), int, "RANK", spec)
+    if rank < 0 and not every:
         raise ValueError(f"fault {spec!r}: RANK must be >= 0")
     param = KINDS[kind]
     args = parts[2:]

@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     global SIM
     args = parse_args(argv)
     ident = Identity.from_env()
-    mine = [f for f in args.faults if f.rank == ident.rank]
+    mine = [f for f in args.faults if f.applies_to(ident.rank)]
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     durations: deque[float] = deque(maxlen=100_000)

@@ -3,7 +3,7 @@ import os
 import signal
 
 from conftest import wait_until
-
+from rankscope.agent.detail import LIGHT
 from rankscope.agent.symbols import code_byte
 
 WINDOW_S = 1.5
@@ -86,3 +86,27 @@ def test_all_discovers_the_training_processes_of_the_node(sim_job, agent):
     assert found
     ranks = wait_until(lambda: a.get(f"/v1/diagnosis?job={job.job_id}")["ranks"], 10, "a diagnosis of the job")
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2]
+
+
+def test_slowdown_of_every_rank_is_a_regression_and_raises_the_detail(sim_job, agent, tmp_path):
+    """Every GPU gets slower 8 s into training (a new driver, say): no rank differs from its peers, the job
+    differs from its own past. The agent names the function that grew and records in deep mode a while."""
+    go = tmp_path / "go"
+    job = sim_job(4, faults=("slow-gpu:*:1.8@8",), hold_file=go)
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", "1", "--deep-seconds", "3")
+    go.touch()  # training starts once the agent watches: its first windows are the baseline
+    healthy = wait_until(lambda: (d := a.get("/v1/diagnosis"))["baseline"] and d, 30, "a baseline")
+    assert healthy["findings"] == [] and healthy["mode"] == {"level": "light"}, healthy
+    slow = wait_until(lambda: (d := a.get("/v1/diagnosis"))["findings"] and d, 30, "a finding")
+    f = slow["findings"][0]
+    assert (f["kind"], f["function"], f["component"], f["ranks"]) == ("regression", "cuStreamSynchronize", "gpu",
+                                                                      [0, 1, 2, 3]), slow["findings"]
+    assert slow["step_time_s"] > 1.1 * slow["baseline"]["step_time_s"]
+    deep = wait_until(lambda: (d := a.get("/v1/diagnosis"))["mode"]["level"] == "deep" and d, 10, "deep mode")
+    assert "above the job's baseline" in deep["mode"]["reason"] and deep["mode"]["job"] == job.job_id
+    # Deep mode ships more of each rank's collectives than the light ~1 KB pattern does.
+    wait_until(lambda: max(len(p["collectives"]) for p in a.get("/v1/patterns")["patterns"]) > LIGHT.max_collectives,
+               10, "a deep-mode pattern")
+    # Bounded: back to light detail after --deep-seconds, though the job stays slow.
+    back = wait_until(lambda: (d := a.get("/v1/diagnosis"))["mode"]["level"] == "light" and d, 15, "light mode")
+    assert back["findings"][0]["kind"] == "regression"

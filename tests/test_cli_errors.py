@@ -60,6 +60,8 @@ def test_insufficient_privilege():
             sleeper.kill()
 
 
-@pytest.mark.parametrize("args", [["agent", "--listen", "nonsense"], ["agent"], ["diagnose", "--pid", "1", "--duration", "0"]])
+@pytest.mark.parametrize("args", [["agent", "--listen", "nonsense"], ["agent"], ["diagnose", "--pid", "1", "--duration", "0"],
+                                  ["agent", "--pid", "1", "--deep-seconds", "0"],
+                                  ["agent", "--pid", "1", "--slowdown-threshold", "-1"]])
 def test_bad_agent_and_duration_arguments(args):
     one_line_error(run(*args))

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 from elftools.elf.elffile import ELFFile
-
 from rankscope.sim import build
 from rankscope.sim.bindings import shm_name
-from rankscope.sim.faults import Fault
+from rankscope.sim.faults import EVERY_RANK, Fault
 from rankscope.sim.job import SimJob, parse_fault, start_job
 
 CUDA_API = ("cuInit", "cuDeviceGet", "cuCtxCreate_v2", "cuStreamCreate", "cuModuleLoadData", "cuModuleGetFunction",
@@ -304,6 +303,7 @@ def test_cli_prints_pids_and_waits(tmp_path):
     ("gc:3", Fault("gc", 3)),
     ("gc:1@5", Fault("gc", 1, None, 5.0)),
     ("hang:0:100@1.5", Fault("hang", 0, 100, 1.5)),
+    ("slow-gpu:*:1.5@3", Fault("slow-gpu", EVERY_RANK, 1.5, 3.0)),
 ])
 def test_fault_specs_parse(spec, fault):
     assert parse_fault(spec) == fault
@@ -313,7 +313,7 @@ def test_fault_specs_parse(spec, fault):
 @pytest.mark.parametrize("spec", [
     "", "slow-gpu", "slow-gpu:", "slow-gpu:1", "slow-gpu:x:2", "slow-gpu:-1:2", "slow-gpu:1:0", "slow-gpu:1:fast",
     "slow-gpu:1:2:3", "gc:1:2", "hang:1", "hang:1:2.5", "input-stall:0:-1", "melt:0", "slow-gpu:1:2@soon",
-    "slow-gpu:1:2@-1", "slow-gpu:1:nan",
+    "slow-gpu:1:2@-1", "slow-gpu:1:nan", "slow-gpu:**:2",
 ])
 def test_malformed_fault_specs_are_rejected(spec):
     with pytest.raises(ValueError, match="fault|KIND"):

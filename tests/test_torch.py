@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import diagnose_json, free_port, maps_library, wait_until
-
-from rankscope.agent.collector import MAX_COLLECTIVES
+from rankscope.agent.detail import LIGHT
 
 SCRIPT = Path(__file__).resolve().parent / "torch_ddp_train.py"
 RANKS = 3
@@ -132,11 +131,11 @@ def test_healthy_ddp_job(torch_job):
     assert [r["rank"] for r in ranks] == list(range(RANKS))
     assert {r["identity_source"] for r in ranks} == {"env"}
     assert sorted(r["pid"] for r in ranks) == sorted(job.pids)
-    # rankscope's step time is the median period of the last MAX_COLLECTIVES collectives of its window: the
+    # rankscope's step time is the median period of the last collectives (LIGHT.max_collectives) of its window: the
     # script's own median over those very steps must agree.
     end = doc["window"]["end"]
     for r in ranks:
-        own = job.own_step_medians(r["rank"], end, MAX_COLLECTIVES - 1)
+        own = job.own_step_medians(r["rank"], end, LIGHT.max_collectives - 1)
         assert any(r["step_time_s"] == pytest.approx(m, rel=STEP_TOLERANCE) for m in own), (r, own)
         assert r["comm_s"] > 0, r  # the gloo all-reduce was timed on its worker thread
 
@@ -153,3 +152,15 @@ def test_sleep_before_forward_is_a_compute_straggler(torch_job):
     # while the window's length still counts the time attaching took).
     assert top["evidence"]["waited_in"] == "gloo_allreduce"
     assert 0.010 < top["evidence"]["per_rank"][0]["excess_s"] < 0.040, top
+
+
+def test_rank_that_stops_before_its_collective_is_a_noncomm_hang(torch_job):
+    job = torch_job("--stop-before-collective", f"1:{STEADY_STEPS + 20}")
+    doc = diagnose_json(job.pids, 5.0, "--hang-timeout", "3")
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], doc["findings"]
+    hung = doc["findings"][0]
+    # Where it is: its Python function, from the frame sampler, and the system call it sleeps in.
+    assert hung["function"] == "torch_ddp_train.py:hang_before_collective", hung
+    stuck = next(r for r in hung["evidence"]["per_rank"] if r["rank"] == 1)
+    assert stuck["where"].startswith("clock_nanosleep"), stuck
+    assert "rank 1: in torch_ddp_train.py:hang_before_collective" in hung["summary"]

@@ -1,0 +1,75 @@
+"""How much the agent records: light always-on detail, and deep detail for a while after a slowdown.
+
+The published systems keep an always-on layer cheap and raise the detail on demand when a job slows down.
+Here the trigger is the job's own step time against its baseline (analyzer/baseline.py): when it exceeds
+the baseline by the threshold, the agent samples Python frames faster and ships more of each rank's
+collectives and Python functions for `deep_s` seconds, then rests in light mode for COOLDOWN x `deep_s`
+before it may trigger again, so that a lasting slowdown cannot keep the job in deep mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
+
+from .python_sampler import DEFAULT_FREQUENCY
+
+DEEP_SECONDS = 60.0
+COOLDOWN = 4  # x deep_s in light mode after each deep episode: deep mode costs at most 1/5 of the time
+
+
+@dataclass(frozen=True)
+class Detail:
+    level: str
+    python_hz: int  # frame samples per second per CPU
+    max_collectives: int  # per pattern: collective instants shipped (the kernel ring keeps 64)
+    top_python: int  # per pattern: Python functions shipped
+
+
+LIGHT = Detail("light", DEFAULT_FREQUENCY, max_collectives=12, top_python=5)  # ~1 KB patterns, ~0.2% CPU
+DEEP = Detail("deep", 4 * DEFAULT_FREQUENCY + 3, max_collectives=48, top_python=20)  # 199 Hz: off the timer beat
+
+
+@dataclass
+class Trigger:
+    """Why the agent is in deep mode."""
+
+    job: str
+    since: float  # unix s
+    until: float  # unix s: back to light unless the slowdown lasts
+    step_time_s: float
+    baseline_step_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        slower = self.step_time_s / self.baseline_step_s - 1
+        return {"level": DEEP.level, "since": self.since, "until": self.until, "job": self.job,
+                "reason": (f"step time {self.step_time_s * 1e3:.1f} ms is {slower:.0%} above the job's baseline "
+                           f"{self.baseline_step_s * 1e3:.1f} ms")}
+
+
+class SlowdownTrigger:
+    def __init__(self, threshold: float = SLOWDOWN_THRESHOLD, deep_s: float = DEEP_SECONDS):
+        if threshold <= 0 or deep_s <= 0:
+            raise ValueError("the slowdown threshold and the deep-mode time must be positive")
+        self.threshold = threshold
+        self.deep_s = deep_s
+        self.trigger: Trigger | None = None
+        self._rest_until = 0.0  # unix s: no new trigger before
+
+    def update(self, docs: dict[str, dict[str, Any]], now: float) -> Detail:
+        """The detail for the next window, from this window's diagnosis documents (job -> document)."""
+        if self.trigger and now >= self.trigger.until:
+            self._rest_until = self.trigger.until + COOLDOWN * self.deep_s
+            self.trigger = None
+        if self.trigger is None and now >= self._rest_until:
+            for job, doc in sorted(docs.items()):
+                step, base = doc.get("step_time_s"), (doc.get("baseline") or {}).get("step_time_s")
+                if step and base and step > base * (1 + self.threshold):
+                    self.trigger = Trigger(job, now, now + self.deep_s, step, base)
+                    break
+        return DEEP if self.trigger else LIGHT
+
+    def mode(self) -> dict[str, Any]:
+        """The `mode` entry of the diagnosis document."""
+        return self.trigger.to_dict() if self.trigger else {"level": LIGHT.level}
