@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 
+from .bcc_compile import compile_bpf
 from .probes import KINDS, Probe, ProbeKind
 from .symbols import SymbolError, functions
 from .targets import Target
@@ -68,13 +69,9 @@ class ProbeProgram:
     def bpf(self):
         """The compiled program, built on first use (about a second of clang)."""
         if self._bpf is None:
-            try:
-                from bcc import BPF
-            except ImportError as e:
-                raise ProbeError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
             cflags = [f"-DFN_{sym}={i}" for sym, i in self.ids.items()]
             try:
-                self._bpf = BPF(text=_source(self.kinds), cflags=cflags)
+                self._bpf = compile_bpf(_source(self.kinds), cflags)
             except Exception as e:  # bcc raises bare Exception for compile and load failures
                 raise ProbeError(f"cannot load the BPF program (root, kernel headers?): {e}") from e
         return self._bpf

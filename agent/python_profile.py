@@ -15,6 +15,7 @@ from rankscope.analyzer.patterns import PyFunction
 from .interpreters import SPECIAL_FRAMES, Frame
 from .python_sampler import StackTime
 
+
 def function_name(frame: Frame) -> str:
     """The contract's spelling: "train.py:Model.forward"."""
     return f"{os.path.basename(frame.filename)}:{frame.qualname}"

@@ -40,7 +40,15 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 
-from .interpreters import NATIVE_THREAD, NO_PYTHON_FRAME, TRUNCATED, UNKNOWN_CODE, UNREADABLE, Frame
+from .bcc_compile import compile_bpf
+from .interpreters import (
+    NATIVE_THREAD,
+    NO_PYTHON_FRAME,
+    TRUNCATED,
+    UNKNOWN_CODE,
+    UNREADABLE,
+    Frame,
+)
 from .interpreters.cpython import (
     CodeResolver,
     Interpreter,
@@ -257,17 +265,15 @@ class PythonSampler:
                 flags.append(f"-DPY_TASK_FSBASE={kernel_offset('task_struct', 'thread.fsbase')}")
             except BTFError as e:
                 raise SamplerError(f"cannot sample CPython {layout.version[0]}.{layout.version[1]}: {e}") from e
-        try:
-            from bcc import BPF
-        except ImportError as e:
-            raise SamplerError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
         text = (resources.files("rankscope.bpf") / "python.bpf.c").read_text()
         try:
             # Loading also attaches the sched_switch tracepoint program (bcc's TRACEPOINT_PROBE).
-            bpf = BPF(text=text, cflags=flags)
+            bpf = compile_bpf(text, flags)
         except Exception as e:  # bcc raises bare Exception for compile and load failures
             raise SamplerError(f"cannot build the Python sampler (root, kernel headers?): {e}") from e
         try:
+            from bcc import BPF
+
             self._attach_clock(bpf)
             flush_fd = bpf.load_func(b"py_flush", BPF.RAW_TRACEPOINT).fd  # run on demand, never attached
         except Exception as e:

@@ -5,7 +5,6 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 from aiohttp import web
-
 from rankscope.analyzer.patterns import encode_patterns, pattern_to_json
 
 from .snapshot import Snapshot

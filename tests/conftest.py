@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-
 from rankscope.sim.job import SimJob, start_job
 
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
@@ -62,6 +61,15 @@ def sim_job() -> Iterator[Callable[..., SimJob]]:
     yield start
     for job in jobs:
         job.stop()
+
+
+@pytest.fixture
+def hog() -> Iterator[subprocess.Popen]:
+    """A busy loop on CPU 1 at a higher weight than a rank (nice -5): it takes most of that CPU."""
+    proc = subprocess.Popen(["taskset", "-c", "1", "nice", "-n", "-5", "sh", "-c", "while :; do :; done"])
+    yield proc
+    proc.kill()
+    proc.wait()
 
 
 class AgentProcess:

@@ -1,11 +1,9 @@
 """The scheduler's view on the simulated job (real sched tracepoints): waiting for a CPU vs computing.
 
-Ranks 0 and 1 share CPU 0; rank 2 has CPU 1 to itself, unless a CPU hog is pinned there.
+Ranks 0 and 1 share CPU 0; rank 2 has CPU 1 to itself, unless a CPU hog (conftest's `hog`) is pinned there.
 """
 import os
-import subprocess
 
-import pytest
 from conftest import diagnose_json
 
 HOST_CPU_S = 0.004  # CPU work per step of every rank, so that losing the CPU costs time
@@ -15,15 +13,6 @@ OBSERVE_S = 4.0
 def _pin(pids: list[int]) -> None:
     for rank, pid in enumerate(pids):
         os.sched_setaffinity(pid, {0} if rank < 2 else {1})
-
-
-@pytest.fixture
-def hog():
-    """A busy loop on CPU 1 at a higher weight than the rank (nice -5): it takes most of that CPU."""
-    proc = subprocess.Popen(["taskset", "-c", "1", "nice", "-n", "-5", "sh", "-c", "while :; do :; done"])
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 def _kinds(doc: dict) -> list[tuple[str, list[int]]]:

@@ -164,3 +164,45 @@ def test_rank_that_stops_before_its_collective_is_a_noncomm_hang(torch_job):
     stuck = next(r for r in hung["evidence"]["per_rank"] if r["rank"] == 1)
     assert stuck["where"].startswith("clock_nanosleep"), stuck
     assert "rank 1: in torch_ddp_train.py:hang_before_collective" in hung["summary"]
+
+
+def test_slow_data_loader_is_an_input_straggler(torch_job):
+    job = torch_job("--slow-loader", "2:0.03")
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0] if doc["findings"] else None
+    assert top and (top["kind"], top["ranks"], top["component"]) == ("input_straggler", [2], "input"), doc["findings"]
+    assert top["function"] == "torch_ddp_train.py:SyntheticBatches.__getitem__", top
+    # The cost is the injected share of the step: ~30 ms more reading, in a step of ~40 ms with it.
+    assert 0.010 < top["evidence"]["per_rank"][0]["excess_s"] < 0.040, top
+    assert 0.3 < top["cost"] < 0.9, top
+
+
+def _pin_all_threads(pids_by_rank: dict[int, int]) -> None:
+    """Ranks 0 and 1 share CPU 0, rank 2 has CPU 1 (where conftest's `hog` runs), every thread of each."""
+    for rank, pid in pids_by_rank.items():
+        subprocess.run(["taskset", "-a", "-p", "-c", "0" if rank < 2 else "1", str(pid)], check=True,
+                       capture_output=True)
+
+
+def _pids_by_rank(job: TorchJob) -> dict[int, int]:
+    return {rank: job.report(rank)["pid"] for rank in range(RANKS)}
+
+
+def test_a_hog_on_a_ranks_cpu_is_cpu_contention_not_a_straggler(torch_job, hog):
+    # Every rank computes 3 ms a step and reads for 20 ms: losing the CPU costs time, and CPU 0 shared by
+    # two ranks is not saturated.
+    job = torch_job("--busy-before-forward", "*:0.003", "--read-ms", "20")
+    _pin_all_threads(_pids_by_rank(job))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]][:1] == [("cpu_contention", [2])], doc["findings"]
+    f = doc["findings"][0]
+    assert f["evidence"]["neighbours"][0]["pid"] == hog.pid, f["evidence"]
+
+
+def test_computing_longer_on_its_own_cpu_is_a_compute_straggler_not_contention(torch_job):
+    job = torch_job("--busy-before-forward", "2:0.02")
+    _pin_all_threads(_pids_by_rank(job))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert [(f["kind"], f["ranks"], f["component"]) for f in doc["findings"]] == [
+        ("compute_straggler", [2], "cpu")], doc["findings"]
+    assert doc["findings"][0]["function"] == "torch_ddp_train.py:busy_before_forward"

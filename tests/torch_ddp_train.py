@@ -8,8 +8,10 @@ loss.backward() (DDP all-reduces the gradients through gloo) and optimizer.step(
 batch takes --read-ms (default 6 ms, a sleep: storage latency) on every rank, so that three ranks leave room
 on two shared cores and steps stay regular (~10 ms): a CPU-bound loop would measure the scheduler's noise.
 
-Faults (also from the environment: TORCH_DDP_SLEEP_BEFORE_FORWARD=RANK:SECONDS, ...), each on one rank only:
+Faults (also from the environment: TORCH_DDP_SLEEP_BEFORE_FORWARD=RANK:SECONDS, ...), each on one rank (or on
+every rank with RANK *):
   --sleep-before-forward RANK:SECONDS   the rank sleeps before every forward pass (compute straggler)
+  --busy-before-forward RANK:SECONDS    the rank computes (spins) that long before every forward pass
   --slow-loader RANK:SECONDS            the rank's dataset sleeps in __getitem__, once per batch (input straggler)
   --stop-before-collective RANK:STEP    at that step the rank blocks forever in hang_before_collective(),
                                         before backward and its all-reduce (a hang)
@@ -39,20 +41,24 @@ REPORT_EVERY_S = 0.5
 KEEP_STEPS = 4096  # step records in the report: more than a few seconds of steps
 
 
+EVERY_RANK = -1
+
+
 def rank_fault(spec: str | None, cast) -> tuple[int, float] | None:
-    """'RANK:VALUE' -> (rank, value); None when unset."""
+    """'RANK:VALUE' -> (rank, value), RANK * for every rank; None when unset."""
     if not spec:
         return None
     rank, sep, value = spec.partition(":")
     if not sep:
         raise SystemExit(f"torch_ddp_train: bad fault {spec!r}: expected RANK:VALUE")
-    return int(rank), cast(value)
+    return EVERY_RANK if rank == "*" else int(rank), cast(value)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     env = os.environ.get
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sleep-before-forward", default=env("TORCH_DDP_SLEEP_BEFORE_FORWARD"), metavar="RANK:SECONDS")
+    ap.add_argument("--busy-before-forward", default=env("TORCH_DDP_BUSY_BEFORE_FORWARD"), metavar="RANK:SECONDS")
     ap.add_argument("--slow-loader", default=env("TORCH_DDP_SLOW_LOADER"), metavar="RANK:SECONDS")
     ap.add_argument("--stop-before-collective", default=env("TORCH_DDP_STOP_BEFORE_COLLECTIVE"), metavar="RANK:STEP")
     ap.add_argument("--report", default=env("TORCH_DDP_REPORT"), metavar="PATH")
@@ -61,6 +67,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=int(env("TORCH_DDP_STEPS", "0")), help="0: until killed")
     args = ap.parse_args(argv)
     args.sleep_before_forward = rank_fault(args.sleep_before_forward, float)
+    args.busy_before_forward = rank_fault(args.busy_before_forward, float)
     args.slow_loader = rank_fault(args.slow_loader, float)
     args.stop_before_collective = rank_fault(args.stop_before_collective, int)
     return args
@@ -68,7 +75,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def on_rank(fault, rank: int):
     """The fault's value when it applies to `rank`, else None."""
-    return fault[1] if fault is not None and fault[0] == rank else None
+    return fault[1] if fault is not None and fault[0] in (rank, EVERY_RANK) else None
 
 
 class SyntheticBatches(Dataset):
@@ -95,6 +102,14 @@ class SyntheticBatches(Dataset):
 def sleep_before_forward(seconds: float) -> None:
     """The injected compute straggler: this rank starts every forward pass late; its peers wait for it."""
     time.sleep(seconds)
+
+
+def busy_before_forward(seconds: float) -> None:
+    """The injected CPU straggler: this rank computes longer than its peers every step (on the CPU, so a
+    CPU taken by another task would stretch it further)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 def hang_before_collective(step: int) -> None:
@@ -153,6 +168,7 @@ def main(argv: list[str]) -> int:
     read_s = args.read_ms / 1e3 + (on_rank(args.slow_loader, rank) or 0.0)
     loader = DataLoader(SyntheticBatches(rank, read_s), batch_size=None, num_workers=0)  # batch_size=None: i is a batch
     straggle_s = on_rank(args.sleep_before_forward, rank)
+    busy_s = on_rank(args.busy_before_forward, rank)
     stop_at = on_rank(args.stop_before_collective, rank)
     report = Report(args.report, rank)
 
@@ -168,6 +184,8 @@ def main(argv: list[str]) -> int:
                 break
             if straggle_s:
                 sleep_before_forward(straggle_s)
+            if busy_s:
+                busy_before_forward(busy_s)
             loss = loss_fn(model(x), y)
             if stop_at is not None and step == stop_at:
                 hang_before_collective(step)
