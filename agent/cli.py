@@ -11,7 +11,7 @@ from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
 from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
 
 from .bpf_program import ProbeError
-from .detail import DEEP_SECONDS, SlowdownTrigger
+from .detail import DEEP_SECONDS, LEVELS, SlowdownTrigger
 from .observe import observe
 from .report import render
 from .session import Session
@@ -61,7 +61,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if not args.all and not args.pid:
         raise UsageError("name the processes to watch with --pid, or --all for every training process")
     try:
-        trigger = SlowdownTrigger(args.slowdown_threshold, args.deep_seconds)
+        trigger = SlowdownTrigger(args.slowdown_threshold, args.deep_seconds, LEVELS.get(args.detail))
     except ValueError as e:
         raise UsageError(str(e)) from None
     session = Session()
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {SLOWDOWN_THRESHOLD})")
     p.add_argument("--deep-seconds", type=float, default=DEEP_SECONDS, metavar="SECONDS",
                    help=f"how long deep mode lasts once triggered (default {DEEP_SECONDS:.0f})")
+    p.add_argument("--detail", choices=["auto", *LEVELS], default="auto",
+                   help="what the agent records: light always-on, deep, or auto (light, deep after a slowdown)")
     add_hang_timeout(p)
     p.set_defaults(func=cmd_agent)
 

@@ -48,17 +48,26 @@ class Trigger:
                            f"{self.baseline_step_s * 1e3:.1f} ms")}
 
 
+LEVELS = {d.level: d for d in (LIGHT, DEEP)}
+
+
 class SlowdownTrigger:
-    def __init__(self, threshold: float = SLOWDOWN_THRESHOLD, deep_s: float = DEEP_SECONDS):
+    """Chooses the detail of each next window; `fixed` pins it (`rankscope agent --detail deep`)."""
+
+    def __init__(self, threshold: float = SLOWDOWN_THRESHOLD, deep_s: float = DEEP_SECONDS,
+                 fixed: Detail | None = None):
         if threshold <= 0 or deep_s <= 0:
             raise ValueError("the slowdown threshold and the deep-mode time must be positive")
         self.threshold = threshold
         self.deep_s = deep_s
+        self.fixed = fixed
         self.trigger: Trigger | None = None
         self._rest_until = 0.0  # unix s: no new trigger before
 
     def update(self, docs: dict[str, dict[str, Any]], now: float) -> Detail:
         """The detail for the next window, from this window's diagnosis documents (job -> document)."""
+        if self.fixed:
+            return self.fixed
         if self.trigger and now >= self.trigger.until:
             self._rest_until = self.trigger.until + COOLDOWN * self.deep_s
             self.trigger = None
@@ -72,4 +81,6 @@ class SlowdownTrigger:
 
     def mode(self) -> dict[str, Any]:
         """The `mode` entry of the diagnosis document."""
+        if self.fixed:
+            return {"level": self.fixed.level, "reason": "set by --detail"}
         return self.trigger.to_dict() if self.trigger else {"level": LIGHT.level}

@@ -5,7 +5,8 @@
 Benchmarks (each gives figures from one run on one machine; slowdowns are ratios of alternating runs with
 and without the agent, A B B A ..., summarized by the median over pairs so that drift and noise cancel):
 
-  job       step time of the simulated 4-rank GPU job with a `rankscope agent --pid` subprocess attached
+  job       step time of the simulated 4-rank GPU job with a `rankscope agent --pid` subprocess attached, in
+            light (always-on) and in deep mode (`--detail deep`), each against no agent
   launch    a launch storm (C, dlopen()ing the stand-in libcuda.so.1): ns added per probed cuLaunchKernel, and
             the slowdown of a launcher issuing 100,000 launches/s
   sched     a context-switch storm (two processes pinned to one CPU ping-ponging over pipes): ns added per
@@ -15,7 +16,7 @@ and without the agent, A B B A ..., summarized by the median over pairs so that 
   latency   seconds from a fault's onset (slow-gpu:1:2@3) to the first /v1/diagnosis naming rank 1
   analyzer  diagnose() time and peak memory for 1,000 / 10,000 / 100,000 synthetic ranks on one core
   torch     step time of the real torch DDP job (tests/torch_ddp_train.py, gloo on CPU, 4 ranks under torchrun)
-            with the agent attached to its running ranks; listed only when that script exists
+            with the agent attached to its running ranks, light and deep mode; listed only when that script exists
 
 --quick runs every benchmark at a tiny size (the smoke test); its figures mean nothing.
 The stand-in libraries are built into a private folder, so that probes other agents on the machine put on
@@ -162,13 +163,14 @@ def free_port() -> int:
 class AgentProc:
     """`rankscope agent --pid ...` in a subprocess; attached to every PID once it serves HTTP."""
 
-    def __init__(self, ctx: Context, pids: list[int], window: float):
+    def __init__(self, ctx: Context, pids: list[int], window: float, detail: str = "auto"):
         self.url = f"http://127.0.0.1:{free_port()}"
         self.err_path = ctx.tmp / f"agent-{uuid.uuid4().hex[:8]}.err"
         with open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
                 [*AGENT, "agent", "--listen", self.url.removeprefix("http://"), "--pid", ",".join(map(str, pids)),
-                 "--window", str(window)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+                 "--window", str(window), "--detail", detail],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
         try:
             wait_until(self._up, 120, "the agent to serve", interval=0.1)
         except BaseException:
@@ -290,6 +292,33 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
+DETAILS = ("light", "deep")  # the agent's levels, each measured against no agent
+
+
+def slowdown_series(bench: str, pairs_per_level: int, phase: Callable[[str | None], float]) -> dict[str, dict]:
+    """For each detail level, alternating phases without (A) and with the agent at that level (B), A B B A ...;
+    `phase(level or None)` measures one phase. level -> {order, values, pair slowdowns in %, medians}."""
+    out = {}
+    for level in DETAILS:
+        order = abba(pairs_per_level)
+        values = []
+        for i, p in enumerate(order):
+            values.append(phase(level if p == "B" else None))
+            log(f"{bench}: {level}: phase {i + 1}/{len(order)} {p}: step {values[-1] * 1e3:.3f} ms")
+        out[level] = {"order": order, "step_s": values,
+                      "pair_slowdown_pct": [(r - 1) * 100 for r in pair_ratios(order, values)],
+                      "median_step_s_without": median([v for p, v in zip(order, values) if p == "A"]),
+                      "median_step_s_with": median([v for p, v in zip(order, values) if p == "B"])}
+    return out
+
+
+def slowdown_rows(bench: str, what: str, series: dict[str, dict]) -> list[Row]:
+    rows = [row(bench, f"{what} slowdown, agent {level} mode", median(s["pair_slowdown_pct"]), "%",
+                0.3 if level == "light" else None, spread(s["pair_slowdown_pct"])) for level, s in series.items()]
+    return rows + [row(bench, f"{what} median step without agent",
+                       median([series[level]["median_step_s_without"] for level in series]) * 1e3, "ms")]
+
+
 def cpu_ns(pid: int) -> int:
     """On-CPU nanoseconds of every live thread of `pid` (/proc/PID/task/*/schedstat)."""
     total = 0
@@ -323,13 +352,14 @@ def status_kb(pid: int, key: str) -> int:
 
 # ------------------------------------------------------------------------------------------------ 1b: job
 
-def job_phase(ctx: Context, ranks: int, steps: int, with_agent: bool) -> float:
-    """Mean over ranks of each rank's median step time, the agent attached before the first step or not."""
+def job_phase(ctx: Context, ranks: int, steps: int, detail: str | None) -> float:
+    """Mean over ranks of each rank's median step time, the agent (at `detail`) attached before the first
+    step, or no agent (None)."""
     job, hold = start_held_job(ranks, ctx.tmp, steps=steps)
     try:
-        agent = AgentProc(ctx, job.pids, window=5) if with_agent else None
+        agent = AgentProc(ctx, job.pids, window=5, detail=detail) if detail else None
         try:
-            expect_armed(job.pids, "libcuda.so.1", "cuStreamSynchronize", with_agent)
+            expect_armed(job.pids, "libcuda.so.1", "cuStreamSynchronize", agent is not None)
             hold.touch()
             job.wait(timeout=steps * 1.0 + 120)
             times = job.step_times()
@@ -347,21 +377,10 @@ def job_phase(ctx: Context, ranks: int, steps: int, with_agent: bool) -> float:
 def bench_job(ctx: Context) -> tuple[list[Row], dict]:
     ranks = 4
     steps = 30 if ctx.quick else 300
-    order = abba(1 if ctx.quick else 4)
-    values = []
-    for i, phase in enumerate(order):
-        values.append(job_phase(ctx, ranks, steps, phase == "B"))
-        log(f"job: phase {i + 1}/{len(order)} {phase}: step {values[-1] * 1e3:.3f} ms")
-    ratios = pair_ratios(order, values)
-    a = [v for p, v in zip(order, values) if p == "A"]
-    b = [v for p, v in zip(order, values) if p == "B"]
-    slowdown = (median(ratios) - 1) * 100
-    details = {"ranks": ranks, "steps_per_phase": steps, "order": order, "step_s": values,
-               "pair_slowdown_pct": [(r - 1) * 100 for r in ratios], "agent": "rankscope agent --pid (window 5 s)",
-               "median_step_s_without": median(a), "median_step_s_with": median(b)}
-    return [row("job", f"sim job slowdown, {ranks} ranks, agent subprocess", slowdown, "%", 0.3,
-                spread(details["pair_slowdown_pct"])),
-            row("job", "sim job median step without agent", median(a) * 1e3, "ms")], details
+    series = slowdown_series("job", 1 if ctx.quick else 3, lambda detail: job_phase(ctx, ranks, steps, detail))
+    details = {"ranks": ranks, "steps_per_phase": steps, "agent": "rankscope agent --pid --detail LEVEL (window 5 s)",
+               "levels": series}
+    return slowdown_rows("job", f"sim job ({ranks} ranks)", series), details
 
 
 # ------------------------------------------------------------------------------------------------ 1c: launch
@@ -956,34 +975,29 @@ def bench_torch(ctx: Context) -> tuple[list[Row], dict]:
     from the ranks' own reports over the same interval of each phase (from SETTLE s after the first steps)."""
     ranks = 4
     settle, measure = (2.0, 3.0) if ctx.quick else (8.0, 15.0)
-    order = abba(1 if ctx.quick else 3)
-    values = []
-    for i, phase in enumerate(order):
+
+    def phase(detail: str | None) -> float:
         job = TorchJob(ctx, ranks)
         try:
             pids = job.pids()
             first = time.time()
-            agent = AgentProc(ctx, pids, window=5) if phase == "B" else None
+            agent = AgentProc(ctx, pids, window=5, detail=detail) if detail else None
             try:
                 start = max(first + settle, time.time() + 0.5)
                 time.sleep(start - time.time() + measure)
-                end = start + measure
-                values.append(job.median_step(start, end))
+                return job.median_step(start, start + measure)
             finally:
                 if agent:
                     agent.stop()
         finally:
             job.stop()
-        log(f"torch: phase {i + 1}/{len(order)} {phase}: step {values[-1] * 1e3:.3f} ms")
-    ratios = pair_ratios(order, values)
-    a = [v for p, v in zip(order, values) if p == "A"]
-    details = {"ranks": ranks, "order": order, "step_s": values, "pair_slowdown_pct": [(r - 1) * 100 for r in ratios],
-               "settle_s": settle, "measured_s": measure, "agent": "rankscope agent --pid (window 5 s)",
+
+    series = slowdown_series("torch", 1 if ctx.quick else 3, phase)
+    details = {"ranks": ranks, "levels": series, "settle_s": settle, "measured_s": measure,
+               "agent": "rankscope agent --pid --detail LEVEL (window 5 s)",
                "method": "tests/torch_ddp_train.py (gloo, CPU) under torchrun; the agent attaches to the running "
                          "ranks; steps starting in the same interval of each phase, from the ranks' own reports"}
-    return [row("torch", f"torch DDP job slowdown, {ranks} ranks, agent subprocess", (median(ratios) - 1) * 100,
-                "%", 0.3, spread(details["pair_slowdown_pct"])),
-            row("torch", "torch DDP job median step without agent", median(a) * 1e3, "ms")], details
+    return slowdown_rows("torch", f"torch DDP job ({ranks} ranks)", series), details
 
 
 BENCHES: dict[str, Callable[[Context], tuple[list[Row], dict]]] = {

@@ -39,3 +39,10 @@ def test_nonsense_settings_are_refused(threshold, deep_s):
     with pytest.raises(ValueError):
         SlowdownTrigger(threshold, deep_s)
 
+
+
+def test_a_fixed_level_ignores_slowdowns():
+    t = SlowdownTrigger(fixed=LIGHT)
+    assert t.update({"j": doc(0.2, 0.05)}, 0) == LIGHT
+    assert t.mode() == {"level": "light", "reason": "set by --detail"}
+    assert SlowdownTrigger(fixed=DEEP).update({}, 0) == DEEP
