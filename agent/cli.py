@@ -9,9 +9,11 @@ import sys
 
 from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
 
+from .auth import TOKEN_ENV, TokenError, check_bind, load_token
 from .bpf_program import ProbeError
 from .observe import observe
 from .report import render
+from .server import ListenError
 from .session import Session
 from .targets import TargetError
 
@@ -58,10 +60,13 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UsageError("--window and --hang-timeout must be positive")
     if not args.all and not args.pid:
         raise UsageError("name the processes to watch with --pid, or --all for every training process")
+    token = load_token(args.token_file)
+    check_bind(host, token)  # before attaching anything
     session = Session()
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
-    asyncio.run(serve(Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout), host, port, args.window))
+    agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout)
+    asyncio.run(serve(agent, host, port, args.window, token))
     return 0
 
 
@@ -75,6 +80,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(args.fault, args.duration)
+
+
+def add_token_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", metavar="FILE",
+                   help=f"bearer token for the HTTP API (default: ${TOKEN_ENV}); required to listen beyond loopback")
 
 
 def add_hang_timeout(p: argparse.ArgumentParser) -> None:
@@ -100,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--pid", help="comma-separated PIDs to watch")
     who.add_argument("--all", action="store_true", help="discover every training process on the node")
     p.add_argument("--window", type=float, default=5.0, help="seconds per observation window (default 5)")
+    add_token_file(p)
     add_hang_timeout(p)
     p.set_defaults(func=cmd_agent)
 
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="rankscope: %(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (UsageError, TargetError, ProbeError) as e:
+    except (UsageError, TargetError, ProbeError, TokenError, ListenError) as e:
         print(f"rankscope: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,15 +4,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
-
-from aiohttp import web
 
 from rankscope.analyzer.diagnosis import diagnose
 
 from .bpf_program import ProbeError
 from .discovery import training_processes
-from .server import make_app
+from .server import make_app, serve_windows
 from .session import JOB_PATTERNS, Session
 from .snapshot import Snapshot, TargetView, targets_of
 from .targets import TargetError
@@ -66,25 +63,11 @@ class Agent:
         return self.snapshot
 
 
-async def serve(agent: Agent, host: str, port: int, window_s: float) -> None:
-    runner = web.AppRunner(make_app(lambda: agent.snapshot), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("serving on http://%s:%d", host, port)
-    stop = asyncio.Event()
+async def serve(agent: Agent, host: str, port: int, window_s: float, token: str | None) -> None:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await loop.run_in_executor(None, agent.discover)
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=window_s)
-            except asyncio.TimeoutError:
-                try:
-                    await loop.run_in_executor(None, agent.window)
-                except Exception:  # keep serving the last good snapshot; the next window may succeed
-                    log.exception("window failed")
+        await serve_windows(make_app(lambda: agent.snapshot, token), host, port, window_s,
+                            lambda: loop.run_in_executor(None, agent.window), "agent",
+                            first=lambda: loop.run_in_executor(None, agent.discover))
     finally:
-        await runner.cleanup()
         agent.session.close()
