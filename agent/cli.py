@@ -70,6 +70,32 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from .cluster import AgentListError, Cluster, parse_agents, serve_cluster
+
+    host, port = parse_listen(args.listen)
+    if args.window <= 0 or args.timeout <= 0 or args.hang_timeout <= 0 or args.concurrency < 1:
+        raise UsageError("--window, --timeout, --hang-timeout and --concurrency must be positive")
+    if bool(args.agents) == bool(args.agents_file):
+        raise UsageError("name the agents with --agents URL[,URL...] or --agents-file FILE (one of them)")
+    try:
+        if args.agents:
+            entries = args.agents.split(",")
+        else:
+            with open(args.agents_file) as f:
+                entries = f.read(1 << 20).splitlines()
+        agents = parse_agents(entries)
+    except OSError as e:
+        raise UsageError(f"cannot read the agents file: {e.strerror}: {args.agents_file}") from None
+    except (AgentListError, UnicodeDecodeError) as e:
+        raise UsageError(str(e)) from None
+    token = load_token(args.token_file)
+    check_bind(host, token)
+    cluster = Cluster(agents, token, args.timeout, args.concurrency, args.hang_timeout, args.window)
+    asyncio.run(serve_cluster(cluster, host, port, args.window, token))
+    return 0
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     from rankscope.sim import job
 
@@ -113,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_token_file(p)
     add_hang_timeout(p)
     p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("cluster", help="the cluster analyzer: pull every node agent, diagnose each job over all nodes")
+    p.add_argument("--agents", metavar="URL[,URL...]",
+                   help="agents as http://HOST:PORT; dns+http://NAME:PORT for every address NAME resolves to")
+    p.add_argument("--agents-file", metavar="FILE", help="agent URLs, one a line (# comments)")
+    p.add_argument("--listen", default="127.0.0.1:9465", help="HOST:PORT to serve on (default 127.0.0.1:9465)")
+    p.add_argument("--window", type=float, default=5.0, help="seconds between pulls (default 5)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds an agent has to answer a pull (default 3)")
+    p.add_argument("--concurrency", type=int, default=32, help="agents pulled at once (default 32)")
+    add_token_file(p)
+    add_hang_timeout(p)
+    p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("sim", help="run a simulated GPU training job (stand-in libcuda/libnccl)")
     from rankscope.sim import job
