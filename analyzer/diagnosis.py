@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .differential import align_collectives
-from .findings import Finding, compute_straggler, cpu_contention, plain, slow_link
+from .findings import Finding, compute_straggler, cpu_contention, node_fault, plain, slow_link
 from .hangs import DEFAULT_HANG_TIMEOUT_S, hang
 from .metrics import RankTable, rank_table
 from .patterns import RankPattern
@@ -34,7 +34,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
         return hung
     alignment = align_collectives(table.patterns, table.job_step_s)
     stragglers = compute_straggler(table, alignment) + cpu_contention(table, alignment)
-    found = stragglers + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
+    found = stragglers + node_fault(table, alignment) + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 
 

@@ -240,3 +240,20 @@ def test_cluster_api():
         assert 'rankscope_finding_cost{job="job-a",kind="compute_straggler"}' in text
 
     _serve(snap, check)
+
+
+def _kinds(patterns) -> dict[str, list]:
+    from rankscope.analyzer.diagnosis import diagnose_job
+    return {f["kind"]: f for f in diagnose_job(patterns)["findings"]}
+
+
+def test_every_rank_of_one_node_slow_is_a_node_fault():
+    found = _kinds(simulate(N, sync_extra={4: 0.02, 5: 0.021}, ranks_per_host=PER_HOST))
+    nf = found["node_fault"]
+    assert nf["ranks"] == [4, 5] and nf["evidence"]["host"] == "node2" and "node node2" in nf["summary"]
+    assert nf["cost"] > 0.2 and found["compute_straggler"]["ranks"] == [4, 5]
+
+
+@pytest.mark.parametrize("slow,per_host", [({5: 0.02}, 2), ({4: 0.02, 6: 0.02}, 2), ({0: 0.02, 1: 0.02}, 8)])
+def test_no_node_fault_for_one_rank_ranks_of_several_nodes_or_a_single_node(slow, per_host):
+    assert "node_fault" not in _kinds(simulate(N, sync_extra=slow, ranks_per_host=per_host))
