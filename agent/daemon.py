@@ -27,25 +27,30 @@ class Agent:
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
         self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
+        self._skipped: dict[int, str] = {}  # training-library processes that are not ranks (launchers, workers)
 
     def discover(self) -> None:
         if not self.discover_all:
             return
-        known = set(self.session.targets) | set(self._refused) | {os.getpid()}
-        for pid in training_processes(JOB_PATTERNS, exclude=known):
+        known = set(self.session.targets) | set(self._refused) | set(self._skipped) | {os.getpid()}
+        watch, skipped = training_processes(JOB_PATTERNS, exclude=known)
+        self._skipped.update(skipped)
+        for pid in watch:
             try:
                 self.session.add(pid)
                 log.info("watching pid %d", pid)
             except (TargetError, ProbeError) as e:
                 self._refused[pid] = str(e)
         self._refused = {pid: why for pid, why in self._refused.items() if os.path.exists(f"/proc/{pid}")}
+        self._skipped = {pid: why for pid, why in self._skipped.items() if os.path.exists(f"/proc/{pid}")}
 
     def window(self) -> Snapshot:
         """Close a window: read the maps, diagnose, publish. Never raises for one bad process."""
         libraries = {pid: sorted(t.libraries) + ([f"cpython-{t.python}"] if t.python else [])
                      for pid, t in self.session.targets.items()}
+        containers = {pid: t.container for pid, t in self.session.targets.items()}
         patterns = self.session.window()
-        views = targets_of(patterns, libraries)
+        views = targets_of(patterns, libraries, containers)
         for v in views:
             if v.state == "exited":
                 self._exited[v.pid] = v
@@ -58,6 +63,7 @@ class Agent:
             patterns=patterns,
             diagnoses=diagnose(patterns, self.hang_timeout_s),
             errors=[f"pid {pid}: {why}" for pid, why in sorted(self._refused.items())],
+            skipped=[f"pid {pid}: {why}" for pid, why in sorted(self._skipped.items())],
         )
         self.discover()
         return self.snapshot

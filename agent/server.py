@@ -87,7 +87,8 @@ def metrics_response(body: bytes) -> web.Response:
 def make_app(current: Callable[[], Snapshot], token: str | None = None) -> web.Application:
     async def targets(_: web.Request) -> web.Response:
         snap = current()
-        return web.json_response({"targets": [asdict(t) for t in snap.targets], "errors": snap.errors})
+        return web.json_response({"targets": [asdict(t) for t in snap.targets], "errors": snap.errors,
+                                  "skipped": snap.skipped})
 
     async def patterns(request: web.Request) -> web.Response:
         snap = current()
