@@ -1,4 +1,4 @@
-"""The `rankscope` command line (contract.md): diagnose, agent, sim, demo."""
+"""The `rankscope` command line (contract.md): diagnose, agent, cluster, sim, demo."""
 from __future__ import annotations
 
 import argparse

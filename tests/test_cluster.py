@@ -257,3 +257,31 @@ def test_every_rank_of_one_node_slow_is_a_node_fault():
 @pytest.mark.parametrize("slow,per_host", [({5: 0.02}, 2), ({4: 0.02, 6: 0.02}, 2), ({0: 0.02, 1: 0.02}, 8)])
 def test_no_node_fault_for_one_rank_ranks_of_several_nodes_or_a_single_node(slow, per_host):
     assert "node_fault" not in _kinds(simulate(N, sync_extra=slow, ranks_per_host=per_host))
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--agents", "ftp://x:1"], "is not http(s)://HOST[:PORT]"),
+    ([], "--agents URL[,URL...] or --agents-file FILE"),
+    (["--agents", "http://a:1", "--agents-file", "f"], "(one of them)"),
+    (["--agents-file", "/nonexistent/agents"], "cannot read the agents file"),
+    (["--agents", "http://a:1", "--listen", "0.0.0.0:9465"], "without a token"),
+    (["--agents", "http://a:1", "--timeout", "0"], "must be positive"),
+])
+def test_cluster_cli_errors(args, says, monkeypatch):
+    from test_cli_errors import one_line_error, run
+
+    monkeypatch.delenv("RANKSCOPE_TOKEN", raising=False)
+    assert says in one_line_error(run("cluster", *args))
+
+
+def test_cluster_cli_port_in_use():
+    import socket
+
+    from test_cli_errors import one_line_error, run
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        line = one_line_error(run("cluster", "--agents", "http://127.0.0.1:1", "--listen",
+                                  f"127.0.0.1:{s.getsockname()[1]}"))
+    assert "cannot listen on 127.0.0.1" in line

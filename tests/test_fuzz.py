@@ -13,8 +13,11 @@ from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rankscope.agent.cluster import AgentStatus, ClusterSnapshot, make_cluster_app
 from rankscope.agent.server import make_app
+from rankscope.analyzer.cluster import diagnose_cluster
 from rankscope.analyzer.patterns import PatternDecodeError, decode_patterns, encode_patterns
+from test_analyzer import simulate
 from test_patterns import typical
 from test_server import SNAP
 
@@ -89,7 +92,10 @@ def test_decoder_on_truncated_and_corrupted_payloads(noise, at):
 def servers() -> Iterator[tuple[asyncio.AbstractEventLoop, dict[str, TestServer]]]:
     """Two real listening servers (without and with a token) on one loop shared by every example."""
     loop = asyncio.new_event_loop()
-    servers = {"open": TestServer(make_app(lambda: SNAP)), "token": TestServer(make_app(lambda: SNAP, TOKEN))}
+    cluster = ClusterSnapshot(agents=[AgentStatus("http://10.0.0.1:9464", "down", "refused")],
+                              diagnoses=diagnose_cluster(simulate(4), {}))
+    servers = {"open": TestServer(make_app(lambda: SNAP)), "token": TestServer(make_app(lambda: SNAP, TOKEN)),
+               "cluster": TestServer(make_cluster_app(lambda: cluster, TOKEN))}
     for s in servers.values():
         loop.run_until_complete(s.start_server())
     yield loop, servers
@@ -113,14 +119,15 @@ async def _status(server: TestServer, request: bytes) -> int:
 
 URL_BYTES = st.binary(max_size=80).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"").replace(b" ", b"%20"))
 HEADER_VALUE = st.binary(max_size=80).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
-PATHS = st.sampled_from([b"/healthz", b"/v1/targets", b"/v1/patterns", b"/v1/diagnosis", b"/metrics", b"/"]) | URL_BYTES
+PATHS = st.sampled_from([b"/healthz", b"/v1/targets", b"/v1/patterns", b"/v1/diagnosis", b"/v1/jobs", b"/metrics",
+                         b"/v1/diagnosis?job=job-a", b"/"]) | URL_BYTES
 HEADERS = st.lists(st.tuples(st.sampled_from([b"Accept", b"Authorization", b"Content-Length", b"Range", b"X-A"]),
                              HEADER_VALUE | st.sampled_from([b"application/msgpack", b"Bearer " + TOKEN.encode()])),
                    max_size=4)
 
 
 @FAST
-@given(st.sampled_from(["open", "token"]), st.sampled_from([b"GET", b"HEAD", b"POST", b"PUT", b"OPTIONS"]), PATHS,
+@given(st.sampled_from(["open", "token", "cluster"]), st.sampled_from([b"GET", b"HEAD", b"POST", b"PUT", b"OPTIONS"]), PATHS,
        URL_BYTES, HEADERS)
 def test_http_never_5xx(servers, which, method, path, query, headers):
     loop, by_name = servers
