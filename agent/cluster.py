@@ -127,10 +127,12 @@ class Cluster:
                 async with self._session.get(url + "/v1/patterns", headers=self.headers) as r:
                     if r.status != 200:
                         raise PullError(f"HTTP {r.status}: {(await r.content.read(200)).decode(errors='replace').strip()}")
-                    body = await r.content.read(MAX_PAYLOAD_BYTES + 1)
-                    if not r.content.at_eof():
-                        raise PullError(f"answer larger than {MAX_PAYLOAD_BYTES} bytes")
-                    return decode_patterns(body)
+                    body = bytearray()
+                    async for chunk in r.content.iter_chunked(1 << 16):
+                        body += chunk
+                        if len(body) > MAX_PAYLOAD_BYTES:
+                            raise PullError(f"answer larger than {MAX_PAYLOAD_BYTES} bytes")
+                    return decode_patterns(bytes(body))
             except asyncio.TimeoutError:
                 raise PullError(f"no answer within {self.timeout.total:g} s") from None
             except aiohttp.ClientError as e:
@@ -163,10 +165,22 @@ class Cluster:
                     s = served.get(p.job)
                     served[p.job] = _Served(p.host, (s.ranks if s else ()) + (p.rank,), now)
             self.served[url] = served
+        self._unlisted(set(urls), now)
         lost = self._lost(now)
         self.snapshot = ClusterSnapshot(agents=sorted(self.status.values(), key=lambda s: s.url),
                                         diagnoses=diagnose_cluster(patterns, lost, self.hang_timeout_s))
         return self.snapshot
+
+    def _unlisted(self, listed: set[str], now: float) -> None:
+        """Agents a DNS name no longer lists (a node or its agent pod gone) are down until forgotten."""
+        for url, st in list(self.status.items()):
+            if url in listed or url in self.sources:
+                continue
+            if now - (st.last_ok or 0.0) > self.forget_after_s:
+                del self.status[url]
+                self.served.pop(url, None)
+            else:
+                st.state, st.error = "down", "no longer listed by its DNS name"
 
     def _lost(self, now: float) -> dict[str, list[LostRanks]]:
         """job -> ranks of agents that served the job before and are down now."""
