@@ -13,7 +13,7 @@ from aiohttp import web
 
 from rankscope.analyzer.patterns import encode_patterns, pattern_to_json
 
-from .auth import bearer_auth
+from .auth import Handler, bearer_auth
 from .metrics import CONTENT_TYPE_LATEST, exposition, gauge
 from .snapshot import Snapshot
 
@@ -31,7 +31,7 @@ def empty_diagnosis(job: str | None = None) -> dict:
 
 
 @web.middleware
-async def _time_limit(request: web.Request, handler) -> web.StreamResponse:
+async def _time_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await asyncio.wait_for(handler(request), HANDLER_TIMEOUT_S)
     except asyncio.TimeoutError:
