@@ -1,4 +1,4 @@
-"""The `rankscope` command line (contract.md): diagnose, agent, sim, demo."""
+"""The `rankscope` command line (contract.md): diagnose, agent, cluster, sim, demo."""
 from __future__ import annotations
 
 import argparse
@@ -10,10 +10,12 @@ import sys
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
 from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
 
+from .auth import TOKEN_ENV, TokenError, check_bind, load_token
 from .bpf_program import ProbeError
 from .detail import DEEP_SECONDS, LEVELS, SlowdownTrigger
 from .observe import observe
 from .report import render
+from .server import ListenError
 from .session import Session
 from .targets import TargetError
 
@@ -64,11 +66,39 @@ def cmd_agent(args: argparse.Namespace) -> int:
         trigger = SlowdownTrigger(args.slowdown_threshold, args.deep_seconds, LEVELS.get(args.detail))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    token = load_token(args.token_file)
+    check_bind(host, token)  # before attaching anything
     session = Session()
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
     agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger)
-    asyncio.run(serve(agent, host, port, args.window))
+    asyncio.run(serve(agent, host, port, args.window, token))
+    return 0
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from .cluster import AgentListError, Cluster, parse_agents, serve_cluster
+
+    host, port = parse_listen(args.listen)
+    if args.window <= 0 or args.timeout <= 0 or args.hang_timeout <= 0 or args.concurrency < 1:
+        raise UsageError("--window, --timeout, --hang-timeout and --concurrency must be positive")
+    if bool(args.agents) == bool(args.agents_file):
+        raise UsageError("name the agents with --agents URL[,URL...] or --agents-file FILE (one of them)")
+    try:
+        if args.agents:
+            entries = args.agents.split(",")
+        else:
+            with open(args.agents_file) as f:
+                entries = f.read(1 << 20).splitlines()
+        agents = parse_agents(entries)
+    except OSError as e:
+        raise UsageError(f"cannot read the agents file: {e.strerror}: {args.agents_file}") from None
+    except (AgentListError, UnicodeDecodeError) as e:
+        raise UsageError(str(e)) from None
+    token = load_token(args.token_file)
+    check_bind(host, token)
+    cluster = Cluster(agents, token, args.timeout, args.concurrency, args.hang_timeout, args.window)
+    asyncio.run(serve_cluster(cluster, host, port, args.window, token))
     return 0
 
 
@@ -82,6 +112,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(args.fault, args.duration)
+
+
+def add_token_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", metavar="FILE",
+                   help=f"bearer token for the HTTP API (default: ${TOKEN_ENV}); required to listen beyond loopback")
 
 
 def add_hang_timeout(p: argparse.ArgumentParser) -> None:
@@ -114,8 +149,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how long deep mode lasts once triggered (default {DEEP_SECONDS:.0f})")
     p.add_argument("--detail", choices=["auto", *LEVELS], default="auto",
                    help="what the agent records: light always-on, deep, or auto (light, deep after a slowdown)")
+    add_token_file(p)
     add_hang_timeout(p)
     p.set_defaults(func=cmd_agent)
+
+    p = sub.add_parser("cluster", help="the cluster analyzer: pull every node agent, diagnose each job over all nodes")
+    p.add_argument("--agents", metavar="URL[,URL...]",
+                   help="agents as http://HOST:PORT; dns+http://NAME:PORT for every address NAME resolves to")
+    p.add_argument("--agents-file", metavar="FILE", help="agent URLs, one a line (# comments)")
+    p.add_argument("--listen", default="127.0.0.1:9465", help="HOST:PORT to serve on (default 127.0.0.1:9465)")
+    p.add_argument("--window", type=float, default=5.0, help="seconds between pulls (default 5)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds an agent has to answer a pull (default 3)")
+    p.add_argument("--concurrency", type=int, default=32, help="agents pulled at once (default 32)")
+    add_token_file(p)
+    add_hang_timeout(p)
+    p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("sim", help="run a simulated GPU training job (stand-in libcuda/libnccl)")
     from rankscope.sim import job
@@ -136,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="rankscope: %(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (UsageError, TargetError, ProbeError) as e:
+    except (UsageError, TargetError, ProbeError, TokenError, ListenError) as e:
         print(f"rankscope: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

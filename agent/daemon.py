@@ -7,14 +7,13 @@ import os
 import signal
 import time
 
-from aiohttp import web
 from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.diagnosis import diagnose
 
 from .bpf_program import ProbeError
 from .detail import SlowdownTrigger
 from .discovery import training_processes
-from .server import make_app
+from .server import make_app, serve_windows
 from .session import JOB_PATTERNS, Session
 from .snapshot import Snapshot, TargetView, targets_of
 from .targets import TargetError
@@ -35,25 +34,30 @@ class Agent:
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
         self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
+        self._skipped: dict[int, str] = {}  # training-library processes that are not ranks (launchers, workers)
 
     def discover(self) -> None:
         if not self.discover_all:
             return
-        known = set(self.session.targets) | set(self._refused) | {os.getpid()}
-        for pid in training_processes(JOB_PATTERNS, exclude=known):
+        known = set(self.session.targets) | set(self._refused) | set(self._skipped) | {os.getpid()}
+        watch, skipped = training_processes(JOB_PATTERNS, exclude=known)
+        self._skipped.update(skipped)
+        for pid in watch:
             try:
                 self.session.add(pid)
                 log.info("watching pid %d", pid)
             except (TargetError, ProbeError) as e:
                 self._refused[pid] = str(e)
         self._refused = {pid: why for pid, why in self._refused.items() if os.path.exists(f"/proc/{pid}")}
+        self._skipped = {pid: why for pid, why in self._skipped.items() if os.path.exists(f"/proc/{pid}")}
 
     def window(self) -> Snapshot:
         """Close a window: read the maps, diagnose, publish. Never raises for one bad process."""
         libraries = {pid: sorted(t.libraries) + ([f"cpython-{t.python}"] if t.python else [])
                      for pid, t in self.session.targets.items()}
+        containers = {pid: t.container for pid, t in self.session.targets.items()}
         patterns = self.session.window()
-        views = targets_of(patterns, libraries)
+        views = targets_of(patterns, libraries, containers)
         for v in views:
             if v.state == "exited":
                 self._exited[v.pid] = v
@@ -71,30 +75,17 @@ class Agent:
             patterns=patterns,
             diagnoses=docs,
             errors=[f"pid {pid}: {why}" for pid, why in sorted(self._refused.items())],
+            skipped=[f"pid {pid}: {why}" for pid, why in sorted(self._skipped.items())],
         )
         self.discover()
         return self.snapshot
 
 
-async def serve(agent: Agent, host: str, port: int, window_s: float) -> None:
-    runner = web.AppRunner(make_app(lambda: agent.snapshot), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("serving on http://%s:%d", host, port)
-    stop = asyncio.Event()
+async def serve(agent: Agent, host: str, port: int, window_s: float, token: str | None) -> None:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await loop.run_in_executor(None, agent.discover)
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=window_s)
-            except asyncio.TimeoutError:
-                try:
-                    await loop.run_in_executor(None, agent.window)
-                except Exception:  # keep serving the last good snapshot; the next window may succeed
-                    log.exception("window failed")
+        await serve_windows(make_app(lambda: agent.snapshot, token), host, port, window_s,
+                            lambda: loop.run_in_executor(None, agent.window), "agent",
+                            first=lambda: loop.run_in_executor(None, agent.discover))
     finally:
-        await runner.cleanup()
         agent.session.close()

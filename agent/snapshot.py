@@ -6,6 +6,8 @@ from typing import Any
 
 from rankscope.analyzer.patterns import RankPattern
 
+from .containers import Container
+
 
 @dataclass(frozen=True)
 class TargetView:
@@ -15,6 +17,7 @@ class TargetView:
     job: str
     libraries: list[str]
     state: str  # "running" | "exited"
+    container: Container | None = None  # container id and pod UID, from its cgroup
 
 
 @dataclass(frozen=True)
@@ -24,11 +27,13 @@ class Snapshot:
     patterns: list[RankPattern] = field(default_factory=list)
     diagnoses: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> diagnosis document
     errors: list[str] = field(default_factory=list)  # processes that could not be watched, and why
+    skipped: list[str] = field(default_factory=list)  # processes not watched on purpose (launchers, workers)
 
 
-def targets_of(patterns: list[RankPattern], libraries: dict[int, list[str]]) -> list[TargetView]:
+def targets_of(patterns: list[RankPattern], libraries: dict[int, list[str]],
+               containers: dict[int, Container | None]) -> list[TargetView]:
     return [
         TargetView(pid=p.pid, rank=p.rank, world_size=p.world_size, job=p.job,
-                   libraries=libraries.get(p.pid, []), state=p.state)
+                   libraries=libraries.get(p.pid, []), state=p.state, container=containers.get(p.pid))
         for p in patterns
     ]

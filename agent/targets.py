@@ -8,6 +8,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from .containers import Container, container_of
+
 
 class TargetError(Exception):
     """A process cannot be watched; the message is one line a user can act on."""
@@ -34,6 +36,7 @@ class Target:
     attached_at: float = 0.0  # unix s when the agent began watching it
     python: str | None = None  # CPython version whose frames are sampled
     python_error: str | None = None  # why its Python frames are not sampled
+    container: Container | None = None  # its container and pod, from its cgroup
 
     def alive(self) -> bool:
         try:
@@ -107,16 +110,33 @@ def _int(env: dict[str, str], key: str) -> int | None:
         return None
 
 
+def parent_pid(pid: int) -> int:
+    try:
+        return int(_stat_fields(pid)[1])
+    except FileNotFoundError:
+        raise TargetError(f"no such process: {pid}") from None
+    except (OSError, IndexError, ValueError):
+        raise TargetError(f"cannot read /proc/{pid}/stat") from None
+
+
+def read_cmdline(pid: int) -> str:
+    return _read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def job_of(env: dict[str, str]) -> str | None:
+    """The job a launcher's environment names: torchrun's run id, else the rendezvous address; None if neither."""
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    return None
+
+
 def identity_from_env(pid: int, env: dict[str, str]) -> Identity:
     """Rank and job from the variables torchrun (and most launchers) set; the PID when there are none."""
     rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-    run_id = env.get("TORCHELASTIC_RUN_ID", "")
-    if run_id and run_id != "none":
-        job = run_id
-    elif env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        job = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    else:
-        job = f"pid-{pid}"
+    job = job_of(env) or f"pid-{pid}"
     if rank is None or world is None:
         return Identity(job=job, rank=0, world_size=1, local_rank=None, source="pid")
     return Identity(job=job, rank=rank, world_size=world, local_rank=_int(env, "LOCAL_RANK"), source="env")
@@ -141,4 +161,4 @@ def inspect_process(pid: int, patterns: dict[str, re.Pattern[str]], identifying:
             f"({', '.join(sorted(identifying))}): is it a training process?"
         )
     return Target(pid=pid, name=name, start_time=start, libraries=libraries,
-                  identity=identity_from_env(pid, environment(pid)))
+                  identity=identity_from_env(pid, environment(pid)), container=container_of(pid))

@@ -8,7 +8,7 @@ import numpy as np
 
 from .baseline import Baseline, Reference, StepProfile, regression
 from .differential import align_collectives
-from .findings import Finding, compute_straggler, cpu_contention, plain, slow_link
+from .findings import Finding, compute_straggler, cpu_contention, node_fault, plain, slow_link
 from .hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
 from .metrics import RankTable, rank_table
 from .patterns import RankPattern
@@ -40,7 +40,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
         return hung
     alignment = align_collectives(table.patterns, table.job_step_s)
     stragglers = compute_straggler(table, alignment) + cpu_contention(table, alignment)
-    found = stragglers + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
+    found = stragglers + node_fault(table, alignment) + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
     if not found:  # no rank differs from its peers: has the whole job changed?
         found = regression(table, reference)
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))

@@ -245,6 +245,40 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     return out
 
 
+def node_fault(t: RankTable, a: Alignment | None = None) -> list[Finding]:
+    """Every rank of one node (two or more) straggles while ranks of other nodes do not: the node (its power,
+    cooling, PCIe switch, a host-wide resource) rather than one GPU. Needs ranks of several nodes: the cluster
+    analyzer's view."""
+    found = _straggling(t)
+    if found is None:
+        return []
+    rows, z, excess, work, _comm_med = found
+    valid = _decidable(t)
+    hosts = np.array([p.host for p in t.patterns], dtype=object)
+    slow_hosts = set(hosts[rows])
+    if len(set(hosts[valid])) < 2 or slow_hosts == set(hosts[valid]):
+        return []
+    step = t.job_step_s
+    out = []
+    for host in sorted(slow_hosts):
+        members = np.flatnonzero(valid & (hosts == host))
+        if members.size < 2 or not np.isin(members, rows).all():
+            continue
+        ranks = sorted(int(t.rank[i]) for i in members)
+        cost = float(np.clip(max(_delay(a, i, float(excess[i])) for i in members) / step, 0.0, 1.0))
+        out.append(Finding(
+            kind="node_fault", ranks=ranks, function=None, component="host", score=float(z[members].min()),
+            cost=cost,
+            summary=(f"every rank on node {host} ({_rank_list(ranks)}) computes "
+                     f"{_range_ms([float(excess[i]) for i in members])} longer per step than the ranks of other "
+                     f"nodes: suspect the node, not one GPU; costs {cost:.0%} of step time"),
+            evidence={"host": host, "step_time_s": step, "peers_work_s": peers_median(work),
+                      "per_rank": sorted(({"rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i])}
+                                          for i in members), key=lambda r: r["rank"])},
+        ))
+    return out
+
+
 def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> list[Finding]:
     """Ranks that finish collectives last (a finish-lateness outlier) while their compute is normal.
 

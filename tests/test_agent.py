@@ -86,6 +86,9 @@ def test_all_discovers_the_training_processes_of_the_node(sim_job, agent):
     assert found
     ranks = wait_until(lambda: a.get(f"/v1/diagnosis?job={job.job_id}")["ranks"], 10, "a diagnosis of the job")
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2]
+    body = a.get("/v1/targets")
+    mine = [t for t in body["targets"] if t["pid"] in job.pids]
+    assert all("container" in t for t in mine) and isinstance(body["skipped"], list)
 
 
 def test_slowdown_of_every_rank_is_a_regression_and_raises_the_detail(sim_job, agent, tmp_path):
