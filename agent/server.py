@@ -56,8 +56,8 @@ class ListenError(Exception):
 
 
 async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None, handler_args={"max_line_size": MAX_LINE_BYTES,
-                                                               "max_field_size": MAX_LINE_BYTES})
+    # Extra keywords reach aiohttp's request handler (handler_args belongs to web.Application).
+    runner = web.AppRunner(app, access_log=None, max_line_size=MAX_LINE_BYTES, max_field_size=MAX_LINE_BYTES)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

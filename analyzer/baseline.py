@@ -61,7 +61,8 @@ class Reference:
 
 
 class Baseline:
-    """A job's recent window profiles; add each window after comparing it with `reference()`."""
+    """A job's recent window profiles; add each window after comparing it with `reference()` (diagnosis
+    leaves out hung and regressed windows, so a regression does not become the baseline)."""
 
     def __init__(self, keep: int = KEEP_WINDOWS):
         self._windows: deque[StepProfile] = deque(maxlen=keep)

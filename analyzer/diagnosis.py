@@ -14,6 +14,9 @@ from .metrics import RankTable, rank_table
 from .patterns import RankPattern
 
 NOT_ANALYZED = frozenset({"exited"})  # listed in `ranks`, left out of the comparison
+# Windows with these findings stay out of the job's baseline: a hung job has no steps, and a regressed one
+# would otherwise become its own baseline within a few windows (the job stays "slower than yesterday").
+NOT_BASELINE = HANGS | {"regression"}
 
 
 def diagnose(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
@@ -49,7 +52,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
 def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
                  baseline: Baseline | None = None) -> dict[str, Any]:
     """The contract's diagnosis document for the patterns of one job (compared with `baseline` when
-    given, which this window then joins unless the job is hung)."""
+    given, which this window then joins unless it is hung or regressed)."""
     if not patterns:
         raise ValueError("diagnose_job needs at least one pattern")
     jobs = {p.job for p in patterns}
@@ -72,7 +75,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     reference = baseline.reference() if baseline is not None else None
     findings = findings_of(table, hang_timeout_s, reference)
     profile = StepProfile.of(table) if analyzed else None
-    if baseline is not None and not any(f.kind in HANGS for f in findings):
+    if baseline is not None and not any(f.kind in NOT_BASELINE for f in findings):
         baseline.add(profile)
     return {
         "job": patterns[0].job,

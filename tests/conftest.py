@@ -5,6 +5,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -78,12 +79,15 @@ class AgentProcess:
     def __init__(self, *args: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # Output to a file: a pipe nobody drains would block the agent once it filled.
+        self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([*RANKSCOPE, "agent", "--listen", f"127.0.0.1:{self.port}", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
 
         def up() -> bool:
             if self.proc.poll() is not None:
-                raise AssertionError(f"agent exited: {self.proc.communicate()[1]}")
+                self.log.seek(0)
+                raise AssertionError(f"agent exited: {self.log.read()[-4000:]}")
             try:
                 return http_json(f"{self.url}/v1/targets") is not None
             except OSError:
@@ -102,6 +106,7 @@ class AgentProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
 
 
 @pytest.fixture

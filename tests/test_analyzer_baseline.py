@@ -99,3 +99,12 @@ def test_diagnose_keeps_one_baseline_per_job():
         diagnose(simulate(RANKS, job="a", seed=seed) + simulate(3, job="b", seed=seed), baselines=baselines)
     assert set(baselines) == {"a", "b"}
     assert all(b.reference().windows == 4 for b in baselines.values())
+
+
+def test_a_lasting_regression_does_not_become_the_baseline():
+    b = warmed(windows=4)
+    slow = dict.fromkeys(range(RANKS), 0.012)
+    for seed in range(20):  # five times the healthy history
+        doc = diagnose_job(simulate(RANKS, seed=100 + seed, sync_extra=slow), baseline=b)
+        assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")], (seed, doc["findings"])
+    assert doc["baseline"]["windows"] == 4

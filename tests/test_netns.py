@@ -92,7 +92,8 @@ def test_one_diagnosis_over_agents_in_network_namespaces(sim_job, nodes, procs, 
         procs.append(subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{node.name}", *RANKSCOPE, "agent", "--listen", f"{node.address}:{PORT}",
              "--pid", ",".join(map(str, pids)), "--token-file", str(token_file), "--window", "1.5"],
-            env={**os.environ, "NODE_NAME": node.name}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            env={**os.environ, "NODE_NAME": node.name}, stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"{node.name}.log", "w"), text=True))  # a file: a full pipe would block it
     # From the root namespace the agents answer over the veth pairs, and only with the token.
     for node in nodes:
         wait_until(lambda: _get(f"http://{node.address}:{PORT}/v1/targets"), 60, f"the agent of {node.name}")
@@ -105,7 +106,8 @@ def test_one_diagnosis_over_agents_in_network_namespaces(sim_job, nodes, procs, 
     agents = ",".join([f"http://{n.address}:{PORT}" for n in nodes] + [silent])
     procs.append(subprocess.Popen(
         [*RANKSCOPE, "cluster", "--agents", agents, "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file),
-         "--window", "1", "--timeout", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+         "--window", "1", "--timeout", "2"], stdout=subprocess.DEVNULL, stderr=open(tmp_path / "cluster.log", "w"),
+        text=True))
     url = f"http://127.0.0.1:{port}/v1/diagnosis?job={job.job_id}"
 
     def named() -> dict | None:

@@ -2,12 +2,17 @@
 import asyncio
 
 import msgpack
-from prometheus_client.parser import text_string_to_metric_families
 from aiohttp.test_utils import TestClient, TestServer
-
-from rankscope.agent.server import make_app
+from conftest import free_port
+from prometheus_client.parser import text_string_to_metric_families
+from rankscope.agent.server import MAX_LINE_BYTES, make_app, start_site
 from rankscope.agent.snapshot import Snapshot, TargetView
-from rankscope.analyzer.patterns import FunctionStats, RankPattern, Role, decode_patterns
+from rankscope.analyzer.patterns import (
+    FunctionStats,
+    RankPattern,
+    Role,
+    decode_patterns,
+)
 
 
 def _pattern(rank: int) -> RankPattern:
@@ -119,3 +124,25 @@ def test_unknown_path_and_method():
         assert (await c.post("/v1/diagnosis", data=b"x")).status == 405
 
     _run(SNAP, check)
+
+
+def test_served_site_refuses_header_lines_over_the_limit():
+    """start_site is what the agent and the cluster serve with: its request limits, not aiohttp's defaults."""
+    async def go() -> list[int]:
+        port = free_port()
+        runner = await start_site(make_app(lambda: SNAP), "127.0.0.1", port)
+        statuses = []
+        try:
+            for size in (MAX_LINE_BYTES // 2, MAX_LINE_BYTES + 100):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-A: "
+                             + b"a" * size + b"\r\n\r\n")
+                await writer.drain()
+                statuses.append(int((await asyncio.wait_for(reader.readline(), 10)).split()[1]))
+                writer.close()
+        finally:
+            await runner.cleanup()
+        return statuses
+
+    ok, too_long = asyncio.run(go())
+    assert ok == 200 and too_long in (400, 431), (ok, too_long)
