@@ -13,6 +13,7 @@ from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPat
 from . import histograms
 from .bpf_program import ProbeProgram
 from .probes import sched
+from .python_exact import PythonTimer
 from .python_profile import summarize
 from .python_sampler import PythonSampler
 from .probes.nccl import communicators, world_communicator
@@ -43,9 +44,10 @@ class _ProcessCursor:
 
 
 class Collector:
-    def __init__(self, program: ProbeProgram, python: PythonSampler, host: str):
+    def __init__(self, program: ProbeProgram, python: PythonSampler, timer: PythonTimer, host: str):
         self.program = program
         self.python = python
+        self.timer = timer
         self.host = host
         self._cursors: dict[int, _ProcessCursor] = {}
         self._window_start = time.time()
@@ -69,6 +71,7 @@ class Collector:
         pending = {k.value: v.pending_last for k, v in bpf["watched"].items() if v.pending_last}
         threads = sched.threads(bpf)
         stacks = self.python.read()
+        timed = self.timer.read()
         thieves = sched.thieves(bpf)
 
         patterns = []
@@ -95,6 +98,7 @@ class Collector:
                 last_progress=cursor.last_progress,
                 since=t.attached_at,
                 python=summarize(stacks.get(t.pid, {}), self.python.frequency),
+                python_timed=timed.get(t.pid, []),
                 where=self._where(t.pid, ring, pending.get(t.pid), stalled=not collectives),
             ))
             cursor.major_faults = faults
