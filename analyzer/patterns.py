@@ -103,6 +103,11 @@ class PyTimed:
     def mean_s(self) -> float:
         return self.total_s / self.count if self.count else 0.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """As diagnosis evidence shows it."""
+        return {"function": self.name, "count": self.count, "total_s": self.total_s, "mean_s": self.mean_s,
+                "max_s": self.max_s}
+
     def merged(self, other: PyTimed) -> PyTimed:
         return PyTimed(self.name, self.count + other.count, self.total_s + other.total_s, max(self.max_s, other.max_s))
 
