@@ -153,3 +153,21 @@ def test_sleep_before_forward_is_a_compute_straggler(torch_job):
     # while the window's length still counts the time attaching took).
     assert top["evidence"]["waited_in"] == "gloo_allreduce"
     assert 0.010 < top["evidence"]["per_rank"][0]["excess_s"] < 0.040, top
+
+
+def test_slow_loader_is_an_input_straggler_timed_exactly_in_next(torch_job):
+    job = torch_job("--slow-loader", "2:0.03")
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("input_straggler", [2], "input"), doc["findings"]
+    # The DataLoader's __next__, timed on every call (the for loop enters it through C).
+    assert top["function"] == "dataloader.py:_BaseDataLoaderIter.__next__", top
+    ev = top["evidence"]["per_rank"][0]
+    assert ev["timed_function"] == top["function"]
+    (nxt,) = [r for r in ev["python_timed"] if r["function"] == top["function"]]
+    assert nxt["count"] >= 10 and 0.03 <= nxt["mean_s"] < 0.05, nxt
+    peers = [r for r in doc["ranks"] if r["rank"] != 2]
+    for r in peers:  # their loader is fast; their modules' forward calls are timed too
+        timed = {t["function"]: t for t in r["python_timed"]}
+        assert timed[top["function"]]["mean_s"] < 0.02, r
+        assert any(name.endswith(".forward") for name in timed), r
