@@ -72,6 +72,7 @@ class Collector:
         threads = sched.threads(bpf)
         stacks = self.python.read()
         timed = self.timer.read()
+        gc_usdt = self.timer.read_gc()
         thieves = sched.thieves(bpf)
 
         patterns = []
@@ -89,7 +90,8 @@ class Collector:
                 job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
                 # A rank attached during this window has been accounted only since then.
                 window_start=max(start, t.attached_at), window_end=now, state="exited" if t.pid in exited else "running",
-                functions=self._functions(cursor, stats.get(t.pid, {})),
+                functions=self._functions(cursor, stats.get(t.pid, {})) | (
+                    {gc_usdt[t.pid].name: gc_usdt[t.pid]} if t.pid in gc_usdt else {}),
                 collectives=collectives,
                 identity_source=ident.source,
                 sched=cursor.sched.thread_times(threads.get(t.pid, {})),

@@ -29,13 +29,13 @@ import struct
 from dataclasses import dataclass, field
 from importlib import resources
 
-from rankscope.analyzer.patterns import PyTimed
+from rankscope.analyzer.patterns import FunctionStats, PyTimed, Role
 
 from . import histograms
 from .interpreters import SPECIAL_FRAMES, Frame
 from .interpreters.cpython import CodeResolver, Interpreter, PythonAttachError
 from .python_profile import function_name
-from .symbols import SymbolError, exported_functions
+from .symbols import SymbolError, exported_functions, functions, sdt_probes
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ TOP_TIMED = 5  # per pattern, by total time
 NAME_SLOTS, NAME_BYTES = 8, 32  # PYX_NAMES, PYX_NAME_WORDS * 8
 VERDICT_TIMED, VERDICT_SKIP = 1, 2
 COUNTER_NAMES = ("too_deep", "unreadable_name")
+GC_START, GC_DONE = ("python", "gc__start"), ("python", "gc__done")  # USDT probes of CPython's GC
+GC_NAME = "gc__start"  # the GC's FunctionStats where it is timed through USDT (else libpython's gc_collect_main)
 
 
 class TimerError(PythonAttachError):
@@ -112,6 +114,12 @@ class _Cumulative:
     total_ns: int = 0
     hist: list[int] = field(default_factory=list)
 
+    def delta(self, count: int, total_ns: int, max_ns: int, hist: list[int]) -> tuple[int, float, float, list[int]]:
+        """What a cumulative reading adds to this one: (calls, seconds, max seconds, histogram)."""
+        d_hist = histograms.minus(hist, self.hist)
+        return (count - self.count, (total_ns - self.total_ns) / 1e9,
+                min(max_ns / 1e9, histograms.upper_bound_s(d_hist)), d_hist)
+
 
 @dataclass
 class _Watched:
@@ -120,6 +128,8 @@ class _Watched:
     events: list[bytes]
     seen: dict[int, _Cumulative] = field(default_factory=dict)  # code -> cumulative stats at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
+    semaphores: list[int] = field(default_factory=list)  # USDT semaphores incremented in the process
+    gc: _Cumulative = field(default_factory=_Cumulative)
 
 
 class PythonTimer:
@@ -183,20 +193,57 @@ class PythonTimer:
             self._unprobe([ev for ev in bpf.uprobe_fds if ev not in before])
             bpf["pyx_targets"].pop(ctypes.c_uint32(pid), None)
             raise TimerError(f"pid {pid}: cannot probe {EVAL} in {interp.elf_path}: {e}") from e
-        events = [ev for ev in bpf.uprobe_fds if ev not in before]
-        self._watched[pid] = _Watched(interp, CodeResolver(interp), events)
+        w = self._watched[pid] = _Watched(interp, CodeResolver(interp), [ev for ev in bpf.uprobe_fds if ev not in before])
+        before = set(bpf.uprobe_fds)
+        try:
+            self._time_gc(w, path)
+        except (TimerError, OSError) as e:  # the functions are still timed
+            log.warning("pid %d: garbage collections not timed: %s", pid, e)
+        finally:
+            w.events += [ev for ev in bpf.uprobe_fds if ev not in before]
         log.info("timing forward, loader __next__%s in pid %d", "".join(
             f", {t.module}:{t.qualname}" for t in self.selection.traced), pid)
+
+    def _time_gc(self, w: _Watched, path: str) -> None:
+        """Time garbage collections with the USDT probes, where the interpreter has no gc_collect_main
+        symbol for the libpython probes (stripped builds such as Debian's) but has the probes. A USDT site
+        runs only while its semaphore (a counter in the process) is non-zero: it is incremented here and
+        decremented at detach, as every USDT tracer does."""
+        try:
+            if "gc_collect_main" in functions(path, local=True):
+                return
+            probes = sdt_probes(path)
+        except SymbolError as e:
+            raise TimerError(str(e)) from e
+        start, done = probes.get(GC_START), probes.get(GC_DONE)
+        if start is None or done is None:
+            log.info("pid %d: %s has neither gc_collect_main nor GC USDT probes: GC not timed", w.interp.pid, path)
+            return
+        pid = w.interp.pid
+        try:
+            self._bpf.attach_uprobe(name=path, addr=start.address, fn_name=b"pyx_gc_enter", pid=pid)
+            self._bpf.attach_uprobe(name=path, addr=done.address, fn_name=b"pyx_gc_return", pid=pid)
+        except Exception as e:  # bcc raises bare Exception
+            raise TimerError(f"cannot probe the GC's USDT sites in {path}: {e}") from e
+        for sem in {start.semaphore, done.semaphore} - {0}:
+            _add_to_semaphore(pid, sem + w.interp.load_bias, +1)
+            w.semaphores.append(sem + w.interp.load_bias)
 
     def detach(self, pid: int) -> None:
         """Stop timing `pid` (alive or not); what it did since the last read is dropped."""
         w = self._watched.pop(pid, None)
         if w is None:
             return
+        for addr in w.semaphores:
+            try:
+                _add_to_semaphore(pid, addr, -1)
+            except OSError:  # it exited
+                pass
         self._unprobe(w.events)
         w.resolver.close()
         bpf = self._bpf
         bpf["pyx_targets"].pop(ctypes.c_uint32(pid), None)
+        bpf["pyx_gc"].pop(ctypes.c_uint32(pid), None)
         for name in ("pyx_stats", "pyx_verdict"):
             table = bpf[name]
             for key in [k for k in table.keys() if k.pid == pid]:
@@ -226,20 +273,37 @@ class PythonTimer:
                 stats.pop(key, None)
                 continue
             hist = list(val.hist)
-            prev = w.seen.get(key.code) or _Cumulative(hist=[0] * len(hist))
+            prev = w.seen.get(key.code) or _Cumulative()
             w.seen[key.code] = _Cumulative(val.count, val.total_ns, hist)
-            count = val.count - prev.count
+            count, total_s, max_s, _ = prev.delta(val.count, val.total_ns, val.max_ns, hist)
             if count <= 0:
                 continue
-            d_hist = histograms.minus(hist, prev.hist)
-            row = PyTimed(name=function_name(frame), count=count, total_s=(val.total_ns - prev.total_ns) / 1e9,
-                          max_s=min(val.max_ns / 1e9, histograms.upper_bound_s(d_hist)))
+            row = PyTimed(name=function_name(frame), count=count, total_s=total_s, max_s=max_s)
             rows = per_pid.setdefault(key.pid, {})
             if row.name in rows:  # code objects of one name (a function redefined, same-named classes)
                 rows[row.name] = rows[row.name].merged(row)
             else:
                 rows[row.name] = row
         return {pid: sorted(rows.values(), key=lambda r: -r.total_s)[:TOP_TIMED] for pid, rows in per_pid.items()}
+
+    def read_gc(self) -> dict[int, FunctionStats]:
+        """Per pid whose collections are timed through USDT, its collections since the previous read."""
+        if self._bpf is None:
+            return {}
+        out = {}
+        for key, val in self._bpf["pyx_gc"].items():
+            w = self._watched.get(key.value)
+            if w is None:
+                continue
+            hist = list(val.hist)
+            count, total_s, max_s, d_hist = w.gc.delta(val.count, val.total_ns, val.max_ns, hist)
+            w.gc = _Cumulative(val.count, val.total_ns, hist)
+            if count > 0:
+                out[key.value] = FunctionStats(
+                    name=GC_NAME, role=Role.GC, count=count, total_s=total_s, max_s=max_s,
+                    p50_s=min(histograms.percentile_s(d_hist, 0.5), max_s),
+                    p99_s=min(histograms.percentile_s(d_hist, 0.99), max_s))
+        return out
 
     def counters(self) -> dict[str, int]:
         """Totals since load: timed calls nested too deep to be timed, code objects whose name was unreadable."""
@@ -254,3 +318,12 @@ class PythonTimer:
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
+
+
+def _add_to_semaphore(pid: int, addr: int, n: int) -> None:
+    """Adds n to the unsigned short USDT semaphore at `addr` in `pid` (never below 0)."""
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+        mem.seek(addr)
+        value = struct.unpack("<H", mem.read(2))[0]
+        mem.seek(addr)
+        mem.write(struct.pack("<H", max(0, min(0xFFFF, value + n))))

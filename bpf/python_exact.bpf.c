@@ -89,6 +89,19 @@ static __always_inline u8 pyx_decide(struct pyx_target *t, u64 code) {
     return VERDICT_SKIP;
 }
 
+static __always_inline void pyx_add(struct pyx_val *v, u64 ns) {
+    if (!v)
+        return;
+    __sync_fetch_and_add(&v->count, 1);
+    __sync_fetch_and_add(&v->total_ns, ns);
+    u32 slot = bpf_log2l(ns);
+    if (slot >= PYX_HIST)
+        slot = PYX_HIST - 1;
+    __sync_fetch_and_add(&v->hist[slot], 1);
+    if (ns > v->max_ns)
+        v->max_ns = ns;  // racy max is fine: user space bounds a window's max by its histogram
+}
+
 int pyx_enter(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32;
@@ -144,16 +157,34 @@ int pyx_return(struct pt_regs *ctx) {
     a->depth = top;
     struct pyx_code_key key = {.pid = a->pid, .code = a->code[top]};
     struct pyx_val zero = {};
-    struct pyx_val *v = pyx_stats.lookup_or_try_init(&key, &zero);
-    if (!v)
+    pyx_add(pyx_stats.lookup_or_try_init(&key, &zero), ns);
+    return 0;
+}
+
+// Garbage collections, where the interpreter has no gc_collect_main symbol to probe but the USDT probes
+// python:gc__start / gc__done (Debian's python3.11): one collection from start to done, per thread.
+BPF_HASH(pyx_gc_start, u32, u64, 16384);
+BPF_HASH(pyx_gc, u32, struct pyx_val, 1024);
+
+int pyx_gc_enter(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 pid = id >> 32, tid = id;
+    if (!pyx_targets.lookup(&pid))
         return 0;
-    __sync_fetch_and_add(&v->count, 1);
-    __sync_fetch_and_add(&v->total_ns, ns);
-    u32 slot = bpf_log2l(ns);
-    if (slot >= PYX_HIST)
-        slot = PYX_HIST - 1;
-    __sync_fetch_and_add(&v->hist[slot], 1);
-    if (ns > v->max_ns)
-        v->max_ns = ns;  // racy max is fine: user space bounds a window's max by its histogram
+    u64 ts = bpf_ktime_get_ns();
+    pyx_gc_start.update(&tid, &ts);
+    return 0;
+}
+
+int pyx_gc_return(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 pid = id >> 32, tid = id;
+    u64 *ts = pyx_gc_start.lookup(&tid);
+    if (!ts)
+        return 0;
+    u64 ns = bpf_ktime_get_ns() - *ts;
+    pyx_gc_start.delete(&tid);
+    struct pyx_val zero = {};
+    pyx_add(pyx_gc.lookup_or_try_init(&pid, &zero), ns);
     return 0;
 }

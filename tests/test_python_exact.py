@@ -182,3 +182,59 @@ def test_diagnose_names_the_traced_loader_of_an_input_straggler(sim_job):
     for rank in doc["ranks"]:
         (row,) = [r for r in rank["python_timed"] if r["function"] == "rank.py:load_batch"]
         assert row["mean_s"] >= (0.03 if rank["rank"] == 1 else 0.003), rank
+
+
+GC_TARGET = r'''
+import gc, sys
+
+class Node:
+    pass
+
+print("ready", flush=True)
+sys.stdin.readline()
+gc.disable()  # only the collections below
+live = [[Node() for _ in range(100)] for _ in range(2000)]  # a full collection traverses them
+for _ in range(COLLECTIONS):
+    for _ in range(1000):
+        a, b = Node(), Node()
+        a.b, b.a = b, a
+    gc.collect()
+print("done", flush=True)
+sys.stdin.readline()
+'''
+
+
+@needs_root
+def test_collections_of_a_stripped_interpreter_are_timed_through_usdt(timer, procs, tmp_path):
+    from rankscope.agent.python_exact import GC_START
+    from rankscope.agent.symbols import sdt_probes
+
+    script = tmp_path / "gc_target.py"
+    script.write_text(f"COLLECTIONS = 7\n{GC_TARGET}")
+    python = str(interpreter("debian-3.11"))  # no gc_collect_main symbol; python:gc__start/gc__done notes
+    p, _ = start(procs, [python, str(script)])
+    timer.attach(inspect(p.pid))
+    semaphore = sdt_probes(python)[GC_START].semaphore
+
+    def armed() -> int:
+        with open(f"/proc/{p.pid}/mem", "rb") as mem:
+            mem.seek(semaphore)
+            return int.from_bytes(mem.read(2), "little")
+
+    try:
+        assert armed() == 1
+        run_calls(p)
+        gc_stats = timer.read_gc()[p.pid]
+    finally:
+        timer.detach(p.pid)
+    assert armed() == 0  # the process is left as it was found
+    assert gc_stats.count == 7 and gc_stats.role == "gc"
+    assert 0 < gc_stats.p50_s <= gc_stats.max_s <= gc_stats.total_s < 7 * 0.5, gc_stats
+
+
+@needs_root
+def test_gc_storm_on_debian_python_is_python_gc(sim_job):
+    job = sim_job(4, faults=("gc:2",), python=str(interpreter("debian-3.11")))
+    doc = diagnose_json(job.pids, 3)
+    (f,) = [f for f in doc["findings"] if f["kind"] == "python_gc"]
+    assert (f["ranks"], f["function"], f["component"]) == ([2], "gc__start", "python"), doc["findings"]
