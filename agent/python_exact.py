@@ -26,6 +26,7 @@ import ctypes
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -44,6 +45,9 @@ TOP_TIMED = 5  # per pattern, by total time
 NAME_SLOTS, NAME_BYTES = 8, 32  # PYX_NAMES, PYX_NAME_WORDS * 8
 VERDICT_TIMED, VERDICT_SKIP = 1, 2
 COUNTER_NAMES = ("too_deep", "unreadable_name")
+# Every eval entry of a timed process traps twice (~1.3 us): above this rate (~2.6% of a core) a process
+# stops being timed at the next read. CPython 3.10 enters eval on every call, so it is timed only on request.
+MAX_ENTRIES_PER_S = 20_000
 GC_START, GC_DONE = ("python", "gc__start"), ("python", "gc__done")  # USDT probes of CPython's GC
 GC_NAME = "gc__start"  # the GC's FunctionStats where it is timed through USDT (else libpython's gc_collect_main)
 
@@ -125,11 +129,14 @@ class _Cumulative:
 class _Watched:
     interp: Interpreter
     resolver: CodeResolver
-    events: list[bytes]
+    events: list[bytes]  # the eval loop's uprobe and uretprobe
+    gc_events: list[bytes] = field(default_factory=list)
     seen: dict[int, _Cumulative] = field(default_factory=dict)  # code -> cumulative stats at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
     semaphores: list[int] = field(default_factory=list)  # USDT semaphores incremented in the process
     gc: _Cumulative = field(default_factory=_Cumulative)
+    entries: int = 0  # eval entries probed, at the last read
+    read_at: float = field(default_factory=time.monotonic)
 
 
 class PythonTimer:
@@ -172,6 +179,9 @@ class PythonTimer:
         pid = interp.pid
         if pid in self._watched:
             return
+        if interp.layout.version < (3, 11) and not self.selection.traced:
+            raise TimerError(f"pid {pid}: CPython {interp.version} enters the eval loop on every call; "
+                             "forward and __next__ are timed there only with --trace-function")
         bpf = self.bpf
         path = f"/proc/{pid}/root{interp.elf_path}"
         try:
@@ -200,7 +210,7 @@ class PythonTimer:
         except (TimerError, OSError) as e:  # the functions are still timed
             log.warning("pid %d: garbage collections not timed: %s", pid, e)
         finally:
-            w.events += [ev for ev in bpf.uprobe_fds if ev not in before]
+            w.gc_events = [ev for ev in bpf.uprobe_fds if ev not in before]
         log.info("timing forward, loader __next__%s in pid %d", "".join(
             f", {t.module}:{t.qualname}" for t in self.selection.traced), pid)
 
@@ -239,7 +249,7 @@ class PythonTimer:
                 _add_to_semaphore(pid, addr, -1)
             except OSError:  # it exited
                 pass
-        self._unprobe(w.events)
+        self._unprobe(w.events + w.gc_events)
         w.resolver.close()
         bpf = self._bpf
         bpf["pyx_targets"].pop(ctypes.c_uint32(pid), None)
@@ -260,6 +270,7 @@ class PythonTimer:
         """Per watched pid, the timed functions' calls completed since the previous read, most time first."""
         if self._bpf is None:
             return {}
+        self._bound_cost()
         stats, verdicts = self._bpf["pyx_stats"], self._bpf["pyx_verdict"]
         per_pid: dict[int, dict[str, PyTimed]] = {}
         for key, val in stats.items():
@@ -285,6 +296,23 @@ class PythonTimer:
             else:
                 rows[row.name] = row
         return {pid: sorted(rows.values(), key=lambda r: -r.total_s)[:TOP_TIMED] for pid, rows in per_pid.items()}
+
+    def _bound_cost(self) -> None:
+        """Stop probing the eval loop of processes that entered it too often since the previous read."""
+        targets = self._bpf["pyx_targets"]
+        now = time.monotonic()
+        for pid, w in list(self._watched.items()):
+            try:
+                entries = targets[ctypes.c_uint32(pid)].entries
+            except KeyError:
+                continue
+            rate = (entries - w.entries) / max(now - w.read_at, 1e-3)
+            w.entries, w.read_at = entries, now
+            if rate > MAX_ENTRIES_PER_S and w.events:
+                log.warning("pid %d enters the Python eval loop %.0f times a second: exact timing stopped "
+                            "(it would cost ~%.0f%% of a core)", pid, rate, rate * 1.3e-4)
+                self._unprobe(w.events)
+                w.events = []
 
     def read_gc(self) -> dict[int, FunctionStats]:
         """Per pid whose collections are timed through USDT, its collections since the previous read."""

@@ -18,6 +18,7 @@ struct pyx_target {
     u32 unicode_length;      // str -> length
     u32 unicode_ascii_size;  // str -> compact ASCII data
     u64 code_tag_mask;       // low bits of f_executable that are tags (3.14)
+    u64 entries;             // eval entries probed: what the process pays for (user space bounds the rate)
 };
 BPF_HASH(pyx_targets, u32, struct pyx_target, 1024);
 
@@ -108,6 +109,7 @@ int pyx_enter(struct pt_regs *ctx) {
     struct pyx_target *t = pyx_targets.lookup(&pid);
     if (!t)
         return 0;
+    __sync_fetch_and_add(&t->entries, 1);
     u64 code = 0;
     if (bpf_probe_read_user(&code, sizeof(code), (void *)(PT_REGS_PARM2(ctx) + t->frame_code)))
         return 0;

@@ -238,3 +238,50 @@ def test_gc_storm_on_debian_python_is_python_gc(sim_job):
     doc = diagnose_json(job.pids, 3)
     (f,) = [f for f in doc["findings"] if f["kind"] == "python_gc"]
     assert (f["ranks"], f["function"], f["component"]) == ([2], "gc__start", "python"), doc["findings"]
+
+
+BUSY = r'''
+def f(x):
+    return x
+
+print("ready", flush=True)
+while True:
+    for _ in map(f, range(100000)):
+        pass
+'''
+
+
+@needs_root
+def test_a_process_entering_eval_too_often_stops_being_probed(timer, procs, tmp_path):
+    import ctypes
+
+    from conftest import wait_until
+
+    from rankscope.agent.python_exact import MAX_ENTRIES_PER_S
+    from rankscope.agent.symbols import code_byte
+
+    script = tmp_path / "busy.py"
+    script.write_text(BUSY)
+    p, _ = start(procs, [str(interpreter("3.12")), str(script)])
+    timer.attach(inspect(p.pid))
+    try:
+        entries = lambda: timer.bpf["pyx_targets"][ctypes.c_uint32(p.pid)].entries  # noqa: E731
+        wait_until(lambda: entries() > MAX_ENTRIES_PER_S, 10, "the busy loop to enter eval")
+        assert code_byte(p.pid, "libpython3.12.so.1.0", "_PyEval_EvalFrameDefault") == 0xCC
+        timer.read()
+        assert code_byte(p.pid, "libpython3.12.so.1.0", "_PyEval_EvalFrameDefault") != 0xCC
+    finally:
+        timer.detach(p.pid)
+
+
+@needs_root
+def test_310_is_timed_only_on_request(procs, tmp_path):
+    from rankscope.agent.python_exact import TimerError
+
+    p, _ = start(procs, [str(interpreter("3.10")), str(target(tmp_path))])
+    t = PythonTimer()
+    try:
+        with pytest.raises(TimerError, match="--trace-function"):
+            t.attach(inspect(p.pid))
+    finally:
+        t.close()
