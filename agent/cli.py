@@ -14,6 +14,7 @@ from .auth import TOKEN_ENV, TokenError, check_bind, load_token
 from .bpf_program import ProbeError
 from .detail import DEEP_SECONDS, LEVELS, SlowdownTrigger
 from .observe import observe
+from .python_exact import TracedFunction
 from .report import render
 from .server import ListenError
 from .session import Session
@@ -41,11 +42,26 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def parse_traced(texts: list[str] | None) -> tuple[TracedFunction, ...]:
+    try:
+        return tuple(TracedFunction.parse(t) for t in texts or ())
+    except ValueError as e:
+        raise UsageError(f"--trace-function: {e}") from None
+
+
+def make_session(args: argparse.Namespace) -> Session:
+    traced = parse_traced(args.trace_function)
+    try:
+        return Session(traced=traced)
+    except ValueError as e:  # too many functions to trace
+        raise UsageError(f"--trace-function: {e}") from None
+
+
 def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.duration <= 0 or args.hang_timeout <= 0:
         raise UsageError("--duration and --hang-timeout must be positive")
     pids = parse_pids(args.pid)
-    session = Session()
+    session = make_session(args)
     try:
         doc = observe(session, pids, args.duration, args.hang_timeout)
         print(json.dumps(doc) if args.json else render(doc), flush=True)
@@ -68,7 +84,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     token = load_token(args.token_file)
     check_bind(host, token)  # before attaching anything
-    session = Session()
+    session = make_session(args)
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
     agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger)
@@ -124,6 +140,12 @@ def add_hang_timeout(p: argparse.ArgumentParser) -> None:
                    help=f"no collective completing for this long is a hang (default {DEFAULT_HANG_TIMEOUT_S:.0f})")
 
 
+def add_trace_function(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace-function", action="append", metavar="MODULE:QUALNAME",
+                   help="also time every call of this Python function exactly (repeatable; calls that enter "
+                        "the interpreter from C, e.g. callbacks, iterators; every call on 3.10)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rankscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the agent does")
@@ -134,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=10.0, help="seconds to observe (default 10)")
     p.add_argument("--json", action="store_true", help="print the diagnosis document as JSON")
     add_hang_timeout(p)
+    add_trace_function(p)
     p.set_defaults(func=cmd_diagnose)
 
     p = sub.add_parser("agent", help="the node daemon: watch ranks, serve patterns and diagnosis over HTTP")
@@ -151,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what the agent records: light always-on, deep, or auto (light, deep after a slowdown)")
     add_token_file(p)
     add_hang_timeout(p)
+    add_trace_function(p)
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("cluster", help="the cluster analyzer: pull every node agent, diagnose each job over all nodes")

@@ -15,6 +15,7 @@ from .bpf_program import ProbeProgram
 from .detail import LIGHT, Detail
 from .probes import sched
 from .probes.nccl import communicators, world_communicator
+from .python_exact import PythonTimer
 from .python_profile import summarize
 from .python_sampler import PythonSampler
 from .stacks import where
@@ -43,9 +44,10 @@ class _ProcessCursor:
 
 
 class Collector:
-    def __init__(self, program: ProbeProgram, python: PythonSampler, host: str):
+    def __init__(self, program: ProbeProgram, python: PythonSampler, timer: PythonTimer, host: str):
         self.program = program
         self.python = python
+        self.timer = timer
         self.host = host
         self._cursors: dict[int, _ProcessCursor] = {}
         self._window_start = time.time()
@@ -70,6 +72,8 @@ class Collector:
         pending = {k.value: v.pending_last for k, v in bpf["watched"].items() if v.pending_last}
         threads = sched.threads(bpf)
         stacks = self.python.read()
+        timed = self.timer.read()
+        gc_usdt = self.timer.read_gc()
         thieves = sched.thieves(bpf)
 
         patterns = []
@@ -87,7 +91,8 @@ class Collector:
                 job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
                 # A rank attached during this window has been accounted only since then.
                 window_start=max(start, t.attached_at), window_end=now, state="exited" if t.pid in exited else "running",
-                functions=self._functions(cursor, stats.get(t.pid, {})),
+                functions=self._functions(cursor, stats.get(t.pid, {})) | (
+                    {gc_usdt[t.pid].name: gc_usdt[t.pid]} if t.pid in gc_usdt else {}),
                 collectives=collectives,
                 identity_source=ident.source,
                 sched=cursor.sched.thread_times(threads.get(t.pid, {})),
@@ -96,6 +101,7 @@ class Collector:
                 last_progress=cursor.last_progress,
                 since=t.attached_at,
                 python=summarize(stacks.get(t.pid, {}), self.python.frequency, self.detail.top_python),
+                python_timed=timed.get(t.pid, []),
                 where=self._where(t.pid, ring, pending.get(t.pid), stalled=not collectives),
             ))
             cursor.major_faults = faults

@@ -249,6 +249,11 @@ class PythonSampler:
                 except KeyError:
                     pass
 
+    def interpreter(self, pid: int) -> Interpreter | None:
+        """The verified interpreter of a sampled process."""
+        entry = self._targets.get(pid)
+        return entry[0] if entry is not None else None
+
     def attached(self) -> dict[int, str]:
         """pid -> CPython version of every process being sampled."""
         return {pid: entry[0].version for pid, entry in self._targets.items()}

@@ -16,6 +16,7 @@ from .bpf_program import ProbeProgram
 from .collector import Collector
 from .detail import Detail
 from .probes import KINDS
+from .python_exact import PythonTimer, TracedFunction
 from .python_sampler import DEFAULT_FREQUENCY, PythonAttachError, PythonSampler
 from .targets import Target, TargetError, inspect_process
 
@@ -32,10 +33,12 @@ def host_name() -> str:
 
 
 class Session:
-    def __init__(self, program: ProbeProgram | None = None, python_hz: int = DEFAULT_FREQUENCY):
+    def __init__(self, program: ProbeProgram | None = None, python_hz: int = DEFAULT_FREQUENCY,
+                 traced: tuple[TracedFunction, ...] = ()):
         self.program = program or ProbeProgram()
         self.python = PythonSampler(frequency=python_hz)
-        self.collector = Collector(self.program, self.python, host_name())
+        self.timer = PythonTimer(traced)
+        self.collector = Collector(self.program, self.python, self.timer, host_name())
         self.targets: dict[int, Target] = {}
 
     def add(self, pid: int) -> Target:
@@ -59,6 +62,11 @@ class Session:
         except PythonAttachError as e:
             target.python_error = str(e)
             log.warning("pid %d: no Python frames: %s", target.pid, e)
+            return
+        try:
+            self.timer.attach(self.python.interpreter(target.pid))
+        except PythonAttachError as e:
+            log.warning("pid %d: no exact Python timing: %s", target.pid, e)
 
     def window(self) -> list[RankPattern]:
         """The patterns of every watched process since the previous window."""
@@ -88,9 +96,11 @@ class Session:
 
     def _forget(self, pid: int) -> None:
         del self.targets[pid]
+        self.timer.detach(pid)  # after the last read: its uprobes leave with the process anyway
         self.collector.forget(pid)
         self.program.purge(pid)
 
     def close(self) -> None:
+        self.timer.close()
         self.python.close()
         self.program.close()

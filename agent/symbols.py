@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import struct
+from dataclasses import dataclass
 from functools import lru_cache
 
 from elftools.common.exceptions import ELFError
@@ -46,6 +48,46 @@ def _functions(path: str, local: bool, _dev: int, _ino: int, _mtime: int) -> dic
     except (OSError, ELFError) as e:
         raise SymbolError(f"cannot read symbols of {path}: {e}") from e
     return found
+
+
+@dataclass(frozen=True)
+class SdtProbe:
+    """A USDT (SystemTap SDT) probe site: where to put a uprobe, and the semaphore that arms the site."""
+
+    address: int  # of the probe's instruction, as a link-time address of the file (bcc's `addr`)
+    semaphore: int  # link-time address of its unsigned short counter; 0 when the site is always live
+
+
+def sdt_probes(path: str) -> dict[tuple[str, str], SdtProbe]:
+    """(provider, name) -> SdtProbe of every SDT note of `path` (e.g. CPython's python:gc__start)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
+    return _sdt_probes(path, st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _sdt_probes(path: str, _dev: int, _ino: int, _mtime: int) -> dict[tuple[str, str], SdtProbe]:
+    out: dict[tuple[str, str], SdtProbe] = {}
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            notes, base = elf.get_section_by_name(".note.stapsdt"), elf.get_section_by_name(".stapsdt.base")
+            if notes is None:
+                return out
+            for note in notes.iter_notes():
+                desc = note["n_desc"]
+                if note["n_name"] != "stapsdt" or not isinstance(desc, bytes) or len(desc) < 26:
+                    continue
+                pc, note_base, sem = struct.unpack_from("<QQQ", desc)
+                provider, name = desc[24:].split(b"\0")[:2]
+                # A prelinked file moved .stapsdt.base: the note's addresses move with it.
+                shift = base["sh_addr"] - note_base if base is not None and note_base else 0
+                out[(provider.decode(), name.decode())] = SdtProbe(pc + shift, sem + shift if sem else 0)
+    except (OSError, ELFError, ValueError) as e:
+        raise SymbolError(f"cannot read the SDT notes of {path}: {e}") from e
+    return out
 
 
 def code_byte(pid: int, library: str, symbol: str) -> int:

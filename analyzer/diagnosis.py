@@ -70,6 +70,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         entry = {"rank": p.rank, "pid": p.pid, "host": p.host, "state": p.state}
         entry.update((key, col[i] if i is not None else None) for key, col in columns.items())
         entry["identity_source"] = p.identity_source
+        if p.python_timed:  # exact per-call times of forward, data-loader __next__, --trace-function
+            entry["python_timed"] = plain([f.to_dict() for f in p.python_timed])
         return entry
 
     reference = baseline.reference() if baseline is not None else None

@@ -115,13 +115,22 @@ def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray
         return rows[_runq_excess(t)[rows] >= CONTENTION_SHARE * excess[rows]]
 
 
-def _python_excess(t: RankTable, i: int, valid: np.ndarray, excess: float) -> str | None:
-    """The Python function (of the rank's main thread) holding most of a straggler's extra time, if any."""
-    if not t.py_names:
+def _python_excess(names: list[str], per_step: np.ndarray, i: int, valid: np.ndarray, excess: float) -> str | None:
+    """The Python function holding most of a straggler's extra time, if any: of the sampled main-thread
+    functions (t.py_names, t.py_s) or of the exactly timed ones (t.timed_names, t.timed_s)."""
+    if not names:
         return None
-    extra = t.py_s[i] - np.median(t.py_s[valid], axis=0)
+    extra = per_step[i] - np.median(per_step[valid], axis=0)
     j = int(np.argmax(extra))
-    return t.py_names[j] if extra[j] >= PYTHON_SHARE * excess else None
+    return names[j] if extra[j] >= PYTHON_SHARE * excess else None
+
+
+def _timed_evidence(t: RankTable, i: int) -> dict[str, Any]:
+    """The rank's exactly timed Python functions, per window (absent when nothing was timed)."""
+    rows = t.patterns[i].python_timed
+    if not rows:
+        return {}
+    return {"python_timed": [f.to_dict() for f in rows]}
 
 
 def _delay(a: Alignment | None, i: int, excess: float) -> float:
@@ -173,19 +182,23 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
             function, component, where = t.fn_names[j], _COMPONENT[t.fn_roles[j]], float(fn_excess.max())
         else:
             function, component, where = _HOST_TIME, "cpu", float(host_excess)
-        python = _python_excess(t, i, valid, excess[i])
+        python = _python_excess(t.py_names, t.py_s, i, valid, excess[i])
+        timed = _python_excess(t.timed_names, t.timed_s, i, valid, excess[i])
         kind = "python_gc" if component == "python" else "compute_straggler"
-        if python is not None and component == "cpu":  # time outside CUDA/NCCL: the Python function is the where
-            function = python
-            if DATA_LOADING.search(python):
+        named = timed or python  # an exactly timed function that grew beats a sampled estimate
+        if named is not None and component == "cpu":  # time outside CUDA/NCCL: the Python function is the where
+            function = named
+            if DATA_LOADING.search(named):
                 kind, component = "input_straggler", "input"
         groups.setdefault((kind, component, function), []).append({
             "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i]),
             "work_s": float(work[i]), "comm_s": float(t.comm_s[i]), "sync_s": float(t.sync_s[i]),
             "host_s": float(t.host_s[i]), "function_excess_s": where, "python_function": python,
+            "timed_function": timed,
             "arrival_lateness_s": float(a.arrival_late_s[i]) if a is not None else None,
             "delay_s": _delay(a, i, float(excess[i])),
             **_host_evidence(t, i),
+            **_timed_evidence(t, i),
         })
 
     out = []

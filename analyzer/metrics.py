@@ -31,6 +31,8 @@ class RankTable:
     runq_s: np.ndarray  # the main thread runnable but not running (waiting for a CPU); NaN: no scheduler view
     py_names: list[str]  # columns of py_s
     py_s: np.ndarray  # rows x Python functions: self wall time per step; 0 where not among the rank's top
+    timed_names: list[str]  # columns of timed_s
+    timed_s: np.ndarray  # rows x exactly timed Python functions: time in their calls per step
 
     def __len__(self) -> int:
         return len(self.patterns)
@@ -80,14 +82,8 @@ def rank_table(patterns: Sequence[RankPattern]) -> RankTable:
         total = fn_per_step[:, role_arr == role.value].sum(axis=1) if roles else np.zeros(n)
         return np.where(np.isfinite(step), total, np.nan)  # unknown step: unknown per-step times
 
-    py_names: dict[str, int] = {}
-    for p in patterns:
-        for f in p.python:
-            py_names.setdefault(f.name, len(py_names))
-    py = np.zeros((n, len(py_names)))
-    for i, p in enumerate(patterns):
-        for f in p.python:
-            py[i, py_names[f.name]] = f.self_s
+    py_names, py = _named_columns([{f.name: f.self_s for f in p.python} for p in patterns])
+    timed_names, timed = _named_columns([{f.name: f.total_s for f in p.python_timed} for p in patterns])
 
     comm = in_role(Role.COMM)
     # Probed calls on other threads may overlap, so the remainder can dip below zero: clip.
@@ -107,4 +103,19 @@ def rank_table(patterns: Sequence[RankPattern]) -> RankTable:
         * per_step,
         py_names=list(py_names),
         py_s=py * per_step[:, None],
+        timed_names=timed_names,
+        timed_s=timed * per_step[:, None],
     )
+
+
+def _named_columns(rows: list[dict[str, float]]) -> tuple[list[str], np.ndarray]:
+    """Per-rank {name: value} as a matrix over the union of names (0 where a rank lacks one)."""
+    names: dict[str, int] = {}
+    for row in rows:
+        for name in row:
+            names.setdefault(name, len(names))
+    out = np.zeros((len(rows), len(names)))
+    for i, row in enumerate(rows):
+        for name, value in row.items():
+            out[i, names[name]] = value
+    return list(names), out

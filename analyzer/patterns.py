@@ -90,6 +90,29 @@ class PyFunction:
 
 
 @dataclass
+class PyTimed:
+    """Calls of one Python function timed exactly during the window (uprobes on the interpreter's eval loop):
+    nn.Module forward, data-loader __next__, functions named with --trace-function."""
+
+    name: str  # "file.py:Qualified.name"
+    count: int  # calls completed in the window
+    total_s: float
+    max_s: float
+
+    @property
+    def mean_s(self) -> float:
+        return self.total_s / self.count if self.count else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """As diagnosis evidence shows it."""
+        return {"function": self.name, "count": self.count, "total_s": self.total_s, "mean_s": self.mean_s,
+                "max_s": self.max_s}
+
+    def merged(self, other: PyTimed) -> PyTimed:
+        return PyTimed(self.name, self.count + other.count, self.total_s + other.total_s, max(self.max_s, other.max_s))
+
+
+@dataclass
 class RankPattern:
     """Everything the analyzer knows about one rank for one window."""
 
@@ -111,6 +134,7 @@ class RankPattern:
     since: float | None = None  # unix s when the agent began watching this rank
     where: str = ""  # of a rank that completed nothing this window: e.g. "futex (futex_wait_queue)"
     python: list[PyFunction] = field(default_factory=list)  # main thread's top functions by self time
+    python_timed: list[PyTimed] = field(default_factory=list)  # exactly timed functions, most time first
 
     @property
     def window_s(self) -> float:
@@ -173,6 +197,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         "wh": p.where,
         "since": None if p.since is None else _us(p.since),
         "py": [[f.name, f.self_s, f.total_s, f.cpu_s] for f in p.python],
+        "pyt": [[f.name, f.count, f.total_s, f.max_s] for f in p.python_timed],
     }
 
 
@@ -279,6 +304,16 @@ def _python_from_wire(raw: Any) -> list[PyFunction]:
     return out
 
 
+def _python_timed_from_wire(raw: Any) -> list[PyTimed]:
+    out = []
+    for row in _list(raw, "pyt"):
+        name, count, total_s, max_s = _list(row, "timed python function", 4)
+        name = _str(name, "timed python function name")
+        out.append(PyTimed(name=name, count=_int(count, f"{name}.count"), total_s=_seconds(total_s, f"{name}.total_s"),
+                           max_s=_seconds(max_s, f"{name}.max_s")))
+    return out
+
+
 def _pattern_from_wire(d: Any) -> RankPattern:
     if not isinstance(d, dict):
         raise PatternDecodeError(f"pattern: expected a map, got {type(d).__name__}")
@@ -311,6 +346,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             where=_str(d["wh"], "where"),
             since=None if d["since"] is None else _int(d["since"], "since") / 1e6,
             python=_python_from_wire(d["py"]),
+            python_timed=_python_timed_from_wire(d.get("pyt", [])),
         )
     except PatternDecodeError:
         raise

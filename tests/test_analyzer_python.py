@@ -1,7 +1,9 @@
 """Python-level root causes on synthetic jobs: the function where a straggler's time goes names the cause."""
 from test_analyzer import WINDOW, findings, simulate
 
-from rankscope.analyzer.patterns import FunctionStats, PyFunction, Role
+import pytest
+
+from rankscope.analyzer.patterns import FunctionStats, PyFunction, PyTimed, Role
 
 STEPS = WINDOW / 0.048
 
@@ -48,3 +50,34 @@ def test_gc_pauses_are_python_gc():
     found = findings(pats)
     assert [(f["kind"], f["ranks"], f["component"], f["function"]) for f in found] == [
         ("python_gc", [0], "python", "gc_collect_main")], found
+
+
+def with_timed_next(patterns, slow_rank: int, extra_s: float):
+    """Every rank's exactly timed data-loader __next__ (one call per step); one rank's takes extra_s longer."""
+    name = "dataloader.py:_SingleProcessDataLoaderIter.__next__"
+    for p in patterns:
+        each = 0.001 + (extra_s if p.rank == slow_rank else 0.0)
+        n = round(STEPS)
+        p.python_timed = [PyTimed(name, n, each * n, each * 1.1), PyTimed("model.py:Net.forward", n, 0.002 * n, 0.0025)]
+    return patterns, name
+
+
+def test_exact_loader_time_makes_the_input_straggler_even_when_sampling_blames_another_function():
+    # Sampling saw the extra time in a helper the loader calls; the exact __next__ time grew by the same.
+    pats = with_python(simulate(4, host_extra={2: 0.02}), {2: ("utils.py:decode_jpeg", 0.02)})
+    pats, name = with_timed_next(pats, 2, 0.02)
+    found = findings(pats)
+    assert [(f["kind"], f["ranks"], f["component"], f["function"]) for f in found] == [
+        ("input_straggler", [2], "input", name)], found
+    ev = found[0]["evidence"]["per_rank"][0]
+    assert ev["timed_function"] == name and ev["python_function"] == "utils.py:decode_jpeg"
+    timed = {r["function"]: r for r in ev["python_timed"]}
+    assert timed[name]["count"] == round(STEPS)
+    assert timed[name]["mean_s"] == pytest.approx(0.021)
+
+
+def test_timed_functions_that_did_not_grow_leave_the_sampled_name():
+    pats = with_python(simulate(4, host_extra={1: 0.02}), {1: ("train.py:augment_tokens", 0.02)})
+    pats, _ = with_timed_next(pats, 1, 0.0)
+    found = findings(pats)
+    assert [(f["kind"], f["function"]) for f in found] == [("compute_straggler", "train.py:augment_tokens")], found

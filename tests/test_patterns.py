@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from rankscope.analyzer.patterns import (
-    SCHEMA_VERSION, CollectiveRecord, FunctionStats, PatternDecodeError, RankPattern, Role, decode_patterns,
+    SCHEMA_VERSION, CollectiveRecord, FunctionStats, PatternDecodeError, PyTimed, RankPattern, Role, decode_patterns,
     encode_patterns, pattern_to_json,
 )
 
@@ -61,6 +61,11 @@ def test_round_trip_within_float32():
 
 def test_typical_pattern_fits_1kb():
     size = len(encode_patterns([typical()]))
+    assert size <= 1024, size
+
+
+def test_typical_pattern_with_timed_python_functions_stays_small():
+    size = len(encode_patterns([with_timed(typical())]))
     assert size <= 1024, size
 
 
@@ -131,3 +136,28 @@ def test_truncated_and_corrupted_payloads_never_raise_anything_else():
             continue
         for p in out:  # what does decode is well-typed
             assert isinstance(p.rank, int) and all(math.isfinite(f.total_s) for f in p.functions.values())
+
+
+def with_timed(p: RankPattern) -> RankPattern:
+    p.python_timed = [PyTimed("model.py:Block.forward", 5120, 1.1, 0.0021),
+                      PyTimed("dataloader.py:_MultiProcessingDataLoaderIter.__next__", 40, 0.35, 0.031)]
+    return p
+
+
+def test_timed_python_functions_round_trip_and_may_be_absent():
+    p = with_timed(typical())
+    back = decode_patterns(encode_patterns([p]))[0].python_timed
+    assert [(f.name, f.count) for f in back] == [(f.name, f.count) for f in p.python_timed]
+    for f, g in zip(p.python_timed, back):  # float32 on the wire
+        assert (g.total_s, g.max_s) == pytest.approx((f.total_s, f.max_s), rel=1e-7)
+    d = _wire()
+    del d["pyt"]  # a pattern from an agent that does not time Python functions
+    assert decode_patterns(msgpack.packb([d]))[0].python_timed == []
+    assert p.python_timed[1].mean_s == pytest.approx(0.35 / 40)
+
+
+@pytest.mark.parametrize("pyt", [[["f", 1, 0.1]], [["f", -1, 0.1, 0.1]], [["f", 1, float("nan"), 0.1]],
+                                 [[3, 1, 0.1, 0.1]], [["f", 1.5, 0.1, 0.1]], "x"])
+def test_malformed_timed_python_functions_raise_decode_error(pyt):
+    with pytest.raises(PatternDecodeError):
+        decode_patterns(_mutated(pyt=pyt))

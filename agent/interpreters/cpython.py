@@ -471,6 +471,7 @@ class Interpreter:
     layout: Layout
     ns_dev: int  # the target's pid namespace: nsfs device (kernel encoding) and inode
     ns_ino: int
+    load_bias: int = 0  # where elf_path is loaded, less its link-time addresses (0 for a non-PIE executable)
 
     @property
     def minor(self) -> tuple[int, int]:
@@ -572,7 +573,7 @@ def inspect(pid: int) -> Interpreter:
         verify(mem, pid, runtime, layout, text)
     finally:
         mem.close()
-    return Interpreter(pid, text, facts.path, runtime, layout, ns_dev, ns_ino)
+    return Interpreter(pid, text, facts.path, runtime, layout, ns_dev, ns_ino, bias)
 
 
 def _ns_tids(pid: int) -> set[int]:
