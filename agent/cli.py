@@ -12,7 +12,7 @@ from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
 
 from .auth import TOKEN_ENV, TokenError, check_bind, load_token
 from .bpf_program import ProbeError
-from .detail import DEEP_SECONDS, LEVELS, SlowdownTrigger
+from .detail import DEEP, DEEP_SECONDS, LEVELS, LIGHT, Detail, SlowdownTrigger
 from .observe import observe
 from .python_exact import TracedFunction
 from .report import render
@@ -49,10 +49,10 @@ def parse_traced(texts: list[str] | None) -> tuple[TracedFunction, ...]:
         raise UsageError(f"--trace-function: {e}") from None
 
 
-def make_session(args: argparse.Namespace) -> Session:
+def make_session(args: argparse.Namespace, detail: Detail) -> Session:
     traced = parse_traced(args.trace_function)
     try:
-        return Session(traced=traced)
+        return Session(traced=traced, detail=detail)
     except ValueError as e:  # too many functions to trace
         raise UsageError(f"--trace-function: {e}") from None
 
@@ -61,7 +61,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.duration <= 0 or args.hang_timeout <= 0:
         raise UsageError("--duration and --hang-timeout must be positive")
     pids = parse_pids(args.pid)
-    session = make_session(args)
+    session = make_session(args, DEEP)  # one bounded look, asked for: full detail
     try:
         doc = observe(session, pids, args.duration, args.hang_timeout)
         print(json.dumps(doc) if args.json else render(doc), flush=True)
@@ -84,7 +84,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     token = load_token(args.token_file)
     check_bind(host, token)  # before attaching anything
-    session = make_session(args)
+    session = make_session(args, trigger.fixed or LIGHT)
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
     agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger)

@@ -16,14 +16,24 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from yarl import URL
-
 from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.cluster import LostRanks, diagnose_cluster
-from rankscope.analyzer.patterns import MAX_PAYLOAD_BYTES, PatternDecodeError, RankPattern, decode_patterns
+from rankscope.analyzer.patterns import (
+    MAX_PAYLOAD_BYTES,
+    PatternDecodeError,
+    RankPattern,
+    decode_patterns,
+)
+from yarl import URL
 
 from .metrics import exposition, gauge
-from .server import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
+from .server import (
+    MSGPACK,
+    metrics_response,
+    secure_app,
+    select_diagnosis,
+    serve_windows,
+)
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import time
 
 from rankscope.analyzer.baseline import Baseline

@@ -6,6 +6,7 @@ import time
 from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
 from rankscope.sim.job import start_job
 
+from .detail import DEEP
 from .observe import observe
 from .report import render
 from .session import Session
@@ -19,7 +20,7 @@ def run_demo(fault: str, duration: float) -> int:
     with start_job(RANKS, faults=[fault]) as job:
         print(f"rankscope demo: ranks are pids {', '.join(map(str, job.pids))}; observing for {duration:.0f} s")
         time.sleep(WARMUP_S)
-        session = Session()
+        session = Session(detail=DEEP)  # like diagnose: one bounded look
         try:
             doc = observe(session, job.pids, duration, DEFAULT_HANG_TIMEOUT_S)
             print()

@@ -8,7 +8,14 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .targets import TargetError, environment, job_of, mapped_libraries, parent_pid, read_cmdline
+from .targets import (
+    TargetError,
+    environment,
+    job_of,
+    mapped_libraries,
+    parent_pid,
+    read_cmdline,
+)
 
 LAUNCHER = re.compile(r"torch\.distributed\.(?:run|launch)\b|\btorchrun\b|torchelastic")
 

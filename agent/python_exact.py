@@ -14,10 +14,13 @@ file and turns off the ones that do not match (their calls until then are droppe
 
 Cost: every eval entry of a watched process takes the uprobe and the uretprobe trap (~1.5 us); the BPF
 work of a call that is not timed is two map lookups. Keep it to processes that enter eval at most some
-thousand times a second (3.11+ training loops do).
+thousand times a second (3.11+ training loops do). That is too much for always-on: the agent times
+forward and __next__ in deep mode only (agent/detail.py); functions the user names are always timed, and
+garbage collections whenever the process is watched (USDT, a few per second at most).
 
     timer = PythonTimer([TracedFunction.parse("train:Trainer.step")])
     timer.attach(interp)                   # an Interpreter from the sampler's inspect
+    timer.set_functions(True)              # forward and loader __next__ too, not only named functions
     timed = timer.read()                   # {pid: [PyTimed(name, count, total_s, max_s), ...]}
 """
 from __future__ import annotations
@@ -129,7 +132,8 @@ class _Cumulative:
 class _Watched:
     interp: Interpreter
     resolver: CodeResolver
-    events: list[bytes]  # the eval loop's uprobe and uretprobe
+    events: list[bytes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
+    too_hot: bool = False  # entered eval too often to be timed: never probed again
     gc_events: list[bytes] = field(default_factory=list)
     seen: dict[int, _Cumulative] = field(default_factory=dict)  # code -> cumulative stats at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
@@ -150,6 +154,7 @@ class PythonTimer:
         self._names = names
         self._bpf = None
         self._watched: dict[int, _Watched] = {}
+        self.functions = bool(self.selection.traced)  # eval loop probed; named functions keep it on
 
     @property
     def bpf(self):
@@ -175,42 +180,70 @@ class PythonTimer:
         return self._bpf
 
     def attach(self, interp: Interpreter) -> None:
-        """Time the chosen functions of `interp`'s process from now on; TimerError says why not."""
+        """Time `interp`'s process from now on: its garbage collections, and its chosen functions while
+        `functions` is on; TimerError says why the functions cannot be."""
         pid = interp.pid
         if pid in self._watched:
             return
-        if interp.layout.version < (3, 11) and not self.selection.traced:
-            raise TimerError(f"pid {pid}: CPython {interp.version} enters the eval loop on every call; "
-                             "forward and __next__ are timed there only with --trace-function")
         bpf = self.bpf
-        path = f"/proc/{pid}/root{interp.elf_path}"
-        try:
-            if EVAL not in exported_functions(path):
-                raise TimerError(f"pid {pid}: {interp.elf_path} does not export {EVAL}")
-        except SymbolError as e:
-            raise TimerError(f"pid {pid}: {e}") from e
         lay = interp.layout
         conf = bpf["pyx_targets"].Leaf()
         conf.frame_code, conf.code_name = lay.frame_code, lay.code_name
         conf.unicode_length, conf.unicode_ascii_size = lay.unicode_length, lay.unicode_ascii_size
         conf.code_tag_mask = lay.code_tag_mask
         bpf["pyx_targets"][ctypes.c_uint32(pid)] = conf
+        w = self._watched[pid] = _Watched(interp, CodeResolver(interp))
+        before = set(bpf.uprobe_fds)
+        try:
+            self._time_gc(w, self._path(w))
+        except (TimerError, OSError) as e:  # the functions can still be timed
+            log.warning("pid %d: garbage collections not timed: %s", pid, e)
+        finally:
+            w.gc_events = [ev for ev in bpf.uprobe_fds if ev not in before]
+        if self.functions:
+            self._probe_eval(w)
+
+    def set_functions(self, on: bool) -> None:
+        """Probe the eval loop of every watched process (on: forward, data-loader __next__ and named
+        functions are timed) or not (off; named functions keep it on)."""
+        self.functions = on or bool(self.selection.traced)
+        for w in self._watched.values():
+            if self.functions and not w.events:
+                try:
+                    self._probe_eval(w)
+                except TimerError as e:
+                    log.warning("%s", e)
+            elif not self.functions and w.events:
+                self._unprobe(w.events)
+                w.events = []
+
+    @staticmethod
+    def _path(w: _Watched) -> str:
+        return f"/proc/{w.interp.pid}/root{w.interp.elf_path}"
+
+    def _probe_eval(self, w: _Watched) -> None:
+        """Probe the eval loop of `w`'s process (uprobe + uretprobe, for that process only)."""
+        pid, interp = w.interp.pid, w.interp
+        if w.too_hot:
+            return
+        if interp.layout.version < (3, 11) and not self.selection.traced:
+            raise TimerError(f"pid {pid}: CPython {interp.version} enters the eval loop on every call; "
+                             "forward and __next__ are timed there only with --trace-function")
+        path = self._path(w)
+        try:
+            if EVAL not in exported_functions(path):
+                raise TimerError(f"pid {pid}: {interp.elf_path} does not export {EVAL}")
+        except SymbolError as e:
+            raise TimerError(f"pid {pid}: {e}") from e
+        bpf = self._bpf
         before = set(bpf.uprobe_fds)
         try:
             bpf.attach_uprobe(name=path, sym=EVAL, fn_name=b"pyx_enter", pid=pid)
             bpf.attach_uretprobe(name=path, sym=EVAL, fn_name=b"pyx_return", pid=pid)
         except Exception as e:  # bcc raises bare Exception
             self._unprobe([ev for ev in bpf.uprobe_fds if ev not in before])
-            bpf["pyx_targets"].pop(ctypes.c_uint32(pid), None)
             raise TimerError(f"pid {pid}: cannot probe {EVAL} in {interp.elf_path}: {e}") from e
-        w = self._watched[pid] = _Watched(interp, CodeResolver(interp), [ev for ev in bpf.uprobe_fds if ev not in before])
-        before = set(bpf.uprobe_fds)
-        try:
-            self._time_gc(w, path)
-        except (TimerError, OSError) as e:  # the functions are still timed
-            log.warning("pid %d: garbage collections not timed: %s", pid, e)
-        finally:
-            w.gc_events = [ev for ev in bpf.uprobe_fds if ev not in before]
+        w.events = [ev for ev in bpf.uprobe_fds if ev not in before]
         log.info("timing forward, loader __next__%s in pid %d", "".join(
             f", {t.module}:{t.qualname}" for t in self.selection.traced), pid)
 
@@ -313,6 +346,7 @@ class PythonTimer:
                             "(it would cost ~%.0f%% of a core)", pid, rate, rate * 1.3e-4)
                 self._unprobe(w.events)
                 w.events = []
+                w.too_hot = True
 
     def read_gc(self) -> dict[int, FunctionStats]:
         """Per pid whose collections are timed through USDT, its collections since the previous read."""

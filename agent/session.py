@@ -14,10 +14,10 @@ from rankscope.analyzer.patterns import RankPattern
 
 from .bpf_program import ProbeProgram
 from .collector import Collector
-from .detail import Detail
+from .detail import LIGHT, Detail
 from .probes import KINDS
 from .python_exact import PythonTimer, TracedFunction
-from .python_sampler import DEFAULT_FREQUENCY, PythonAttachError, PythonSampler
+from .python_sampler import PythonAttachError, PythonSampler
 from .targets import Target, TargetError, inspect_process
 
 log = logging.getLogger(__name__)
@@ -33,12 +33,14 @@ def host_name() -> str:
 
 
 class Session:
-    def __init__(self, program: ProbeProgram | None = None, python_hz: int = DEFAULT_FREQUENCY,
-                 traced: tuple[TracedFunction, ...] = ()):
+    def __init__(self, program: ProbeProgram | None = None, traced: tuple[TracedFunction, ...] = (),
+                 detail: Detail = LIGHT):
         self.program = program or ProbeProgram()
-        self.python = PythonSampler(frequency=python_hz)
+        self.python = PythonSampler(frequency=detail.python_hz)
         self.timer = PythonTimer(traced)
+        self.timer.set_functions(detail.time_functions)
         self.collector = Collector(self.program, self.python, self.timer, host_name())
+        self.collector.detail = detail
         self.targets: dict[int, Target] = {}
 
     def add(self, pid: int) -> Target:
@@ -85,6 +87,7 @@ class Session:
         if detail != self.collector.detail:
             log.info("detail: %s", detail.level)
             self.python.set_frequency(detail.python_hz)
+            self.timer.set_functions(detail.time_functions)
             self.collector.detail = detail
 
     def remove(self, pid: int) -> None:

@@ -8,7 +8,14 @@ import numpy as np
 
 from .baseline import Baseline, Reference, StepProfile, regression
 from .differential import align_collectives
-from .findings import Finding, compute_straggler, cpu_contention, node_fault, plain, slow_link
+from .findings import (
+    Finding,
+    compute_straggler,
+    cpu_contention,
+    node_fault,
+    plain,
+    slow_link,
+)
 from .hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
 from .metrics import RankTable, rank_table
 from .patterns import RankPattern

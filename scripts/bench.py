@@ -486,7 +486,6 @@ SCHED_STATES = ("none", "noop_tp", "noop_raw", "loaded", "watched")
 
 def bench_sched(ctx: Context) -> tuple[list[Row], dict]:
     from bcc import BPF
-
     from rankscope.agent.session import Session
 
     n = 5_000 if ctx.quick else 200_000
@@ -663,7 +662,6 @@ def bench_payload(ctx: Context) -> tuple[list[Row], dict]:
 def wire_breakdown(pattern) -> dict[str, int]:
     """msgpack bytes of each top-level field of a pattern's wire form (where a payload's bytes go)."""
     import msgpack
-
     from rankscope.analyzer import patterns
 
     try:
@@ -786,8 +784,13 @@ def synthetic_patterns(n: int, straggler: int, extra_sync_s: float = 0.03, seed:
     one 2 s window (host work, launches, copy, GPU sync, then the all-reduce that completes when the last rank
     arrived), one compute straggler, and a healthy scheduler view per rank."""
     import numpy as np
-
-    from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPattern, Role, ThreadTimes
+    from rankscope.analyzer.patterns import (
+        CollectiveRecord,
+        FunctionStats,
+        RankPattern,
+        Role,
+        ThreadTimes,
+    )
 
     rng = np.random.default_rng(seed)
     noise = 0.02

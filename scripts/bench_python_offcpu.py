@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import struct
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile

@@ -11,10 +11,14 @@ import json
 
 import numpy as np
 import pytest
-
 from rankscope.analyzer.diagnosis import diagnose, diagnose_job
 from rankscope.analyzer.differential import align_collectives, robust_z
-from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
+from rankscope.analyzer.patterns import (
+    CollectiveRecord,
+    FunctionStats,
+    RankPattern,
+    Role,
+)
 from rankscope.analyzer.steps import smallest_period, step_time, step_times
 
 T0 = 1_700_000_000.0

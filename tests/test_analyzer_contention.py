@@ -1,7 +1,6 @@
 """cpu_contention versus compute_straggler on synthetic jobs: where a slow rank's extra time goes decides."""
-from test_analyzer import WINDOW, findings, simulate
-
 from rankscope.analyzer.patterns import Neighbour, ThreadTimes
+from test_analyzer import WINDOW, findings, simulate
 
 STEP = 0.048
 BASE_RUNQ = 0.0004  # every rank waits a little for a CPU each step

@@ -1,9 +1,7 @@
 """Python-level root causes on synthetic jobs: the function where a straggler's time goes names the cause."""
-from test_analyzer import WINDOW, findings, simulate
-
 import pytest
-
 from rankscope.analyzer.patterns import FunctionStats, PyFunction, PyTimed, Role
+from test_analyzer import WINDOW, findings, simulate
 
 STEPS = WINDOW / 0.048
 

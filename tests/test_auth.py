@@ -7,8 +7,13 @@ import os
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-
-from rankscope.agent.auth import TOKEN_ENV, TokenError, check_bind, is_loopback, load_token
+from rankscope.agent.auth import (
+    TOKEN_ENV,
+    TokenError,
+    check_bind,
+    is_loopback,
+    load_token,
+)
 from rankscope.agent.server import make_app
 from test_cli_errors import one_line_error, run
 from test_server import SNAP

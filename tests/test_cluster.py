@@ -11,8 +11,12 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-
-from rankscope.agent.cluster import AgentListError, Cluster, make_cluster_app, parse_agents
+from rankscope.agent.cluster import (
+    AgentListError,
+    Cluster,
+    make_cluster_app,
+    parse_agents,
+)
 from rankscope.agent.server import make_app
 from rankscope.agent.snapshot import Snapshot
 from rankscope.analyzer.cluster import merge

@@ -10,7 +10,6 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-
 from rankscope.agent.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,5 @@
 """End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
 from conftest import diagnose_json, wait_until
-
 from rankscope.agent.session import Session
 
 OBSERVE_S = 4.0

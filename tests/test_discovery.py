@@ -8,9 +8,8 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import maps_library, wait_until
-from rankscope.agent.containers import Container, parse_cgroup
+from rankscope.agent.containers import parse_cgroup
 from rankscope.agent.discovery import Process, skip_reason, training_processes
 from rankscope.agent.session import JOB_PATTERNS
 from rankscope.sim.build import build_libraries

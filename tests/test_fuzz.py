@@ -12,11 +12,14 @@ import pytest
 from aiohttp.test_utils import TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from rankscope.agent.cluster import AgentStatus, ClusterSnapshot, make_cluster_app
 from rankscope.agent.server import make_app
 from rankscope.analyzer.cluster import diagnose_cluster
-from rankscope.analyzer.patterns import PatternDecodeError, decode_patterns, encode_patterns
+from rankscope.analyzer.patterns import (
+    PatternDecodeError,
+    decode_patterns,
+    encode_patterns,
+)
 from test_analyzer import simulate
 from test_patterns import typical
 from test_server import SNAP

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
 from conftest import RANKSCOPE, free_port, wait_until
 
 TOKEN = "netns-test-token"

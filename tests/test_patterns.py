@@ -6,10 +6,17 @@ import random
 
 import msgpack
 import pytest
-
 from rankscope.analyzer.patterns import (
-    SCHEMA_VERSION, CollectiveRecord, FunctionStats, PatternDecodeError, PyTimed, RankPattern, Role, decode_patterns,
-    encode_patterns, pattern_to_json,
+    SCHEMA_VERSION,
+    CollectiveRecord,
+    FunctionStats,
+    PatternDecodeError,
+    PyTimed,
+    RankPattern,
+    Role,
+    decode_patterns,
+    encode_patterns,
+    pattern_to_json,
 )
 
 T0 = 1_700_000_123.456789

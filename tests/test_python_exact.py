@@ -7,16 +7,14 @@ waits; the test reads the timer after "done", so counts are exact.
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import RANKSCOPE, diagnose_json
-from test_python_sampler import INTERPRETERS, interpreter, needs_root, procs, start  # noqa: F401 (fixture)
-
 from rankscope.agent.interpreters.cpython import inspect
 from rankscope.agent.python_exact import PythonTimer, TracedFunction
+from test_python_sampler import INTERPRETERS, interpreter, needs_root, procs, start  # noqa: F401 (fixture)
 
 LOADS, LOAD_S = 12, 0.004  # data-loader batches, each this long
 FORWARD_S, LAYER_S = 0.006, 0.002  # one forward per batch; it runs one layer's forward inside
@@ -256,7 +254,6 @@ def test_a_process_entering_eval_too_often_stops_being_probed(timer, procs, tmp_
     import ctypes
 
     from conftest import wait_until
-
     from rankscope.agent.python_exact import MAX_ENTRIES_PER_S
     from rankscope.agent.symbols import code_byte
 
@@ -275,13 +272,35 @@ def test_a_process_entering_eval_too_often_stops_being_probed(timer, procs, tmp_
 
 
 @needs_root
+def test_functions_are_timed_only_while_switched_on(procs, tmp_path):
+    """The agent's light mode leaves the eval loop alone (GC is still timed); deep mode probes it."""
+    from rankscope.agent.symbols import code_byte
+
+    p, _ = start(procs, [str(interpreter("3.12")), str(target(tmp_path))])
+    t = PythonTimer()
+    probed = lambda: code_byte(p.pid, "libpython3.12.so.1.0", "_PyEval_EvalFrameDefault") == 0xCC  # noqa: E731
+    try:
+        t.attach(inspect(p.pid))
+        assert not probed()
+        t.set_functions(True)
+        assert probed()
+        run_calls(p)
+        assert {r.name for r in t.read()[p.pid]} >= {"toy.py:Net.forward", "toy.py:_ToyDataLoaderIter.__next__"}
+        t.set_functions(False)
+        assert not probed()
+    finally:
+        t.close()
+
+
+@needs_root
 def test_310_is_timed_only_on_request(procs, tmp_path):
-    from rankscope.agent.python_exact import TimerError
+    from rankscope.agent.symbols import code_byte
 
     p, _ = start(procs, [str(interpreter("3.10")), str(target(tmp_path))])
     t = PythonTimer()
     try:
-        with pytest.raises(TimerError, match="--trace-function"):
-            t.attach(inspect(p.pid))
+        t.attach(inspect(p.pid))
+        t.set_functions(True)  # refused, with a warning: every 3.10 call enters the eval loop
+        assert code_byte(p.pid, "libpython3.10.so.1.0", "_PyEval_EvalFrameDefault") != 0xCC
     finally:
         t.close()

@@ -17,8 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rankscope.agent.interpreters import NATIVE_THREAD, SPECIAL_FRAMES, TRUNCATED, Frame, cpython
-from rankscope.agent.python_sampler import PythonSampler, StackTime, UnsupportedInterpreter
+from rankscope.agent.interpreters import (
+    NATIVE_THREAD,
+    SPECIAL_FRAMES,
+    TRUNCATED,
+    Frame,
+    cpython,
+)
+from rankscope.agent.python_sampler import (
+    PythonSampler,
+    StackTime,
+    UnsupportedInterpreter,
+)
 
 PYENV = Path.home() / ".pyenv" / "versions"
 INTERPRETERS = {
