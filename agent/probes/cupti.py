@@ -1,0 +1,131 @@
+"""GPU activity from the rankscope CUPTI shim, read through its USDT probe. BPF side: bpf/cupti.bpf.c.
+
+Unlike the uprobe kinds (one program for every library file), a USDT probe with a semaphore is enabled per
+process: attaching raises the process's semaphore, which is what turns the shim's hand-off on. So each
+process that maps the shim gets its own small program (about a second of clang to build).
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+from ..bpf_program import ProbeError
+
+SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
+PROBE = "activity"
+
+# CUpti_ActivityKind values of the records the shim enables.
+KIND_MEMCPY = 1
+KIND_MEMSET = 2
+KIND_KERNEL = 3
+KIND_CONCURRENT_KERNEL = 10
+KERNEL_KINDS = (KIND_KERNEL, KIND_CONCURRENT_KERNEL)
+MAX_NAME = 512  # bytes read of a kernel name (mangled C++ names can be long; patterns truncate further)
+
+
+@dataclass(frozen=True)
+class ActivityStats:
+    """Cumulative totals of one record kind and kernel in one process."""
+
+    kind: int
+    name: str  # kernel name, "" for copies and sets
+    count: int
+    total_ns: int
+    bytes: int
+    hist: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RawActivity:
+    """One record as the shim emitted it (deep mode only)."""
+
+    pid: int
+    kind: int
+    start_ns: int  # GPU timestamps (CUPTI's clock)
+    end_ns: int
+    device: int
+    stream: int
+    correlation: int
+    name: str
+    bytes: int
+
+
+def shim_path(pid: int) -> str | None:
+    """The shim as mapped by `pid`, reached through /proc/PID/root; None when the process does not load it."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and SHIM_LIBRARY.match(parts[5].rstrip("\n").rsplit("/", 1)[-1]):
+                    return f"/proc/{pid}/root{parts[5].rstrip()}"
+    except OSError:
+        return None
+    return None
+
+
+class CuptiReader:
+    """The shim's records of one process: in-kernel aggregates, and raw records on demand."""
+
+    def __init__(self, pid: int):
+        try:
+            from bcc import BPF, USDT
+        except ImportError as e:
+            raise ProbeError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
+        if shim_path(pid) is None:
+            raise ProbeError(f"pid {pid} does not load the rankscope CUPTI shim")
+        self.pid = pid
+        self._names: dict[int, str] = {0: ""}
+        self._raw: list[RawActivity] = []
+        try:
+            # With a pid, bcc raises the semaphore in the process, until this context is closed: keep it.
+            self._usdt = USDT(pid=pid)
+            self._usdt.enable_probe(probe=PROBE, fn_name="on_activity")
+            text = (resources.files("rankscope.bpf") / "cupti.bpf.c").read_text()
+            self._bpf = BPF(text=text, usdt_contexts=[self._usdt])
+        except Exception as e:  # bcc raises bare Exception for USDT and compile failures
+            raise ProbeError(f"cannot attach to the CUPTI shim of pid {pid}: {e}") from e
+        self._bpf["raw_activity"].open_ring_buffer(self._on_raw)
+
+    def set_raw(self, on: bool) -> None:
+        """Deep mode: also send every record to user space (collected by poll_raw)."""
+        table = self._bpf["raw_on"]
+        table[ctypes.c_int(0)] = ctypes.c_uint32(int(on))
+
+    def poll_raw(self, timeout_ms: int = 0) -> list[RawActivity]:
+        self._bpf.ring_buffer_poll(timeout_ms)
+        out, self._raw = self._raw, []
+        return out
+
+    def _on_raw(self, _ctx, data, _size) -> None:
+        r = self._bpf["raw_activity"].event(data)
+        self._raw.append(RawActivity(r.pid, r.kind, r.start, r.end, r.device, r.stream, r.correlation,
+                                     self.name(r.name), r.bytes))
+
+    def activity(self) -> list[ActivityStats]:
+        """Cumulative totals per record kind and kernel since attach."""
+        return [ActivityStats(k.kind, self.name(k.name), v.count, v.total_ns, v.bytes, tuple(v.hist))
+                for k, v in self._bpf["gpu_activity"].items() if k.pid == self.pid]
+
+    def busy_ns(self) -> dict[int, int]:
+        """Cumulative GPU busy time per device (union of activity intervals) since attach."""
+        return {k.device: v.busy_ns for k, v in self._bpf["gpu_busy"].items() if k.pid == self.pid}
+
+    def name(self, pointer: int) -> str:
+        """A kernel name from CUPTI's string in the process, read once per pointer (CUPTI keeps one string
+        per kernel for the life of the process)."""
+        if pointer not in self._names:
+            try:
+                with open(f"/proc/{self.pid}/mem", "rb") as mem:
+                    mem.seek(pointer)
+                    raw = mem.read(MAX_NAME)
+            except (OSError, ValueError, OverflowError):
+                return "?"  # not cached: the process may be gone, or the pointer bad
+            self._names[pointer] = raw.split(b"\0", 1)[0].decode(errors="replace")
+        return self._names[pointer]
+
+    def close(self) -> None:
+        """Detach; dropping the USDT context lowers the process's semaphore (bcc's close writes it back)."""
+        self._bpf.cleanup()
+        self._usdt = None
