@@ -22,6 +22,7 @@
 #define SHIM_API __attribute__((visibility("default")))
 #define BUFFER_BYTES (1u << 20)
 #define DEFAULT_MAX_RATE 100000  // records per second handed to the agent; the rest are counted as dropped
+#define DEFAULT_FLUSH_MS 1000    // CUPTI hands over partly filled buffers this often, so windows see fresh records
 
 // The USDT semaphore of rankscope:activity; the kernel increments it while an agent's uprobe is attached.
 SHIM_API unsigned short rankscope_activity_semaphore __attribute__((section(".probes")));
@@ -46,6 +47,7 @@ static struct {
     CUptiResult (*enable)(CUpti_ActivityKind);
     CUptiResult (*next_record)(uint8_t *, size_t, CUpti_Activity **);
     CUptiResult (*flush_all)(uint32_t);
+    CUptiResult (*flush_period)(uint32_t);
     CUptiResult (*dropped_records)(CUcontext, uint32_t, size_t *);
     CUptiResult (*result_string)(CUptiResult, const char **);
 } cupti;
@@ -54,7 +56,7 @@ static void say(const char *what, CUptiResult rc) {
     const char *msg = "unknown error";
     if (cupti.result_string)
         cupti.result_string(rc, &msg);
-    fprintf(stderr, "rankscope-cupti: %s (%s); GPU activity is not reported\n", what, msg);
+    fprintf(stderr, "rankscope-cupti: %s (%s)\n", what, msg);
 }
 
 static void *open_cupti(void) {
@@ -75,6 +77,7 @@ static int resolve(void *h) {
     SYM(enable, "cuptiActivityEnable");
     SYM(next_record, "cuptiActivityGetNextRecord");
     SYM(flush_all, "cuptiActivityFlushAll");
+    SYM(flush_period, "cuptiActivityFlushPeriod");
     SYM(dropped_records, "cuptiActivityGetNumDroppedRecords");
     SYM(result_string, "cuptiGetResultString");
 #undef SYM
@@ -189,21 +192,24 @@ SHIM_API int InitializeInjection(void) {
     CUpti_SubscriberHandle sub;
     CUptiResult rc = cupti.subscribe(&sub, ignore_callback, NULL);
     if (rc != CUPTI_SUCCESS) {
-        say("another CUPTI subscriber is active or CUPTI is unavailable", rc);
+        say("another CUPTI subscriber is active or CUPTI is unavailable; GPU activity is not reported", rc);
         return 1;
     }
     cupti.unsubscribe(sub);
     if ((rc = cupti.register_callbacks(buffer_requested, buffer_completed)) != CUPTI_SUCCESS) {
-        say("cannot register activity buffers", rc);
+        say("cannot register activity buffers; GPU activity is not reported", rc);
         return 1;
     }
     static const CUpti_ActivityKind kinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
                                                CUPTI_ACTIVITY_KIND_MEMSET};
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
         if ((rc = cupti.enable(kinds[i])) != CUPTI_SUCCESS) {
-            say("cannot enable activity records", rc);
+            say("cannot enable activity records; GPU activity is not reported", rc);
             return 1;
         }
+    const char *flush = getenv("RANKSCOPE_SHIM_FLUSH_MS");
+    if ((rc = cupti.flush_period(flush && *flush ? (uint32_t)strtoul(flush, NULL, 10) : DEFAULT_FLUSH_MS)) != CUPTI_SUCCESS)
+        say("cannot set the flush period; records arrive when buffers fill", rc);
     atexit(flush_at_exit);
     return 1;
 }
