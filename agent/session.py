@@ -14,6 +14,7 @@ from rankscope.analyzer.patterns import RankPattern
 
 from .bpf_program import ProbeProgram
 from .collector import Collector
+from .gpu import GpuViews
 from .probes import KINDS
 from .python_sampler import DEFAULT_FREQUENCY, PythonAttachError, PythonSampler
 from .targets import Target, TargetError, inspect_process
@@ -36,6 +37,7 @@ class Session:
         self.python = PythonSampler(frequency=python_hz)
         self.collector = Collector(self.program, self.python, host_name())
         self.targets: dict[int, Target] = {}
+        self.gpu = GpuViews()
 
     def add(self, pid: int) -> Target:
         """Inspect and attach to `pid`; TargetError or ProbeError say why not."""
@@ -49,6 +51,7 @@ class Session:
             raise TargetError(f"process {pid} exited while attaching")
         self.targets[pid] = target
         self._sample_python(target)
+        self.gpu.attach(pid)
         return target
 
     def _sample_python(self, target: Target) -> None:
@@ -66,6 +69,7 @@ class Session:
             self.program.detach(pid)
             self.python.detach(pid)
         patterns = self.collector.collect(list(self.targets.values()), exited)
+        self.gpu.fill(patterns)
         for pid in exited:
             log.info("pid %d exited", pid)
             self._forget(pid)
@@ -81,8 +85,10 @@ class Session:
     def _forget(self, pid: int) -> None:
         del self.targets[pid]
         self.collector.forget(pid)
+        self.gpu.forget(pid)
         self.program.purge(pid)
 
     def close(self) -> None:
+        self.gpu.close()
         self.python.close()
         self.program.close()

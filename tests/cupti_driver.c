@@ -14,7 +14,7 @@ struct shim_stats {
     uint64_t emitted, dropped, skipped_buffers, cupti_dropped;
 };
 
-static const char kernel_name[] = "_Z10gemm_tileILi128EEvPKfS1_Pf";
+static const char kernel_name[] = "_Z9gemm_tileILi128EEvPKfS1_Pf";
 
 int main(int argc, char **argv) {
     if (argc != 2) {

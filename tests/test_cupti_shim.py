@@ -9,14 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from rankscope.agent.gpu import GpuViews
+from rankscope.agent.gpu_health import GpuHealthReader
 from rankscope.agent.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
-                                          RawActivity)
+                                          RawActivity, short_kernel_name)
+from rankscope.analyzer.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel, RankPattern
 from rankscope.cupti_shim.build import build_shim, cupti_library, include_dirs
 
 from conftest import wait_until
+from nvml_replay import ReplayNvml
+from test_gpu_health import READINGS
 
 DRIVER_SOURCE = Path(__file__).with_name("cupti_driver.c")
-KERNEL = "_Z10gemm_tileILi128EEvPKfS1_Pf"
+KERNEL = "_Z9gemm_tileILi128EEvPKfS1_Pf"
 RECORDS_PER_BUFFER = 3
 
 
@@ -126,3 +131,41 @@ def test_rate_limit_drops_records_over_budget(start_driver):
     assert emitted + dropped == 3 * RECORDS_PER_BUFFER
     # 4 per second; a second boundary during the call may allow one more budget.
     assert 4 <= emitted <= 8 and dropped >= 1
+
+
+def test_gpu_views_fill_patterns_from_shim_and_nvml(start_driver):
+    """Window by window: the shim's records become the pattern's GPU activity, NVML the rank's GPU health."""
+    driver = start_driver()
+    nvml = ReplayNvml(READINGS)
+    nvml.data["devices"][2]["pids"] = [driver.pid]  # the driver "computes" on the hot GPU
+    views = GpuViews(GpuHealthReader(nvml))
+    pattern = RankPattern(job="j", rank=0, world_size=1, pid=driver.pid, host="h", window_start=0, window_end=1)
+    try:
+        assert views.attach(driver.pid)
+        assert driver.emit(4)[0] == 4 * RECORDS_PER_BUFFER
+        wait_until(lambda: sum(a.count for a in views._shim[driver.pid][0].activity()) == 12, 5, "records")
+        views.fill([pattern])
+        assert pattern.gpu == GpuActivity(busy_s=291333e-9, kernel_s=4 * 250333e-9, copy_s=4 * 41000e-9, kernels=4,
+                                          top=[GpuKernel("gemm_tile", 4, 4 * 250333e-9)])
+        assert pattern.gpu_health.index == 2 and pattern.gpu_health.throttle_reasons == 0x20
+
+        nvml.advance()
+        assert driver.emit(1)[0] == 5 * RECORDS_PER_BUFFER
+        wait_until(lambda: sum(a.count for a in views._shim[driver.pid][0].activity()) == 15, 5, "records")
+        views.fill([pattern])
+        assert (pattern.gpu.kernels, pattern.gpu.busy_s) == (1, 0.0)  # this window only; intervals seen before
+    finally:
+        views.close()
+
+
+@pytest.mark.parametrize("mangled,short", [
+    ("_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIfEEEEviT0_T1_",
+     "vectorized_elementwise_kernel"),
+    ("_Z9gemm_tileILi128EEvPKfS1_Pf", "gemm_tile"),
+    ("_ZN7cutlass6KernelINS_4gemm6kernel13GemmUniversalE", "cutlass::Kernel"),
+    ("ampere_sgemm_128x64_nn", "ampere_sgemm_128x64_nn"),
+    ("_Zbad", "_Zbad"),
+    ("x" * 100, "x" * KERNEL_NAME_CHARS),
+])
+def test_short_kernel_names(mangled, short):
+    assert short_kernel_name(mangled) == short

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
+from rankscope.analyzer.patterns import KERNEL_NAME_CHARS, TOP_KERNELS, GpuActivity, GpuKernel
+
 from ..bpf_program import ProbeError
 
 SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
@@ -129,3 +131,55 @@ class CuptiReader:
         """Detach; dropping the USDT context lowers the process's semaphore (bcc's close writes it back)."""
         self._bpf.cleanup()
         self._usdt = None
+
+
+_MANGLED_PART = re.compile(r"(\d+)")
+
+
+def short_kernel_name(name: str) -> str:
+    """A readable name that fits a pattern: the innermost identifier of an Itanium-mangled name
+    (`_ZN2at6native29vectorized_elementwise_kernelILi4E...` -> `vectorized_elementwise_kernel`), with its
+    enclosing one when it is a generic word like `Kernel`; plain C names as they are. Not a demangler."""
+    if not name.startswith("_Z"):
+        return name[:KERNEL_NAME_CHARS]
+    nested = name.startswith("_ZN")  # `_ZN<len><id>...E`: qualified; `_Z<len><id>`: a free function
+    i = 3 if nested else 2
+    parts: list[str] = []
+    while i < len(name) and name[i].isdigit() and (nested or not parts):
+        digits = _MANGLED_PART.match(name, i).group(1)
+        start = i + len(digits)
+        parts.append(name[start:start + int(digits)])
+        i = start + int(digits)
+    if not parts:
+        return name[:KERNEL_NAME_CHARS]
+    short = "::".join(parts[-2:]) if parts[-1].lower() in ("kernel", "device_kernel") and len(parts) > 1 else parts[-1]
+    return short[:KERNEL_NAME_CHARS]
+
+
+class ActivityWindow:
+    """Turns a reader's cumulative totals into one window's GpuActivity (the kernel maps only grow)."""
+
+    def __init__(self) -> None:
+        self._activity: dict[tuple[int, str], ActivityStats] = {}
+        self._busy: dict[int, int] = {}
+
+    def next(self, activity: list[ActivityStats], busy: dict[int, int]) -> GpuActivity:
+        kernel_ns: dict[str, list[int]] = {}  # short name -> [count, ns]
+        copy_ns = 0
+        for a in activity:
+            prev = self._activity.get((a.kind, a.name))
+            count = a.count - (prev.count if prev else 0)
+            ns = a.total_ns - (prev.total_ns if prev else 0)
+            if a.kind in KERNEL_KINDS:
+                entry = kernel_ns.setdefault(short_kernel_name(a.name), [0, 0])
+                entry[0] += count
+                entry[1] += ns
+            else:
+                copy_ns += ns
+        busy_ns = sum(b - self._busy.get(dev, 0) for dev, b in busy.items())
+        self._activity = {(a.kind, a.name): a for a in activity}
+        self._busy = dict(busy)
+        top = sorted(((ns, name, count) for name, (count, ns) in kernel_ns.items() if count), reverse=True)
+        return GpuActivity(busy_s=busy_ns / 1e9, kernel_s=sum(ns for _, ns in kernel_ns.values()) / 1e9,
+                           copy_s=copy_ns / 1e9, kernels=sum(c for c, _ in kernel_ns.values()),
+                           top=[GpuKernel(name, count, ns / 1e9) for ns, name, count in top[:TOP_KERNELS]])
