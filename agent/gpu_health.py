@@ -141,15 +141,15 @@ class GpuHealthReader:
         if self._events is None:
             return
         n = self.nvml
-        by_handle = {id(d.handle): d for d in self.devices}
         while True:
             try:
                 data = n.nvmlEventSetWait_v2(self._events, 0)
             except n.NVMLError:  # NVMLError_Timeout: nothing pending
                 return
-            device = by_handle.get(id(data.device))
-            if device is not None:
-                device.window.xids.append(int(data.eventData))
+            # An event's handle is a new ctypes object: identify its GPU by index, not by handle.
+            index = self._get(n.nvmlDeviceGetIndex, data.device, default=None)
+            if index is not None and 0 <= index < len(self.devices):
+                self.devices[index].window.xids.append(int(data.eventData))
 
     def window(self) -> dict[int, GpuHealth]:
         """Each GPU's health over the window since the previous call (GPUs not sampled are left out)."""

@@ -36,6 +36,9 @@ class ReplayNvml:
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         return i
 
+    def nvmlDeviceGetIndex(self, h: int) -> int:
+        return h
+
     def nvmlDeviceGetMaxClockInfo(self, h: int, clock: int) -> int:
         assert clock == pynvml.NVML_CLOCK_SM
         return self.data["devices"][h]["max_sm_clock"]

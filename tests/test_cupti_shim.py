@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,3 +170,18 @@ def test_gpu_views_fill_patterns_from_shim_and_nvml(start_driver):
 ])
 def test_short_kernel_names(mangled, short):
     assert short_kernel_name(mangled) == short
+
+
+def test_sigkilled_agent_leaves_the_shim_idle(start_driver):
+    """The semaphore is the kernel's uprobe reference counter: a killed agent's probes and semaphore go."""
+    driver = start_driver()
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; from rankscope.agent.probes.cupti import "
+                              f"CuptiReader; CuptiReader({driver.pid}); print('up', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout.readline().strip() == "up"
+        assert driver.emit(1) == (RECORDS_PER_BUFFER, 0, 0)
+    finally:
+        agent.kill()
+        agent.wait()
+    assert driver.emit(1) == (RECORDS_PER_BUFFER, 0, 1)  # skipped: nothing attached any more

@@ -3,6 +3,11 @@
 Unlike the uprobe kinds (one program for every library file), a USDT probe with a semaphore is enabled per
 process: attaching raises the process's semaphore, which is what turns the shim's hand-off on. So each
 process that maps the shim gets its own small program (about a second of clang to build).
+
+The semaphore is left to the kernel (the uprobe's reference counter, `ref_ctr_offset`): it is raised while
+the probe is attached and lowered when the agent's file descriptors close, even if the agent is SIGKILLed.
+bcc's own USDT attach writes the semaphore through /proc/PID/mem instead (and refuses a semaphore probe
+without a pid), and a killed agent would leave it raised: bcc is used only to generate the argument readers.
 """
 from __future__ import annotations
 
@@ -11,12 +16,16 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
 from rankscope.analyzer.patterns import KERNEL_NAME_CHARS, TOP_KERNELS, GpuActivity, GpuKernel
 
 from ..bpf_program import ProbeError
 
 SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
 PROBE = "activity"
+SEMAPHORE = "rankscope_activity_semaphore"
 
 # CUpti_ActivityKind values of the records the shim enables.
 KIND_MEMCPY = 1
@@ -67,27 +76,75 @@ def shim_path(pid: int) -> str | None:
     return None
 
 
+def semaphore_offset(path: str) -> int:
+    """File offset of the probe's semaphore in the shim (what the kernel's uprobe ref_ctr_offset wants)."""
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            syms = elf.get_section_by_name(".dynsym")
+            sym = syms.get_symbol_by_name(SEMAPHORE) if syms is not None else None
+            if not sym:
+                raise ProbeError(f"{path} has no {SEMAPHORE}: not the rankscope CUPTI shim")
+            addr = sym[0]["st_value"]
+            for section in elf.iter_sections():
+                if section["sh_addr"] <= addr < section["sh_addr"] + section["sh_size"] and section["sh_type"] != "SHT_NOBITS":
+                    return addr - section["sh_addr"] + section["sh_offset"]
+    except (OSError, ELFError) as e:
+        raise ProbeError(f"cannot read {path}: {e}") from e
+    raise ProbeError(f"{path}: {SEMAPHORE} is not in a section with file contents")
+
+
+def _attach_uprobe_with_semaphore():
+    """libbcc's bpf_attach_uprobe with its last argument (ref_ctr_offset), which bcc's Python leaves out.
+    A separate function object, so bcc's own argtypes stay as they are."""
+    from bcc.libbcc import lib
+    fn = ctypes.CDLL(lib._name).bpf_attach_uprobe
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_int,
+                   ctypes.c_uint32]
+    return fn
+
+
+def _probe_sites(usdt_class, pid: int) -> tuple[str, list[tuple[bytes, int]]]:
+    """bcc's generated argument readers for the probe, and its sites (binary, address). bcc raises the
+    semaphore when it enables the probe and lowers it when its context is freed, on return from here."""
+    usdt = usdt_class(pid=pid)
+    usdt.enable_probe(probe=PROBE, fn_name="on_activity")
+    return usdt.get_text(), [(binpath, addr) for binpath, _fn, addr, _pid in usdt.enumerate_active_probes()]
+
+
 class CuptiReader:
     """The shim's records of one process: in-kernel aggregates, and raw records on demand."""
 
     def __init__(self, pid: int):
         try:
             from bcc import BPF, USDT
+            from bcc.libbcc import lib
         except ImportError as e:
             raise ProbeError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
-        if shim_path(pid) is None:
+        path = shim_path(pid)
+        if path is None:
             raise ProbeError(f"pid {pid} does not load the rankscope CUPTI shim")
         self.pid = pid
         self._names: dict[int, str] = {0: ""}
         self._raw: list[RawActivity] = []
+        self._events: list[tuple[bytes, int]] = []  # (uprobe event name, perf fd)
+        self._lib = lib
         try:
-            # With a pid, bcc raises the semaphore in the process, until this context is closed: keep it.
-            self._usdt = USDT(pid=pid)
-            self._usdt.enable_probe(probe=PROBE, fn_name="on_activity")
-            text = (resources.files("rankscope.bpf") / "cupti.bpf.c").read_text()
-            self._bpf = BPF(text=text, usdt_contexts=[self._usdt])
+            readers, sites = _probe_sites(USDT, pid)
+            self._bpf = BPF(text=readers + (resources.files("rankscope.bpf") / "cupti.bpf.c").read_text())
+            fn = self._bpf.load_func("on_activity", BPF.KPROBE)
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
-            raise ProbeError(f"cannot attach to the CUPTI shim of pid {pid}: {e}") from e
+            raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
+        attach = _attach_uprobe_with_semaphore()
+        sem = semaphore_offset(path)
+        for binpath, addr in sites:
+            ev = f"rankscope_cupti_{pid}_{addr:x}".encode()
+            fd = attach(fn.fd, 0, ev, binpath, addr, pid, sem)
+            if fd < 0:
+                self.close()
+                raise ProbeError(f"cannot attach to the CUPTI shim of pid {pid} at {addr:#x}")
+            self._events.append((ev, fd))
         self._bpf["raw_activity"].open_ring_buffer(self._on_raw)
 
     def set_raw(self, on: bool) -> None:
@@ -128,9 +185,12 @@ class CuptiReader:
         return self._names[pointer]
 
     def close(self) -> None:
-        """Detach; dropping the USDT context lowers the process's semaphore (bcc's close writes it back)."""
+        """Detach: closing the probes' perf events lowers the process's semaphore (the kernel does it)."""
+        for ev, fd in self._events:
+            self._lib.bpf_close_perf_event_fd(fd)
+            self._lib.bpf_detach_uprobe(ev)
+        self._events = []
         self._bpf.cleanup()
-        self._usdt = None
 
 
 _MANGLED_PART = re.compile(r"(\d+)")
