@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rankscope.agent.bpf_program import ProbeError
 from rankscope.agent.gpu import GpuViews
 from rankscope.agent.gpu_health import GpuHealthReader
 from rankscope.agent.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
@@ -185,3 +186,10 @@ def test_sigkilled_agent_leaves_the_shim_idle(start_driver):
         agent.kill()
         agent.wait()
     assert driver.emit(1) == (RECORDS_PER_BUFFER, 0, 1)  # skipped: nothing attached any more
+
+
+def test_process_without_the_shim_is_refused_clearly():
+    with pytest.raises(ProbeError, match="does not load the rankscope CUPTI shim"):
+        CuptiReader(os.getpid())
+    views = GpuViews(GpuHealthReader(ReplayNvml(READINGS)))
+    assert not views.attach(os.getpid())

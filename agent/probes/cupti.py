@@ -130,6 +130,7 @@ class CuptiReader:
         self._raw: list[RawActivity] = []
         self._events: list[tuple[bytes, int]] = []  # (uprobe event name, perf fd)
         self._lib = lib
+        sem = semaphore_offset(path)
         try:
             readers, sites = _probe_sites(USDT, pid)
             self._bpf = BPF(text=readers + (resources.files("rankscope.bpf") / "cupti.bpf.c").read_text())
@@ -137,7 +138,6 @@ class CuptiReader:
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
         attach = _attach_uprobe_with_semaphore()
-        sem = semaphore_offset(path)
         for binpath, addr in sites:
             ev = f"rankscope_cupti_{pid}_{addr:x}".encode()
             fd = attach(fn.fd, 0, ev, binpath, addr, pid, sem)
