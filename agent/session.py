@@ -15,6 +15,7 @@ from rankscope.analyzer.patterns import RankPattern
 from .bpf_program import ProbeProgram
 from .collector import Collector
 from .detail import LIGHT, Detail
+from .gpu import GpuViews
 from .probes import KINDS
 from .python_exact import PythonTimer, TracedFunction
 from .python_sampler import PythonAttachError, PythonSampler
@@ -42,6 +43,7 @@ class Session:
         self.collector = Collector(self.program, self.python, self.timer, host_name())
         self.collector.detail = detail
         self.targets: dict[int, Target] = {}
+        self.gpu = GpuViews()
 
     def add(self, pid: int) -> Target:
         """Inspect and attach to `pid`; TargetError or ProbeError say why not."""
@@ -55,6 +57,7 @@ class Session:
             raise TargetError(f"process {pid} exited while attaching")
         self.targets[pid] = target
         self._sample_python(target)
+        self.gpu.attach(pid)
         return target
 
     def _sample_python(self, target: Target) -> None:
@@ -77,6 +80,7 @@ class Session:
             self.program.detach(pid)
             self.python.detach(pid)
         patterns = self.collector.collect(list(self.targets.values()), exited)
+        self.gpu.fill(patterns)
         for pid in exited:
             log.info("pid %d exited", pid)
             self._forget(pid)
@@ -101,9 +105,11 @@ class Session:
         del self.targets[pid]
         self.timer.detach(pid)  # after the last read: its uprobes leave with the process anyway
         self.collector.forget(pid)
+        self.gpu.forget(pid)
         self.program.purge(pid)
 
     def close(self) -> None:
         self.timer.close()
+        self.gpu.close()
         self.python.close()
         self.program.close()

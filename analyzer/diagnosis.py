@@ -12,6 +12,8 @@ from .findings import (
     Finding,
     compute_straggler,
     cpu_contention,
+    gpu_throttle,
+    launch_bound,
     node_fault,
     plain,
     slow_link,
@@ -49,8 +51,13 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     if hung:  # a stalled job has no steps to compare: the hang is the whole story
         return hung
     alignment = align_collectives(table.patterns, table.job_step_s)
-    stragglers = compute_straggler(table, alignment) + cpu_contention(table, alignment)
-    found = stragglers + node_fault(table, alignment) + slow_link(table, alignment, {r for f in stragglers for r in f.ranks})
+    throttled = gpu_throttle(table, alignment)
+    explained = {r for f in throttled for r in f.ranks}
+    # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
+    stragglers = [f for f in compute_straggler(table, alignment)
+                  if not (f.component == "gpu" and set(f.ranks) <= explained)] + cpu_contention(table, alignment)
+    found = stragglers + throttled + node_fault(table, alignment) + launch_bound(table)
+    found += slow_link(table, alignment, {r for f in found for r in f.ranks})
     if not found:  # no rank differs from its peers: has the whole job changed?
         found = regression(table, reference)
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))

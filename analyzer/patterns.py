@@ -113,6 +113,50 @@ class PyTimed:
 
 
 @dataclass
+class GpuKernel:
+    """One kernel's GPU time on the rank during the window (CUPTI shim)."""
+
+    name: str  # short name (agent/probes/cupti.py short_kernel_name), at most KERNEL_NAME_CHARS
+    count: int
+    total_s: float
+
+
+@dataclass
+class GpuActivity:
+    """The rank's GPU work during the window, timed on the GPU by the CUPTI shim."""
+
+    busy_s: float  # union of kernel, copy and set intervals, summed over the rank's devices
+    kernel_s: float  # sum of kernel durations (overlapping kernels count twice)
+    copy_s: float  # memcpy and memset durations
+    kernels: int
+    top: list[GpuKernel] = field(default_factory=list)  # by GPU time, largest first, at most TOP_KERNELS
+
+
+@dataclass
+class GpuHealth:
+    """NVML readings of the rank's GPU over the window; names follow DCGM's fields (see agent/gpu_health.py).
+    Whole units, so they pack as small integers (the pattern must stay near 1 KB)."""
+
+    index: int  # NVML device index
+    sm_clock_mhz: int  # mean of the window's samples
+    max_sm_clock_mhz: int
+    throttle_reasons: int  # OR of the window's clock event reason bits (idle and app settings left out)
+    power_w: int
+    temperature_c: int
+    util_gpu_pct: int
+    mem_used_mib: int
+    pcie_tx_mbps: int  # MB/s
+    pcie_rx_mbps: int
+    nvlink_errors: int  # CRC, replay and recovery errors added during the window, all links
+    ecc_dbe: int  # volatile double-bit ECC errors added during the window
+    xids: list[int] = field(default_factory=list)  # XID codes seen during the window
+
+
+TOP_KERNELS = 3
+KERNEL_NAME_CHARS = 30
+
+
+@dataclass
 class RankPattern:
     """Everything the analyzer knows about one rank for one window."""
 
@@ -135,6 +179,8 @@ class RankPattern:
     where: str = ""  # of a rank that completed nothing this window: e.g. "futex (futex_wait_queue)"
     python: list[PyFunction] = field(default_factory=list)  # main thread's top functions by self time
     python_timed: list[PyTimed] = field(default_factory=list)  # exactly timed functions, most time first
+    gpu: GpuActivity | None = None  # None: the job does not load the CUPTI shim
+    gpu_health: GpuHealth | None = None  # None: no NVML, or the rank's GPU is unknown
 
     @property
     def window_s(self) -> float:
@@ -152,6 +198,8 @@ class RankPattern:
 _ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5, Role.GC: 6}
 _ROLE_OF_CODE = {code: role for role, code in _ROLE_CODE.items()}
 _FN_FIELDS = ("role", "count", "total_s", "max_s", "p50_s", "p99_s", "bytes")
+_HEALTH_FIELDS = ("index", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "power_w", "temperature_c",
+                  "util_gpu_pct", "mem_used_mib", "pcie_tx_mbps", "pcie_rx_mbps", "nvlink_errors", "ecc_dbe", "xids")
 _SCHED_FIELDS = ("threads", "on_cpu_s", "runq_s", "sleep_s", "io_s", "reclaim_s", "preempted", "runq_p99_s")
 
 
@@ -198,6 +246,9 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         "since": None if p.since is None else _us(p.since),
         "py": [[f.name, f.self_s, f.total_s, f.cpu_s] for f in p.python],
         "pyt": [[f.name, f.count, f.total_s, f.max_s] for f in p.python_timed],
+        "gpu": None if p.gpu is None else [p.gpu.busy_s, p.gpu.kernel_s, p.gpu.copy_s, p.gpu.kernels,
+                                           [[k.name, k.count, k.total_s] for k in p.gpu.top]],
+        "gh": None if p.gpu_health is None else [getattr(p.gpu_health, f) for f in _HEALTH_FIELDS],
     }
 
 
@@ -312,6 +363,28 @@ def _python_timed_from_wire(raw: Any) -> list[PyTimed]:
         out.append(PyTimed(name=name, count=_int(count, f"{name}.count"), total_s=_seconds(total_s, f"{name}.total_s"),
                            max_s=_seconds(max_s, f"{name}.max_s")))
     return out
+def _gpu_from_wire(raw: Any) -> GpuActivity | None:
+    if raw is None:
+        return None
+    busy, kernel_s, copy_s, kernels, top = _list(raw, "gpu", 5)
+    kernels_top = []
+    for row in _list(top, "gpu kernels"):
+        name, count, total = _list(row, "gpu kernel", 3)
+        name = _str(name, "gpu kernel name")
+        kernels_top.append(GpuKernel(name=name, count=_int(count, f"{name}.count"),
+                                     total_s=_seconds(total, f"{name}.total_s")))
+    return GpuActivity(busy_s=_seconds(busy, "gpu busy"), kernel_s=_seconds(kernel_s, "gpu kernel time"),
+                       copy_s=_seconds(copy_s, "gpu copy time"), kernels=_int(kernels, "gpu kernels"),
+                       top=kernels_top)
+
+
+def _health_from_wire(raw: Any) -> GpuHealth | None:
+    if raw is None:
+        return None
+    row = dict(zip(_HEALTH_FIELDS, _list(raw, "gh", len(_HEALTH_FIELDS))))
+    values: dict[str, Any] = {f: _int(row[f], f"gpu health {f}") for f in _HEALTH_FIELDS if f != "xids"}
+    values["xids"] = [_int(x, "xid") for x in _list(row["xids"], "xids")]
+    return GpuHealth(**values)
 
 
 def _pattern_from_wire(d: Any) -> RankPattern:
@@ -347,6 +420,8 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             since=None if d["since"] is None else _int(d["since"], "since") / 1e6,
             python=_python_from_wire(d["py"]),
             python_timed=_python_timed_from_wire(d.get("pyt", [])),
+            gpu=_gpu_from_wire(d.get("gpu")),  # optional: patterns from agents without GPU views lack them
+            gpu_health=_health_from_wire(d.get("gh")),
         )
     except PatternDecodeError:
         raise

@@ -23,7 +23,8 @@ COLLECTIVE(ncclBroadcast, PT_REGS_PARM3(ctx) * nccl_type_size(PT_REGS_PARM4(ctx)
 COLLECTIVE(ncclSend, PT_REGS_PARM2(ctx) * nccl_type_size(PT_REGS_PARM3(ctx)), false)
 COLLECTIVE(ncclRecv, PT_REGS_PARM2(ctx) * nccl_type_size(PT_REGS_PARM3(ctx)), false)
 
-// Communicators of each process: rank, size and a hash of the ncclUniqueId every member shares.
+// Communicators of each process: rank, size and a hash of the ncclUniqueId every member shares. A failed
+// set-up is kept too, with its result and a null comm: the rank still said who it is.
 struct comm_key {
     u32 pid;
     u32 pad;
@@ -33,6 +34,8 @@ struct comm_info {
     s32 rank;
     s32 nranks;
     u64 id_hash;
+    s32 result;  // ncclResult_t: 0 ncclSuccess
+    u32 pad;
 };
 BPF_HASH(comms, struct comm_key, struct comm_info, 4096);
 
@@ -75,9 +78,10 @@ int return_ncclCommInitRank(struct pt_regs *ctx) {
     if (!init)
         return 0;
     struct comm_key key = {.pid = bpf_get_current_pid_tgid() >> 32};
-    bpf_probe_read_user(&key.comm, sizeof(key.comm), (void *)init->comm_out);
-    if (PT_REGS_RC(ctx) == 0)  // ncclSuccess
-        comms.update(&key, &init->info);
+    init->info.result = PT_REGS_RC(ctx);
+    if (init->info.result == 0)
+        bpf_probe_read_user(&key.comm, sizeof(key.comm), (void *)init->comm_out);
+    comms.update(&key, &init->info);
     comm_inits.delete(&tid);
     return 0;
 }

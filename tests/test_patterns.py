@@ -7,9 +7,14 @@ import random
 import msgpack
 import pytest
 from rankscope.analyzer.patterns import (
+    KERNEL_NAME_CHARS,
     SCHEMA_VERSION,
+    TOP_KERNELS,
     CollectiveRecord,
     FunctionStats,
+    GpuActivity,
+    GpuHealth,
+    GpuKernel,
     PatternDecodeError,
     PyTimed,
     RankPattern,
@@ -168,3 +173,44 @@ def test_timed_python_functions_round_trip_and_may_be_absent():
 def test_malformed_timed_python_functions_raise_decode_error(pyt):
     with pytest.raises(PatternDecodeError):
         decode_patterns(_mutated(pyt=pyt))
+
+
+def with_gpu(p: RankPattern) -> RankPattern:
+    """`p` with the GPU views: the shim's top kernels (names at their longest) and NVML health."""
+    p.gpu = GpuActivity(busy_s=1.61, kernel_s=1.72, copy_s=0.043, kernels=4980, top=[
+        GpuKernel(f"vectorized_elementwise_kernel_{i}_padded_to_the_limit"[:KERNEL_NAME_CHARS], 996, 0.31 - 0.05 * i)
+        for i in range(TOP_KERNELS)])
+    p.gpu_health = GpuHealth(index=3, sm_clock_mhz=1410, max_sm_clock_mhz=1980, throttle_reasons=0x20, power_w=612,
+                             temperature_c=81, util_gpu_pct=97, mem_used_mib=71_234, pcie_tx_mbps=1200,
+                             pcie_rx_mbps=3400, nvlink_errors=2, ecc_dbe=0, xids=[79])
+    return p
+
+
+def test_gpu_views_round_trip_and_fit_1kb():
+    p = with_gpu(typical())
+    p.collectives = p.collectives[:12]  # the collector's bound (agent/collector.py MAX_COLLECTIVES)
+    payload = encode_patterns([p])
+    assert len(payload) <= 1024, len(payload)
+    q = decode_patterns(payload)[0]
+    assert q.gpu_health == p.gpu_health
+    assert (q.gpu.kernels, [k.name for k in q.gpu.top]) == (4980, [k.name for k in p.gpu.top])
+    assert q.gpu.busy_s == pytest.approx(1.61, rel=1e-7)
+    assert [k.total_s for k in q.gpu.top] == pytest.approx([k.total_s for k in p.gpu.top], rel=1e-7)
+
+
+def test_patterns_without_gpu_views_decode_with_defaults():
+    wire = msgpack.unpackb(encode_patterns([typical()]))
+    for d in wire:
+        del d["gpu"], d["gh"]  # as an agent without the GPU views sends them
+    q = decode_patterns(msgpack.packb(wire))[0]
+    assert q.gpu is None and q.gpu_health is None
+
+
+@pytest.mark.parametrize("field,value", [("gpu", [1.0, 1.0, 0.0, -1, []]), ("gpu", [1.0, 1.0, 0.0, 3]),
+                                         ("gpu", [1.0, "x", 0.0, 3, []]), ("gh", [0] * 12),
+                                         ("gh", [0, 1.0, 1.0, 0, 1.0, 1.0, 1.0, 0, 1.0, 1.0, 0, 0, ["79"]])])
+def test_malformed_gpu_views_raise_decode_error(field, value):
+    wire = msgpack.unpackb(encode_patterns([with_gpu(typical())]), raw=False)
+    wire[0][field] = value
+    with pytest.raises(PatternDecodeError):
+        decode_patterns(msgpack.packb(wire))

@@ -26,16 +26,17 @@ class Communicator:
     rank: int
     nranks: int
     id_hash: int  # the same on every rank of the communicator
+    result: int = 0  # ncclCommInitRank's ncclResult_t; a failed set-up is no communicator of the job
 
 
 def communicators(bpf) -> dict[int, list[Communicator]]:
-    """pid -> communicators created while watched, from the `comms` map."""
+    """pid -> communicators set up (or attempted) while watched, from the `comms` map."""
     out: dict[int, list[Communicator]] = {}
     for key, info in bpf["comms"].items():
-        out.setdefault(key.pid, []).append(Communicator(info.rank, info.nranks, info.id_hash))
+        out.setdefault(key.pid, []).append(Communicator(info.rank, info.nranks, info.id_hash, info.result))
     return out
 
 
 def world_communicator(comms: list[Communicator]) -> Communicator | None:
     """The communicator spanning the most ranks: the job's world (others are TP/PP subgroups)."""
-    return max(comms, key=lambda c: c.nranks, default=None)
+    return max((c for c in comms if c.result == 0), key=lambda c: c.nranks, default=None)

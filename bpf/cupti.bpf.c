@@ -1,0 +1,93 @@
+// GPU activity from the rankscope CUPTI shim (cupti_shim/shim.c), through its USDT probe
+// rankscope:activity(kind, start, end, device, stream, correlation, name, bytes). Aggregated here per
+// (process, record kind, kernel) and GPU busy time per (process, device); each record is also sent raw to
+// user space only while `raw_on` is set (deep mode, tests). Counters only grow: the agent reads differences.
+#include <uapi/linux/ptrace.h>
+
+#define GPU_HIST_SLOTS 40  // log2(ns) buckets, as the uprobe histograms
+
+struct act_key {
+    u32 pid;
+    u32 kind;  // CUpti_ActivityKind: 10 concurrent kernel, 1 memcpy, 2 memset
+    u64 name;  // CUPTI's kernel name pointer, one per kernel in the process (0 for copies and sets)
+};
+struct act_val {
+    u64 count;
+    u64 total_ns;
+    u64 bytes;
+    u64 hist[GPU_HIST_SLOTS];
+};
+BPF_HASH(gpu_activity, struct act_key, struct act_val, 4096);
+
+// Busy time as the union of activity intervals per device: records of one device arrive about in end
+// order, so an interval only adds the part after the latest end seen.
+struct dev_key {
+    u32 pid;
+    u32 device;
+};
+struct dev_val {
+    u64 busy_ns;
+    u64 last_end;
+};
+BPF_HASH(gpu_busy, struct dev_key, struct dev_val, 1024);
+
+struct raw_activity {
+    u32 pid;
+    u32 kind;
+    u64 start;
+    u64 end;
+    u32 device;
+    u32 stream;
+    u32 correlation;
+    u32 pad;
+    u64 name;
+    u64 bytes;
+};
+BPF_RINGBUF_OUTPUT(raw_activity, 64);  // pages
+BPF_ARRAY(raw_on, u32, 1);
+
+int on_activity(struct pt_regs *ctx) {
+    struct raw_activity r = {.pid = bpf_get_current_pid_tgid() >> 32};
+    u64 kind = 0, device = 0, stream = 0, correlation = 0;
+    bpf_usdt_readarg(1, ctx, &kind);
+    bpf_usdt_readarg(2, ctx, &r.start);
+    bpf_usdt_readarg(3, ctx, &r.end);
+    bpf_usdt_readarg(4, ctx, &device);
+    bpf_usdt_readarg(5, ctx, &stream);
+    bpf_usdt_readarg(6, ctx, &correlation);
+    bpf_usdt_readarg(7, ctx, &r.name);
+    bpf_usdt_readarg(8, ctx, &r.bytes);
+    r.kind = kind;
+    r.device = device;
+    r.stream = stream;
+    r.correlation = correlation;
+    u64 ns = r.end > r.start ? r.end - r.start : 0;
+
+    struct act_key key = {.pid = r.pid, .kind = r.kind, .name = r.name};
+    struct act_val zero = {};
+    struct act_val *v = gpu_activity.lookup_or_try_init(&key, &zero);
+    if (v) {
+        __sync_fetch_and_add(&v->count, 1);
+        __sync_fetch_and_add(&v->total_ns, ns);
+        __sync_fetch_and_add(&v->bytes, r.bytes);
+        u32 slot = bpf_log2l(ns);
+        if (slot >= GPU_HIST_SLOTS)
+            slot = GPU_HIST_SLOTS - 1;
+        __sync_fetch_and_add(&v->hist[slot], 1);
+    }
+
+    struct dev_key dk = {.pid = r.pid, .device = r.device};
+    struct dev_val dzero = {};
+    struct dev_val *d = gpu_busy.lookup_or_try_init(&dk, &dzero);
+    if (d && r.end > d->last_end) {  // one CUPTI thread delivers a process's buffers: no race to guard
+        u64 from = r.start > d->last_end ? r.start : d->last_end;
+        d->busy_ns += r.end - from;
+        d->last_end = r.end;
+    }
+
+    int zero_idx = 0;
+    u32 *on = raw_on.lookup(&zero_idx);
+    if (on && *on)
+        raw_activity.ringbuf_output(&r, sizeof(r), 0);
+    return 0;
+}

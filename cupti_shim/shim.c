@@ -1,0 +1,215 @@
+// rankscope CUPTI shim: loaded by the CUDA driver from CUDA_INJECTION64_PATH, it turns on CUPTI activity
+// records for kernels, memcpys and memsets and hands each completed record to the rankscope agent through
+// the USDT probe rankscope:activity. The probe has a semaphore: while no agent is attached, completed
+// buffers are returned to CUPTI unread, so the shim costs nothing beyond CUPTI's own record keeping.
+//
+// libcupti is opened at run time (the copy the process already maps, e.g. torch's, else RANKSCOPE_CUPTI_LIB,
+// else libcupti.so.12 from the loader's path), so the shim links against nothing CUDA and loads anywhere.
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cupti.h>
+
+#define _SDT_HAS_SEMAPHORES 1
+#include <sys/sdt.h>
+
+#define SHIM_API __attribute__((visibility("default")))
+#define BUFFER_BYTES (1u << 20)
+#define DEFAULT_MAX_RATE 50000  // records/s handed to the agent (~1.5 us each while attached); the rest are dropped
+#define DEFAULT_FLUSH_MS 1000    // CUPTI hands over partly filled buffers this often, so windows see fresh records
+
+// The USDT semaphore of rankscope:activity; the kernel increments it while an agent's uprobe is attached.
+SHIM_API unsigned short rankscope_activity_semaphore __attribute__((section(".probes")));
+
+// Counters a test (or a debugger) reads through rankscope_shim_stats.
+struct rankscope_shim_stats {
+    uint64_t emitted;          // records handed to the probe
+    uint64_t dropped;          // records over the rate limit
+    uint64_t skipped_buffers;  // buffers returned unread: no agent attached
+    uint64_t cupti_dropped;    // records CUPTI itself dropped (buffers full)
+};
+static struct {
+    _Atomic uint64_t emitted, dropped, skipped_buffers, cupti_dropped;
+    _Atomic uint64_t second, in_second;  // rate limiter: the current second and records emitted in it
+    uint64_t max_rate;
+} stats;
+
+static struct {
+    CUptiResult (*subscribe)(CUpti_SubscriberHandle *, CUpti_CallbackFunc, void *);
+    CUptiResult (*unsubscribe)(CUpti_SubscriberHandle);
+    CUptiResult (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc);
+    CUptiResult (*enable)(CUpti_ActivityKind);
+    CUptiResult (*next_record)(uint8_t *, size_t, CUpti_Activity **);
+    CUptiResult (*flush_all)(uint32_t);
+    CUptiResult (*flush_period)(uint32_t);
+    CUptiResult (*dropped_records)(CUcontext, uint32_t, size_t *);
+    CUptiResult (*result_string)(CUptiResult, const char **);
+} cupti;
+
+static void say(const char *what, CUptiResult rc) {
+    const char *msg = "unknown error";
+    if (cupti.result_string)
+        cupti.result_string(rc, &msg);
+    fprintf(stderr, "rankscope-cupti: %s (%s)\n", what, msg);
+}
+
+static void *open_cupti(void) {
+    void *h = dlopen("libcupti.so.12", RTLD_NOW | RTLD_NOLOAD);
+    const char *path = getenv("RANKSCOPE_CUPTI_LIB");
+    if (!h && path && *path)
+        h = dlopen(path, RTLD_NOW);
+    if (!h)
+        h = dlopen("libcupti.so.12", RTLD_NOW);
+    return h;
+}
+
+static int resolve(void *h) {
+#define SYM(field, name) if (!(cupti.field = dlsym(h, name))) return -1
+    SYM(subscribe, "cuptiSubscribe");
+    SYM(unsubscribe, "cuptiUnsubscribe");
+    SYM(register_callbacks, "cuptiActivityRegisterCallbacks");
+    SYM(enable, "cuptiActivityEnable");
+    SYM(next_record, "cuptiActivityGetNextRecord");
+    SYM(flush_all, "cuptiActivityFlushAll");
+    SYM(flush_period, "cuptiActivityFlushPeriod");
+    SYM(dropped_records, "cuptiActivityGetNumDroppedRecords");
+    SYM(result_string, "cuptiGetResultString");
+#undef SYM
+    return 0;
+}
+
+static int under_rate_limit(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec;
+    uint64_t second = atomic_load(&stats.second);
+    if (now != second && atomic_compare_exchange_strong(&stats.second, &second, now))
+        atomic_store(&stats.in_second, 0);
+    return atomic_fetch_add(&stats.in_second, 1) < stats.max_rate;
+}
+
+// Every argument widened to 64 bits, so each has one size at every probe site (bcc reads an argument
+// with a single size).
+#define EMIT(kind, start, end, device, stream, correlation, name, bytes)                                     \
+    STAP_PROBE8(rankscope, activity, (uint64_t)(kind), (uint64_t)(start), (uint64_t)(end), (uint64_t)(device), \
+                (uint64_t)(stream), (uint64_t)(correlation), (uint64_t)(name), (uint64_t)(bytes))
+
+// One record to the probe. Args: kind, GPU start ns, GPU end ns, device, stream, correlation id,
+// kernel name (char *, NULL for copies and sets; CUPTI shares one string per kernel), bytes (copies, sets).
+static void emit(const CUpti_Activity *rec) {
+    uint64_t kind = rec->kind;
+    switch (rec->kind) {
+    case CUPTI_ACTIVITY_KIND_KERNEL:
+    case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
+        const CUpti_ActivityKernel9 *k = (const void *)rec;
+        EMIT(kind, k->start, k->end, k->deviceId, k->streamId, k->correlationId, (uintptr_t)k->name, 0);
+        break;
+    }
+    case CUPTI_ACTIVITY_KIND_MEMCPY: {
+        const CUpti_ActivityMemcpy6 *m = (const void *)rec;
+        EMIT(kind, m->start, m->end, m->deviceId, m->streamId, m->correlationId, 0, m->bytes);
+        break;
+    }
+    case CUPTI_ACTIVITY_KIND_MEMSET: {
+        const CUpti_ActivityMemset4 *m = (const void *)rec;
+        EMIT(kind, m->start, m->end, m->deviceId, m->streamId, m->correlationId, 0, m->bytes);
+        break;
+    }
+    default:
+        return;
+    }
+    atomic_fetch_add(&stats.emitted, 1);
+}
+
+// Walks a completed buffer (without freeing it). Exposed so tests can feed it records built with the real
+// CUPTI types; the completed-buffer callback below is its only caller in a job.
+SHIM_API void rankscope_shim_process_buffer(uint8_t *buffer, size_t valid) {
+    if (!rankscope_activity_semaphore || !cupti.next_record) {
+        atomic_fetch_add(&stats.skipped_buffers, 1);
+        return;
+    }
+    CUpti_Activity *rec = NULL;
+    while (cupti.next_record(buffer, valid, &rec) == CUPTI_SUCCESS) {
+        if (under_rate_limit())
+            emit(rec);
+        else
+            atomic_fetch_add(&stats.dropped, 1);
+    }
+}
+
+SHIM_API void rankscope_shim_stats(struct rankscope_shim_stats *out) {
+    out->emitted = atomic_load(&stats.emitted);
+    out->dropped = atomic_load(&stats.dropped);
+    out->skipped_buffers = atomic_load(&stats.skipped_buffers);
+    out->cupti_dropped = atomic_load(&stats.cupti_dropped);
+}
+
+static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records) {
+    *buffer = aligned_alloc(8, BUFFER_BYTES);
+    *size = *buffer ? BUFFER_BYTES : 0;
+    *max_records = 0;  // as many as fit
+}
+
+static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid) {
+    (void)size;
+    rankscope_shim_process_buffer(buffer, valid);
+    size_t lost = 0;
+    if (cupti.dropped_records(ctx, stream, &lost) == CUPTI_SUCCESS && lost)
+        atomic_fetch_add(&stats.cupti_dropped, lost);
+    free(buffer);
+}
+
+static void flush_at_exit(void) {
+    cupti.flush_all(1);  // CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: also the records of unfinished buffers
+}
+
+static void CUPTIAPI ignore_callback(void *ud, CUpti_CallbackDomain d, CUpti_CallbackId id, const void *data) {
+    (void)ud; (void)d; (void)id; (void)data;
+}
+
+// Entry point called by the CUDA driver at cuInit. Returns 1 (the driver ignores the value) whether or not
+// CUPTI could be set up: the job must never fail because of its observer.
+SHIM_API int InitializeInjection(void) {
+    static int done;
+    if (done++)
+        return 1;
+    const char *rate = getenv("RANKSCOPE_SHIM_MAX_RATE");
+    stats.max_rate = rate && *rate ? strtoull(rate, NULL, 10) : DEFAULT_MAX_RATE;
+    void *h = open_cupti();
+    if (!h || resolve(h)) {
+        fprintf(stderr, "rankscope-cupti: libcupti.so.12 not found (set RANKSCOPE_CUPTI_LIB); "
+                        "GPU activity is not reported\n");
+        return 1;
+    }
+    // CUPTI allows one subscriber per process: if another tool (Nsight, a profiler) holds it, yield.
+    // The subscription is only a probe for that; released at once so a later torch.profiler can take it.
+    CUpti_SubscriberHandle sub;
+    CUptiResult rc = cupti.subscribe(&sub, ignore_callback, NULL);
+    if (rc != CUPTI_SUCCESS) {
+        say("another CUPTI subscriber is active or CUPTI is unavailable; GPU activity is not reported", rc);
+        return 1;
+    }
+    cupti.unsubscribe(sub);
+    if ((rc = cupti.register_callbacks(buffer_requested, buffer_completed)) != CUPTI_SUCCESS) {
+        say("cannot register activity buffers; GPU activity is not reported", rc);
+        return 1;
+    }
+    static const CUpti_ActivityKind kinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
+                                               CUPTI_ACTIVITY_KIND_MEMSET};
+    for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++)
+        if ((rc = cupti.enable(kinds[i])) != CUPTI_SUCCESS) {
+            say("cannot enable activity records; GPU activity is not reported", rc);
+            return 1;
+        }
+    const char *flush = getenv("RANKSCOPE_SHIM_FLUSH_MS");
+    if ((rc = cupti.flush_period(flush && *flush ? (uint32_t)strtoul(flush, NULL, 10) : DEFAULT_FLUSH_MS)) != CUPTI_SUCCESS)
+        say("cannot set the flush period; records arrive when buffers fill", rc);
+    atexit(flush_at_exit);
+    return 1;
+}
