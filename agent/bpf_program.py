@@ -36,6 +36,8 @@ class LibraryProbes:
     probes: list[str] = field(default_factory=list)  # probe names attached
     skipped: list[str] = field(default_factory=list)  # probe names whose function this version does not export
     events: list[bytes] = field(default_factory=list)  # bcc's uprobe event names, to detach without the file
+    hot: list[tuple[Probe, str]] = field(default_factory=list)  # hot probes (and their symbol), deep detail only
+    hot_events: list[bytes] = field(default_factory=list)  # of the hot probes, while attached
     users: set[int] = field(default_factory=set)
 
 
@@ -64,6 +66,7 @@ class ProbeProgram:
         self._bpf = None
         self.libraries: dict[tuple[int, int], LibraryProbes] = {}  # (st_dev, st_ino) -> probes
         self.watched: set[int] = set()
+        self.hot = False  # whether hot probes (Probe.hot) are attached
 
     @property
     def bpf(self):
@@ -116,12 +119,41 @@ class ProbeProgram:
                 lib.skipped.append(probe.name)
                 continue
             seen_addrs.add(addr)
+            lib.probes.append(probe.name)
+            if probe.hot:
+                lib.hot.append((probe, symbol))
+                continue
             before = set(bpf.uprobe_fds)
             try:
                 self._attach_one(bpf, lib.path, probe, symbol)
             finally:  # record what did attach, so a failure half-way still detaches it
                 lib.events += [ev for ev in bpf.uprobe_fds if ev not in before]
-            lib.probes.append(probe.name)
+        if self.hot:
+            self._attach_hot(bpf, lib)
+
+    def set_hot(self, on: bool) -> None:
+        """Attach (on) or remove the hot probes of every probed library."""
+        if on == self.hot or self._bpf is None:
+            self.hot = on
+            return
+        self.hot = on
+        for lib in self.libraries.values():
+            if on:
+                try:
+                    self._attach_hot(self._bpf, lib)
+                except ProbeError as e:  # the library's other probes go on
+                    log.warning("%s", e)
+            else:
+                self._detach_events(lib.hot_events)
+                lib.hot_events = []
+
+    def _attach_hot(self, bpf, lib: LibraryProbes) -> None:
+        for probe, symbol in lib.hot:
+            before = set(bpf.uprobe_fds)
+            try:
+                self._attach_one(bpf, lib.path, probe, symbol)
+            finally:
+                lib.hot_events += [ev for ev in bpf.uprobe_fds if ev not in before]
 
     @staticmethod
     def _attach_one(bpf, path: str, probe: Probe, symbol: str) -> None:
@@ -146,7 +178,10 @@ class ProbeProgram:
 
     def _remove_library(self, key: tuple[int, int]) -> None:
         lib = self.libraries.pop(key)
-        for ev in lib.events:
+        self._detach_events(lib.events + lib.hot_events)
+
+    def _detach_events(self, events: list[bytes]) -> None:
+        for ev in events:
             try:
                 self._bpf.detach_uprobe_event(ev)
             except Exception as e:  # bcc raises bare Exception; never let one probe stop the rest

@@ -2,8 +2,8 @@
 
 The published systems keep an always-on layer cheap and raise the detail on demand when a job slows down.
 Here the trigger is the job's own step time against its baseline (analyzer/baseline.py): when it exceeds
-the baseline by the threshold, the agent samples Python frames faster, times `forward` and data-loader
-`__next__` exactly, and ships more of each rank's collectives and Python functions for `deep_s` seconds, then rests in light mode for COOLDOWN x `deep_s`
+the baseline by the threshold, the agent samples Python frames faster, counts kernel launches, times
+`forward` and data-loader `__next__` exactly, and ships more of each rank's collectives and Python functions for `deep_s` seconds, then rests in light mode for COOLDOWN x `deep_s`
 before it may trigger again, so that a lasting slowdown cannot keep the job in deep mode.
 """
 from __future__ import annotations
@@ -25,12 +25,14 @@ class Detail:
     python_hz: int  # frame samples per second per CPU
     max_collectives: int  # per pattern: collective instants shipped (the kernel ring keeps 64)
     top_python: int  # per pattern: Python functions shipped
-    time_functions: bool  # forward and data-loader __next__ timed exactly (~1.3 us per eval-loop entry)
+    # Probes on per-call hot paths: kernel launches counted (~0.6 us each) and Python's eval loop, to time
+    # forward and data-loader __next__ exactly (~1.3 us per entry). Too costly to leave on.
+    hot_probes: bool
 
 
 # ~1 KB patterns, ~0.2% of a core; 199 Hz is off the timer beat
-LIGHT = Detail("light", DEFAULT_FREQUENCY, max_collectives=12, top_python=5, time_functions=False)
-DEEP = Detail("deep", 4 * DEFAULT_FREQUENCY + 3, max_collectives=48, top_python=20, time_functions=True)
+LIGHT = Detail("light", DEFAULT_FREQUENCY, max_collectives=12, top_python=5, hot_probes=False)
+DEEP = Detail("deep", 4 * DEFAULT_FREQUENCY + 3, max_collectives=48, top_python=20, hot_probes=True)
 
 
 @dataclass

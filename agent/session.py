@@ -39,7 +39,8 @@ class Session:
         self.program = program or ProbeProgram()
         self.python = PythonSampler(frequency=detail.python_hz)
         self.timer = PythonTimer(traced)
-        self.timer.set_functions(detail.time_functions)
+        self.timer.set_functions(detail.hot_probes)
+        self.program.hot = detail.hot_probes
         self.collector = Collector(self.program, self.python, self.timer, host_name())
         self.collector.detail = detail
         self.targets: dict[int, Target] = {}
@@ -91,7 +92,8 @@ class Session:
         if detail != self.collector.detail:
             log.info("detail: %s", detail.level)
             self.python.set_frequency(detail.python_hz)
-            self.timer.set_functions(detail.time_functions)
+            self.timer.set_functions(detail.hot_probes)
+            self.program.set_hot(detail.hot_probes)
             self.collector.detail = detail
 
     def remove(self, pid: int) -> None:

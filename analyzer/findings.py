@@ -403,25 +403,24 @@ def launch_bound(t: RankTable) -> list[Finding]:
         void = 1.0 - min(g.busy_s / p.window_s, 1.0)
         sync_share = p.time_in(Role.SYNC) / p.window_s
         mean_kernel = g.kernel_s / g.kernels
-        launches = sum(f.count for f in p.functions.values() if f.role == Role.LAUNCH)
         if void >= VOID_MIN and sync_share <= LAUNCH_SYNC_MAX and mean_kernel <= SMALL_KERNEL_S:
             per_rank.append({"rank": int(t.rank[i]), "void_share": void, "gpu_busy_s": g.busy_s,
                              "window_s": p.window_s, "sync_share": sync_share, "mean_kernel_us": mean_kernel * 1e6,
-                             "kernels": g.kernels, "launches_per_s": launches / p.window_s})
+                             "kernels": g.kernels, "kernels_per_s": g.kernels / p.window_s})
     if not per_rank:
         return []
     per_rank.sort(key=lambda r: r["rank"])
     ranks = [r["rank"] for r in per_rank]
     void = float(np.median([r["void_share"] for r in per_rank]))
     mean_us = float(np.median([r["mean_kernel_us"] for r in per_rank]))
-    rate = float(np.median([r["launches_per_s"] for r in per_rank]))
+    rate = float(np.median([r["kernels_per_s"] for r in per_rank]))  # launches are counted in deep mode only
     return [Finding(
         kind="launch_bound", ranks=ranks, function="cuLaunchKernel", component="host",
         score=void / VOID_MIN, cost=void,  # at most the idle share could be won back
         summary=(f"{_rank_list(ranks)}: the GPU is idle {void:.0%} of the time between short kernels "
-                 f"({mean_us:.0f} us on average, {rate:.0f} launches/s) while the host does not wait for it: "
+                 f"({mean_us:.0f} us on average, {rate:.0f} kernels/s) while the host does not wait for it: "
                  f"the host cannot launch work fast enough (CUDA graphs or larger kernels help); "
                  f"costs up to {void:.0%} of step time"),
         # Kernel times in microseconds: plain() rounds evidence to 1e-6.
-        evidence={"void_share": void, "mean_kernel_us": mean_us, "launches_per_s": rate, "per_rank": per_rank},
+        evidence={"void_share": void, "mean_kernel_us": mean_us, "kernels_per_s": rate, "per_rank": per_rank},
     )]

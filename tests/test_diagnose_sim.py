@@ -64,6 +64,29 @@ def test_rank_and_world_come_from_the_communicator(sim_job, tmp_path):
         session.close()
 
 
+def test_kernel_launches_are_probed_in_deep_detail_only(sim_job):
+    """Launches are the hottest path (up to 100k calls/s): light detail leaves them alone."""
+    from rankscope.agent.detail import DEEP, LIGHT
+    from rankscope.agent.symbols import code_byte
+
+    job = sim_job(2)
+    pid = job.pids[0]
+    armed = lambda symbol: code_byte(pid, "libcuda.so.1", symbol) == 0xCC  # noqa: E731
+    session = Session()
+    try:
+        session.add(pid)
+        assert armed("cuStreamSynchronize") and not armed("cuLaunchKernel")
+        session.set_detail(DEEP)
+        assert armed("cuLaunchKernel") and armed("cuLaunchKernelEx")
+        launched = wait_until(lambda: next((p.functions.get("cuLaunchKernel") for p in session.window()), None), 10,
+                              "counted launches")
+        assert launched.count > 0
+        session.set_detail(LIGHT)
+        assert not armed("cuLaunchKernel") and armed("cuStreamSynchronize")
+    finally:
+        session.close()
+
+
 def test_rank_that_never_reaches_the_collective_is_a_noncomm_hang(sim_job):
     job = sim_job(4, faults=("hang:1:5",))
     wait_until(lambda: _in_sleep(job.pids[1]) and all(_in_futex(p) for p in job.pids if p != job.pids[1]),

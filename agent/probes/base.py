@@ -15,6 +15,9 @@ class Probe:
     symbol: str  # exported function (its ELF name: mangled for C++)
     role: Role
     returns: bool = True  # also a uretprobe; False for hot calls that are only counted
+    # On a per-call hot path (kernel launches: up to 100k calls/s at ~0.6 us per trap): attached only while
+    # the agent records deep detail (agent/detail.py), never in the always-on mode.
+    hot: bool = False
     # C identifier naming the probe: the BPF source defines enter_<name> (and return_<name>), the loader
     # FN_<name>, and patterns report the function under it. Defaults to the symbol, when that is one.
     name: str = ""

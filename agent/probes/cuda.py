@@ -10,7 +10,7 @@ CUDA = ProbeKind(
     library=re.compile(r"^libcuda\.so(\.\d+)*$"),
     source="cuda.bpf.c",
     probes=(
-        *(Probe(s, Role.LAUNCH, returns=False) for s in (
+        *(Probe(s, Role.LAUNCH, returns=False, hot=True) for s in (
             "cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchKernelEx_ptsz", "cuGraphLaunch")),
         *(Probe(s, Role.SYNC) for s in (
             "cuStreamSynchronize", "cuStreamSynchronize_ptsz", "cuCtxSynchronize", "cuEventSynchronize")),

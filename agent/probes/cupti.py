@@ -18,8 +18,12 @@ from importlib import resources
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
-
-from rankscope.analyzer.patterns import KERNEL_NAME_CHARS, TOP_KERNELS, GpuActivity, GpuKernel
+from rankscope.analyzer.patterns import (
+    KERNEL_NAME_CHARS,
+    TOP_KERNELS,
+    GpuActivity,
+    GpuKernel,
+)
 
 from ..bpf_program import ProbeError
 
