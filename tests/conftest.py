@@ -65,6 +65,22 @@ def sim_job() -> Iterator[Callable[..., SimJob]]:
 
 
 @pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    """Processes a test starts (append them): terminated after the test, killed if they linger."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.terminate()
+    for p in started:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
 def hog() -> Iterator[subprocess.Popen]:
     """A busy loop on CPU 1 at a higher weight than a rank (nice -5): it takes most of that CPU."""
     proc = subprocess.Popen(["taskset", "-c", "1", "nice", "-n", "-5", "sh", "-c", "while :; do :; done"])

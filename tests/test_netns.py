@@ -58,21 +58,6 @@ def nodes() -> Iterator[list[Node]]:
             subprocess.run(["ip", "link", "del", node.veth], capture_output=True)
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen]]:
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.terminate()
-    for p in started:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _get(url: str, token: str | None = TOKEN):
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:

@@ -14,7 +14,7 @@ import pytest
 from conftest import RANKSCOPE, diagnose_json
 from rankscope.agent.interpreters.cpython import inspect
 from rankscope.agent.python_exact import PythonTimer, TracedFunction
-from test_python_sampler import INTERPRETERS, interpreter, needs_root, procs, start  # noqa: F401 (fixture)
+from test_python_sampler import INTERPRETERS, interpreter, needs_root, start
 
 LOADS, LOAD_S = 12, 0.004  # data-loader batches, each this long
 FORWARD_S, LAYER_S = 0.006, 0.002  # one forward per batch; it runs one layer's forward inside

@@ -109,16 +109,6 @@ def sampler() -> Iterator[PythonSampler]:
     s.close()
 
 
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen]]:
-    started: list[subprocess.Popen] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=10)
-
-
 def start(procs: list, argv: list[str]) -> tuple[subprocess.Popen, str]:
     """Start argv and wait for its readiness line; returns the process and the rest of that line."""
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
