@@ -21,7 +21,10 @@ from .python_sampler import PythonSampler
 from .stacks import where
 from .targets import Identity, Target, major_faults
 
-STALLED_SAMPLES = 5  # /proc reads of a rank that completed nothing this window: its state by majority
+STALLED_SAMPLES = 5  # /proc reads of a stalled rank: its state by majority
+# A rank whose last collective completed this long before the window's end is stalled (so far): where it
+# is, is read. Not "nothing completed this window": a hang that starts mid-window must show too.
+STALLED_AFTER_S = 2.0
 
 
 @dataclass
@@ -102,7 +105,8 @@ class Collector:
                 since=t.attached_at,
                 python=summarize(stacks.get(t.pid, {}), self.python.frequency, self.detail.top_python),
                 python_timed=timed.get(t.pid, []),
-                where=self._where(t.pid, ring, pending.get(t.pid), stalled=not collectives),
+                where=self._where(t.pid, ring, pending.get(t.pid),
+                                  stalled=now - (cursor.last_progress or t.attached_at) >= STALLED_AFTER_S),
             ))
             cursor.major_faults = faults
         return patterns
@@ -138,7 +142,7 @@ class Collector:
         return out
 
     def _where(self, pid: int, ring: list, pending_seq: int | None, stalled: bool) -> str:
-        """Where a rank that completed no collective this window is stuck ("" for a rank making progress):
+        """Where a stalled rank is stuck ("" for a rank making progress):
         waiting for a collective it enqueued, or the state of its main thread."""
         if not stalled:
             return ""

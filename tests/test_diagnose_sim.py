@@ -94,7 +94,8 @@ def test_rank_that_never_reaches_the_collective_is_a_noncomm_hang(sim_job):
     doc = diagnose_json(job.pids, 2.5, "--hang-timeout", "2")
     assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], doc["findings"]
     f = doc["findings"][0]
-    assert f["cost"] == 1.0 and "rank 1: clock_nanosleep" in f["summary"]
+    assert f["cost"] == 1.0 and "rank 1: in rank.py:wait_forever, clock_nanosleep" in f["summary"]
+    assert f["function"] == "rank.py:wait_forever"
 
 
 def test_collective_that_never_completes_is_a_comm_hang(sim_job):

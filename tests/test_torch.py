@@ -155,9 +155,11 @@ def test_sleep_before_forward_is_a_compute_straggler(torch_job):
 
 
 def test_rank_that_stops_before_its_collective_is_a_noncomm_hang(torch_job):
-    job = torch_job("--stop-before-collective", f"1:{STEADY_STEPS + 20}")
-    doc = diagnose_json(job.pids, 5.0, "--hang-timeout", "3")
-    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], doc["findings"]
+    # It stops a few seconds after every rank reported STEADY_STEPS (reports are written every 0.5 s: a stop
+    # right after them could freeze the reports short of it), before or while it is observed.
+    job = torch_job("--stop-before-collective", f"1:{STEADY_STEPS + 300}")
+    doc = diagnose_json(job.pids, 8.0, "--hang-timeout", "3")
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], json.dumps(doc["findings"])
     hung = doc["findings"][0]
     # Where it is: its Python function, from the frame sampler, and the system call it sleeps in.
     assert hung["function"] == "torch_ddp_train.py:hang_before_collective", hung
@@ -167,7 +169,7 @@ def test_rank_that_stops_before_its_collective_is_a_noncomm_hang(torch_job):
 
 
 def _pin_all_threads(pids_by_rank: dict[int, int]) -> None:
-    """Ranks 0 and 1 share CPU 0, rank 2 has CPU 1 (where conftest's `hog` runs), every thread of each."""
+    """Ranks 0 and 1 share CPU 0, rank 2 has CPU 1, every thread of each."""
     for rank, pid in pids_by_rank.items():
         subprocess.run(["taskset", "-a", "-p", "-c", "0" if rank < 2 else "1", str(pid)], check=True,
                        capture_output=True)
@@ -175,17 +177,6 @@ def _pin_all_threads(pids_by_rank: dict[int, int]) -> None:
 
 def _pids_by_rank(job: TorchJob) -> dict[int, int]:
     return {rank: job.report(rank)["pid"] for rank in range(RANKS)}
-
-
-def test_a_hog_on_a_ranks_cpu_is_cpu_contention_not_a_straggler(torch_job, hog):
-    # Every rank computes 3 ms a step and reads for 20 ms: losing the CPU costs time, and CPU 0 shared by
-    # two ranks is not saturated.
-    job = torch_job("--busy-before-forward", "*:0.003", "--read-ms", "20")
-    _pin_all_threads(_pids_by_rank(job))
-    doc = diagnose_json(job.pids, OBSERVE_S)
-    assert [(f["kind"], f["ranks"]) for f in doc["findings"]][:1] == [("cpu_contention", [2])], doc["findings"]
-    f = doc["findings"][0]
-    assert f["evidence"]["neighbours"][0]["pid"] == hog.pid, f["evidence"]
 
 
 def test_computing_longer_on_its_own_cpu_is_a_compute_straggler_not_contention(torch_job):

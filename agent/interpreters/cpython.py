@@ -570,7 +570,15 @@ def inspect(pid: int) -> Interpreter:
             layout = layout_from_debug_offsets(d, minor)
         else:
             layout = TABLE[(major, minor)]
-        verify(mem, pid, runtime, layout, text)
+        for attempt in range(VERIFY_TRIES):
+            try:
+                verify(mem, pid, runtime, layout, text)
+                break
+            except InterpreterNotReady:
+                raise
+            except UnsupportedInterpreter:
+                if attempt == VERIFY_TRIES - 1:
+                    raise
     finally:
         mem.close()
     return Interpreter(pid, text, facts.path, runtime, layout, ns_dev, ns_ino, bias)
@@ -593,6 +601,11 @@ def _ns_tids(pid: int) -> set[int]:
         except OSError:
             continue
     return out
+
+
+# The process runs while its frames are walked: a frame popped between two reads can fail a right layout
+# once, a wrong layout fails every time.
+VERIFY_TRIES = 3
 
 
 def verify(mem: ProcessMemory, pid: int, runtime: int, layout: Layout, text: str) -> None:
