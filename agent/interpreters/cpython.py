@@ -624,7 +624,7 @@ def verify(mem: ProcessMemory, pid: int, runtime: int, layout: Layout, text: str
             raise UnsupportedInterpreter(f"{where}: the layout does not verify (thread state -> interpreter)")
         tids = _ns_tids(pid) if not layout.match_pthread else set()
         code_type: int | None = None
-        frames_seen = 0
+        frames_seen = torn = 0
         for _ in range(256):  # thread states of the first interpreter
             if ts == 0:
                 break
@@ -644,21 +644,27 @@ def verify(mem: ProcessMemory, pid: int, runtime: int, layout: Layout, text: str
             for _ in range(64):
                 if not frame:
                     break
-                skip = False
-                if layout.frame_owner is not None:
-                    skip = mem.read(frame + layout.frame_owner, 1)[0] >= layout.owner_skip_from
-                if not skip:
-                    code = mem.u64(frame + layout.frame_code) & ~layout.code_tag_mask
-                    if code:
-                        t = mem.u64(code + layout.ob_type)
-                        if t != code_type:
-                            if _type_name(mem, t, layout) != "code":
-                                raise UnsupportedInterpreter(
-                                    f"{where}: the layout does not verify (a frame's code is no code object)")
-                            code_type = t
-                        frames_seen += 1
-                frame = mem.u64(frame + layout.frame_previous)
+                try:
+                    skip = False
+                    if layout.frame_owner is not None:
+                        skip = mem.read(frame + layout.frame_owner, 1)[0] >= layout.owner_skip_from
+                    if not skip:
+                        code = mem.u64(frame + layout.frame_code) & ~layout.code_tag_mask
+                        if code:
+                            t = mem.u64(code + layout.ob_type)
+                            if t != code_type:
+                                if _type_name(mem, t, layout) != "code":
+                                    raise UnsupportedInterpreter(
+                                        f"{where}: the layout does not verify (a frame's code is no code object)")
+                                code_type = t
+                            frames_seen += 1
+                    frame = mem.u64(frame + layout.frame_previous)
+                except OSError:  # the frame was popped while read (the process runs): the next thread
+                    torn += 1
+                    break
             ts = mem.u64(ts + layout.tstate_next)
+        if torn and not frames_seen:
+            raise UnsupportedInterpreter(f"{where}: the layout does not verify (no frame could be read)")
         log.debug("%s verified: %d frames checked", where, frames_seen)
     except OSError as e:
         raise UnsupportedInterpreter(f"{where}: the layout does not verify (unreadable memory: {e})") from e
