@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
+from rankscope.analyzer.findings import Z_MIN
 
 from .python_sampler import DEFAULT_FREQUENCY
 
@@ -77,8 +78,10 @@ class SlowdownTrigger:
             self.trigger = None
         if self.trigger is None and now >= self._rest_until:
             for job, doc in sorted(docs.items()):
-                step, base = doc.get("step_time_s"), (doc.get("baseline") or {}).get("step_time_s")
-                if step and base and step > base * (1 + self.threshold):
+                baseline = doc.get("baseline") or {}
+                step, base, noise = doc.get("step_time_s"), baseline.get("step_time_s"), baseline.get("noise_s", 0.0)
+                # As analyzer/baseline.py's Reference.slower, with this trigger's own threshold.
+                if step and base and step - base >= max(self.threshold * base, Z_MIN * noise):
                     self.trigger = Trigger(job, now, now + self.deep_s, step, base)
                     break
         return DEEP if self.trigger else LIGHT

@@ -185,21 +185,11 @@ class PythonTimer:
         pid = interp.pid
         if pid in self._watched:
             return
-        bpf = self.bpf
-        lay = interp.layout
-        conf = bpf["pyx_targets"].Leaf()
-        conf.frame_code, conf.code_name = lay.frame_code, lay.code_name
-        conf.unicode_length, conf.unicode_ascii_size = lay.unicode_length, lay.unicode_ascii_size
-        conf.code_tag_mask = lay.code_tag_mask
-        bpf["pyx_targets"][ctypes.c_uint32(pid)] = conf
         w = self._watched[pid] = _Watched(interp, CodeResolver(interp))
-        before = set(bpf.uprobe_fds)
         try:
             self._time_gc(w, self._path(w))
         except (TimerError, OSError) as e:  # the functions can still be timed
             log.warning("pid %d: garbage collections not timed: %s", pid, e)
-        finally:
-            w.gc_events = [ev for ev in bpf.uprobe_fds if ev not in before]
         if self.functions:
             self._probe_eval(w)
 
@@ -235,7 +225,13 @@ class PythonTimer:
                 raise TimerError(f"pid {pid}: {interp.elf_path} does not export {EVAL}")
         except SymbolError as e:
             raise TimerError(f"pid {pid}: {e}") from e
-        bpf = self._bpf
+        bpf = self.bpf  # compiled on first use: light mode on interpreters with gc_collect_main needs none
+        lay = interp.layout
+        conf = bpf["pyx_targets"].Leaf()
+        conf.frame_code, conf.code_name = lay.frame_code, lay.code_name
+        conf.unicode_length, conf.unicode_ascii_size = lay.unicode_length, lay.unicode_ascii_size
+        conf.code_tag_mask = lay.code_tag_mask
+        bpf["pyx_targets"][ctypes.c_uint32(pid)] = conf
         before = set(bpf.uprobe_fds)
         try:
             bpf.attach_uprobe(name=path, sym=EVAL, fn_name=b"pyx_enter", pid=pid)
@@ -263,11 +259,15 @@ class PythonTimer:
             log.info("pid %d: %s has neither gc_collect_main nor GC USDT probes: GC not timed", w.interp.pid, path)
             return
         pid = w.interp.pid
+        bpf = self.bpf
+        before = set(bpf.uprobe_fds)
         try:
-            self._bpf.attach_uprobe(name=path, addr=start.address, fn_name=b"pyx_gc_enter", pid=pid)
-            self._bpf.attach_uprobe(name=path, addr=done.address, fn_name=b"pyx_gc_return", pid=pid)
+            bpf.attach_uprobe(name=path, addr=start.address, fn_name=b"pyx_gc_enter", pid=pid)
+            bpf.attach_uprobe(name=path, addr=done.address, fn_name=b"pyx_gc_return", pid=pid)
         except Exception as e:  # bcc raises bare Exception
             raise TimerError(f"cannot probe the GC's USDT sites in {path}: {e}") from e
+        finally:
+            w.gc_events = [ev for ev in bpf.uprobe_fds if ev not in before]
         for sem in {start.semaphore, done.semaphore} - {0}:
             _add_to_semaphore(pid, sem + w.interp.load_bias, +1)
             w.semaphores.append(sem + w.interp.load_bias)
@@ -282,9 +282,11 @@ class PythonTimer:
                 _add_to_semaphore(pid, addr, -1)
             except OSError:  # it exited
                 pass
-        self._unprobe(w.events + w.gc_events)
         w.resolver.close()
         bpf = self._bpf
+        if bpf is None:  # never probed anything
+            return
+        self._unprobe(w.events + w.gc_events)
         bpf["pyx_targets"].pop(ctypes.c_uint32(pid), None)
         bpf["pyx_gc"].pop(ctypes.c_uint32(pid), None)
         for name in ("pyx_stats", "pyx_verdict"):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .differential import MAD_TO_SIGMA
-from .findings import DATA_LOADING, PYTHON_SHARE, Z_FLOOR, Finding, _ms
+from .findings import DATA_LOADING, PYTHON_SHARE, Z_FLOOR, Z_MIN, Finding, _ms
 from .metrics import RankTable
 from .patterns import Role
 
@@ -59,6 +59,16 @@ class Reference:
     windows: int  # how many recent windows it was chosen from
     spread_s: float  # robust spread of their step times: how much a step time moves by itself
 
+    def slower(self, step_s: float, threshold: float = SLOWDOWN_THRESHOLD) -> bool:
+        """A step time clearly above the baseline: by `threshold` of it, and beyond the windows' own noise
+        (Z_MIN robust spreads), so that a job whose step time wanders is not called slower for it."""
+        grown = step_s - self.profile.step_s
+        return grown >= threshold * self.profile.step_s and grown >= Z_MIN * self.noise_s
+
+    @property
+    def noise_s(self) -> float:
+        return max(self.spread_s, Z_FLOOR * self.profile.step_s)
+
 
 class Baseline:
     """A job's recent window profiles; add each window after comparing it with `reference()` (diagnosis
@@ -91,7 +101,7 @@ def regression(t: RankTable, ref: Reference | None, threshold: float = SLOWDOWN_
         return []
     base = ref.profile
     grown = now.step_s - base.step_s
-    if grown < threshold * base.step_s:
+    if not ref.slower(now.step_s, threshold):
         return []
     valid = np.isfinite(t.step_s)
 
@@ -114,12 +124,12 @@ def regression(t: RankTable, ref: Reference | None, threshold: float = SLOWDOWN_
     where = function or "host work outside CUDA and NCCL calls"
     return [Finding(
         kind="regression", ranks=sorted(int(r) for r in t.rank[valid]), function=function, component=component,
-        score=grown / max(ref.spread_s, Z_FLOOR * base.step_s), cost=cost,
+        score=grown / ref.noise_s, cost=cost,
         summary=(f"every rank is slower than the job's baseline: {_ms(now.step_s)} per step instead of "
                  f"{_ms(base.step_s)} (+{grown / base.step_s:.0%}); {where} grew by {_ms(growth)} per step; "
                  f"costs {cost:.0%} of step time"),
         evidence={"step_time_s": now.step_s, "baseline_step_s": base.step_s, "baseline_windows": ref.windows,
-                  "baseline_end": base.end, "grown_s": grown, "function_growth_s": growth,
+                  "baseline_end": base.end, "baseline_noise_s": ref.noise_s, "grown_s": grown, "function_growth_s": growth,
                   "function_baseline_s": before, "ranks_grown_share": broad,
                   "python_growth": [{"function": f, "grown_s": g} for f, g in python[:3] if g > 0]},
     )]

@@ -99,7 +99,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
                          "end": max(p.window_end for p in patterns)}),
         "step_time_s": plain(profile.step_s if profile else None),
         "baseline": plain({"step_time_s": reference.profile.step_s, "windows": reference.windows,
-                           "end": reference.profile.end}) if reference else None,
+                           "end": reference.profile.end, "noise_s": reference.noise_s,
+                           "slower": bool(profile and reference.slower(profile.step_s))}) if reference else None,
         "ranks": [rank_entry(p) for p in sorted(patterns, key=lambda p: (p.rank, p.pid))],
         "findings": [f.to_dict() for f in findings],
     }

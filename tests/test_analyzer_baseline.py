@@ -108,3 +108,14 @@ def test_a_lasting_regression_does_not_become_the_baseline():
         doc = diagnose_job(simulate(RANKS, seed=100 + seed, sync_extra=slow), baseline=b)
         assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")], (seed, doc["findings"])
     assert doc["baseline"]["windows"] == 4
+
+
+def test_a_step_time_that_wanders_is_not_a_regression():
+    """Windows whose step time moves by +-15% by itself: 20% above the best quarter is within that noise."""
+    b = Baseline()
+    for seed, extra in enumerate([0.0, 0.012, 0.004, 0.010, 0.002, 0.008, 0.006, 0.014]):
+        diagnose_job(simulate(RANKS, seed=seed, sync_extra=dict.fromkeys(range(RANKS), extra)), baseline=b)
+    doc = diagnose_job(simulate(RANKS, seed=42, sync_extra=dict.fromkeys(range(RANKS), 0.012)), baseline=b)
+    assert doc["findings"] == [] and doc["baseline"]["slower"] is False, doc["baseline"]
+    doc = diagnose_job(simulate(RANKS, seed=43, sync_extra=dict.fromkeys(range(RANKS), 0.06)), baseline=b)
+    assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")] and doc["baseline"]["slower"] is True

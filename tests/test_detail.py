@@ -3,14 +3,16 @@ import pytest
 from rankscope.agent.detail import COOLDOWN, DEEP, LIGHT, SlowdownTrigger
 
 
-def doc(step: float | None, base: float | None) -> dict:
-    return {"step_time_s": step, "baseline": None if base is None else {"step_time_s": base, "windows": 10}}
+def doc(step: float | None, base: float | None, noise: float = 0.0) -> dict:
+    return {"step_time_s": step,
+            "baseline": None if base is None else {"step_time_s": base, "windows": 10, "noise_s": noise}}
 
 
 def test_light_until_a_step_exceeds_the_baseline_by_the_threshold():
     t = SlowdownTrigger(threshold=0.10, deep_s=60)
     assert t.update({"j": doc(0.050, None)}, 0) == LIGHT  # no baseline yet
     assert t.update({"j": doc(0.054, 0.050)}, 5) == LIGHT  # 8% slower: within the threshold
+    assert t.update({"j": doc(0.060, 0.050, noise=0.004)}, 5) == LIGHT  # 20% slower, but within the noise
     assert t.mode() == {"level": "light"}
     assert t.update({"j": doc(0.060, 0.050)}, 10) == DEEP
     mode = t.mode()
