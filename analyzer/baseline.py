@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .differential import MAD_TO_SIGMA
-from .findings import DATA_LOADING, PYTHON_SHARE, Z_FLOOR, Z_MIN, Finding, _ms
+from .findings import DATA_LOADING, PYTHON_SHARE, Z_FLOOR, Z_MIN, Finding, ms
 from .metrics import RankTable
 from .patterns import Role
 
@@ -125,8 +125,8 @@ def regression(t: RankTable, ref: Reference | None, threshold: float = SLOWDOWN_
     return [Finding(
         kind="regression", ranks=sorted(int(r) for r in t.rank[valid]), function=function, component=component,
         score=grown / ref.noise_s, cost=cost,
-        summary=(f"every rank is slower than the job's baseline: {_ms(now.step_s)} per step instead of "
-                 f"{_ms(base.step_s)} (+{grown / base.step_s:.0%}); {where} grew by {_ms(growth)} per step; "
+        summary=(f"every rank is slower than the job's baseline: {ms(now.step_s)} per step instead of "
+                 f"{ms(base.step_s)} (+{grown / base.step_s:.0%}); {where} grew by {ms(growth)} per step; "
                  f"costs {cost:.0%} of step time"),
         evidence={"step_time_s": now.step_s, "baseline_step_s": base.step_s, "baseline_windows": ref.windows,
                   "baseline_end": base.end, "baseline_noise_s": ref.noise_s, "grown_s": grown, "function_growth_s": growth,

@@ -69,7 +69,8 @@ def plain(x: Any) -> Any:
     return x
 
 
-def _ms(s: float) -> str:
+def ms(s: float) -> str:
+    """Seconds as milliseconds for summaries: whole above 10 ms, one decimal below."""
     return f"{s * 1e3:.0f} ms" if s >= 0.0095 else f"{s * 1e3:.1f} ms"
 
 
@@ -79,7 +80,7 @@ def _rank_list(ranks: list[int]) -> str:
 
 def _range_ms(values: list[float]) -> str:
     lo, hi = min(values), max(values)
-    return _ms(lo) if _ms(lo) == _ms(hi) else f"{_ms(lo)[:-3]}-{_ms(hi)}"
+    return ms(lo) if ms(lo) == ms(hi) else f"{ms(lo)[:-3]}-{ms(hi)}"
 
 
 def _decidable(t: RankTable) -> np.ndarray | None:
@@ -248,7 +249,7 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
         out.append(Finding(
             kind="cpu_contention", ranks=[int(t.rank[i])], function=None, component="cpu",
             score=float(z[i]), cost=cost,
-            summary=(f"rank {t.rank[i]}'s main thread waits {_ms(float(runq_excess[i]))} more per step than its "
+            summary=(f"rank {t.rank[i]}'s main thread waits {ms(float(runq_excess[i]))} more per step than its "
                      f"peers' for a CPU it is ready to use, mostly while {who} ran; "
                      f"costs {cost:.0%} of step time"),
             evidence={"step_time_s": step, "thread_role": "main", "excess_s": float(excess[i]),
@@ -383,7 +384,7 @@ def gpu_throttle(t: RankTable, a: Alignment | None = None) -> list[Finding]:
             summary=(f"rank {t.rank[i]}'s GPU {h.index} runs at {h.sm_clock_mhz} MHz ({ratio[i]:.0%} of its "
                      f"{h.max_sm_clock_mhz} MHz) while its peers' run at {peers:.0%}, slowed by "
                      f"{' and '.join(reasons)} ({h.temperature_c} C, {h.power_w} W); the rank computes "
-                     f"{_ms(float(excess[i]))} longer per step and the others wait; costs {cost:.0%} of step time"),
+                     f"{ms(float(excess[i]))} longer per step and the others wait; costs {cost:.0%} of step time"),
             evidence={"step_time_s": step, "gpu": h.index, "sm_clock_mhz": h.sm_clock_mhz,
                       "max_sm_clock_mhz": h.max_sm_clock_mhz, "peers_clock_ratio": peers,
                       "throttle_reasons": reasons, "temperature_c": h.temperature_c, "power_w": h.power_w,
