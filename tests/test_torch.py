@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import diagnose_json, free_port, maps_library, wait_until
-from rankscope.agent.detail import LIGHT
+from rankscope.agent.detail import DEEP
 
 SCRIPT = Path(__file__).resolve().parent / "torch_ddp_train.py"
 RANKS = 3
@@ -131,11 +131,12 @@ def test_healthy_ddp_job(torch_job):
     assert [r["rank"] for r in ranks] == list(range(RANKS))
     assert {r["identity_source"] for r in ranks} == {"env"}
     assert sorted(r["pid"] for r in ranks) == sorted(job.pids)
-    # rankscope's step time is the median period of the last collectives (LIGHT.max_collectives) of its window: the
-    # script's own median over those very steps must agree.
+    # rankscope's step time is the median period of the last collectives of its window that it ships
+    # (diagnose runs at deep detail: DEEP.max_collectives): the script's own median over those very steps
+    # must agree.
     end = doc["window"]["end"]
     for r in ranks:
-        own = job.own_step_medians(r["rank"], end, LIGHT.max_collectives - 1)
+        own = job.own_step_medians(r["rank"], end, DEEP.max_collectives - 1)
         assert any(r["step_time_s"] == pytest.approx(m, rel=STEP_TOLERANCE) for m in own), (r, own)
         assert r["comm_s"] > 0, r  # the gloo all-reduce was timed on its worker thread
 
