@@ -36,6 +36,7 @@ from importlib import resources
 from rankscope.analyzer.patterns import FunctionStats, PyTimed, Role
 
 from . import histograms
+from .bcc_compile import compile_bpf
 from .interpreters import SPECIAL_FRAMES, Frame
 from .interpreters.cpython import CodeResolver, Interpreter, PythonAttachError
 from .python_profile import function_name
@@ -160,11 +161,7 @@ class PythonTimer:
     def bpf(self):
         if self._bpf is None:
             try:
-                from bcc import BPF
-            except ImportError as e:
-                raise TimerError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
-            try:
-                bpf = BPF(text=(resources.files("rankscope.bpf") / "python_exact.bpf.c").read_text())
+                bpf = compile_bpf((resources.files("rankscope.bpf") / "python_exact.bpf.c").read_text(), [])
             except Exception as e:  # bcc raises bare Exception for compile and load failures
                 raise TimerError(f"cannot build the Python timer (root, kernel headers?): {e}") from e
             table = bpf["pyx_names"]

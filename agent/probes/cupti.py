@@ -25,7 +25,9 @@ from rankscope.analyzer.patterns import (
     GpuKernel,
 )
 
+from ..bcc_compile import compile_bpf
 from ..bpf_program import ProbeError
+from ..targets import TargetError, mapped_libraries
 
 SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
 PROBE = "activity"
@@ -70,14 +72,9 @@ class RawActivity:
 def shim_path(pid: int) -> str | None:
     """The shim as mapped by `pid`, reached through /proc/PID/root; None when the process does not load it."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and SHIM_LIBRARY.match(parts[5].rstrip("\n").rsplit("/", 1)[-1]):
-                    return f"/proc/{pid}/root{parts[5].rstrip()}"
-    except OSError:
+        return mapped_libraries(pid, {"shim": SHIM_LIBRARY}).get("shim")
+    except TargetError:  # exited, or not readable
         return None
-    return None
 
 
 def semaphore_offset(path: str) -> int:
@@ -137,7 +134,7 @@ class CuptiReader:
         sem = semaphore_offset(path)
         try:
             readers, sites = _probe_sites(USDT, pid)
-            self._bpf = BPF(text=readers + (resources.files("rankscope.bpf") / "cupti.bpf.c").read_text())
+            self._bpf = compile_bpf(readers + (resources.files("rankscope.bpf") / "cupti.bpf.c").read_text(), [])
             fn = self._bpf.load_func("on_activity", BPF.KPROBE)
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
