@@ -74,12 +74,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from .daemon import Agent, serve
 
     host, port = parse_listen(args.listen)
-    if args.window <= 0 or args.hang_timeout <= 0:
-        raise UsageError("--window and --hang-timeout must be positive")
+    if args.window <= 0 or args.hang_timeout <= 0 or args.slowdown_threshold <= 0:
+        raise UsageError("--window, --hang-timeout and --slowdown-threshold must be positive")
     if not args.all and not args.pid:
         raise UsageError("name the processes to watch with --pid, or --all for every training process")
     try:
-        trigger = SlowdownTrigger(args.slowdown_threshold, args.deep_seconds, LEVELS.get(args.detail))
+        trigger = SlowdownTrigger(args.deep_seconds, LEVELS.get(args.detail))
     except ValueError as e:
         raise UsageError(str(e)) from None
     token = load_token(args.token_file)
@@ -87,7 +87,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     session = make_session(args, trigger.fixed or LIGHT)
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
-    agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger)
+    agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger,
+                  slowdown_threshold=args.slowdown_threshold)
     asyncio.run(serve(agent, host, port, args.window, token))
     return 0
 
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--all", action="store_true", help="discover every training process on the node")
     p.add_argument("--window", type=float, default=5.0, help="seconds per observation window (default 5)")
     p.add_argument("--slowdown-threshold", type=float, default=SLOWDOWN_THRESHOLD, metavar="FRACTION",
-                   help="a job this much slower than its baseline steps triggers deep mode "
+                   help="a job this much slower than its baseline steps (and beyond their noise) is a `regression` "
+                        "and triggers deep mode "
                         f"(default {SLOWDOWN_THRESHOLD})")
     p.add_argument("--deep-seconds", type=float, default=DEEP_SECONDS, metavar="SECONDS",
                    help=f"how long deep mode lasts once triggered (default {DEEP_SECONDS:.0f})")

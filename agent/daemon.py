@@ -6,7 +6,7 @@ import logging
 import os
 import time
 
-from rankscope.analyzer.baseline import Baseline
+from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline
 from rankscope.analyzer.diagnosis import diagnose
 
 from .bpf_program import ProbeError
@@ -24,11 +24,12 @@ class Agent:
     MAX_EXITED = 256  # exited targets kept in /v1/targets
 
     def __init__(self, session: Session, discover_all: bool, hang_timeout_s: float,
-                 trigger: SlowdownTrigger | None = None):
+                 trigger: SlowdownTrigger | None = None, slowdown_threshold: float = SLOWDOWN_THRESHOLD):
         self.session = session
         self.hang_timeout_s = hang_timeout_s
         self.discover_all = discover_all
         self.trigger = trigger or SlowdownTrigger()
+        self.slowdown_threshold = slowdown_threshold
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows (jobs that ended are dropped)
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
@@ -63,7 +64,7 @@ class Agent:
         while len(self._exited) > self.MAX_EXITED:
             del self._exited[next(iter(self._exited))]
         current = {v.pid for v in views}
-        docs = diagnose(patterns, self.hang_timeout_s, self.baselines)
+        docs = diagnose(patterns, self.hang_timeout_s, self.baselines, self.slowdown_threshold)
         self.baselines = {job: b for job, b in self.baselines.items() if job in docs}
         self.session.set_detail(self.trigger.update(docs, time.time()))
         for doc in docs.values():

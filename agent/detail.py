@@ -11,9 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
-from rankscope.analyzer.findings import Z_MIN
-
 from .python_sampler import DEFAULT_FREQUENCY
 
 DEEP_SECONDS = 60.0
@@ -59,11 +56,9 @@ LEVELS = {d.level: d for d in (LIGHT, DEEP)}
 class SlowdownTrigger:
     """Chooses the detail of each next window; `fixed` pins it (`rankscope agent --detail deep`)."""
 
-    def __init__(self, threshold: float = SLOWDOWN_THRESHOLD, deep_s: float = DEEP_SECONDS,
-                 fixed: Detail | None = None):
-        if threshold <= 0 or deep_s <= 0:
-            raise ValueError("the slowdown threshold and the deep-mode time must be positive")
-        self.threshold = threshold
+    def __init__(self, deep_s: float = DEEP_SECONDS, fixed: Detail | None = None):
+        if deep_s <= 0:
+            raise ValueError("the deep-mode time must be positive")
         self.deep_s = deep_s
         self.fixed = fixed
         self.trigger: Trigger | None = None
@@ -79,10 +74,8 @@ class SlowdownTrigger:
         if self.trigger is None and now >= self._rest_until:
             for job, doc in sorted(docs.items()):
                 baseline = doc.get("baseline") or {}
-                step, base, noise = doc.get("step_time_s"), baseline.get("step_time_s"), baseline.get("noise_s", 0.0)
-                # As analyzer/baseline.py's Reference.slower, with this trigger's own threshold.
-                if step and base and step - base >= max(self.threshold * base, Z_MIN * noise):
-                    self.trigger = Trigger(job, now, now + self.deep_s, step, base)
+                if baseline.get("slower"):  # the analyzer's verdict (analyzer/baseline.py Reference.slower)
+                    self.trigger = Trigger(job, now, now + self.deep_s, doc["step_time_s"], baseline["step_time_s"])
                     break
         return DEEP if self.trigger else LIGHT
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .baseline import Baseline, Reference, StepProfile, regression
+from .baseline import SLOWDOWN_THRESHOLD, Baseline, Reference, StepProfile, regression
 from .differential import align_collectives
 from .findings import (
     Finding,
@@ -29,14 +29,16 @@ NOT_BASELINE = HANGS | {"regression"}
 
 
 def diagnose(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
-             baselines: dict[str, Baseline] | None = None) -> dict[str, dict[str, Any]]:
+             baselines: dict[str, Baseline] | None = None,
+             slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> dict[str, dict[str, Any]]:
     """job -> diagnosis document, for patterns of any number of jobs. With `baselines` (job -> its past,
     kept by the caller across windows), each job is also compared with its own baseline, which this window
-    then joins."""
+    then joins: `slowdown_threshold` slower is `baseline.slower` in the document, and a `regression`."""
     by_job: dict[str, list[RankPattern]] = {}
     for p in patterns:
         by_job.setdefault(p.job, []).append(p)
-    return {job: diagnose_job(ps, hang_timeout_s, None if baselines is None else baselines.setdefault(job, Baseline()))
+    return {job: diagnose_job(ps, hang_timeout_s, None if baselines is None else baselines.setdefault(job, Baseline()),
+                              slowdown_threshold)
             for job, ps in by_job.items()}
 
 
@@ -46,7 +48,7 @@ def find(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_T
 
 
 def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
-                reference: Reference | None = None) -> list[Finding]:
+                reference: Reference | None = None, slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
     hung = hang(table.patterns, hang_timeout_s)
     if hung:  # a stalled job has no steps to compare: the hang is the whole story
         return hung
@@ -59,12 +61,13 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     found = stragglers + throttled + node_fault(table, alignment) + launch_bound(table)
     found += slow_link(table, alignment, {r for f in found for r in f.ranks})
     if not found:  # no rank differs from its peers: has the whole job changed?
-        found = regression(table, reference)
+        found = regression(table, reference, slowdown_threshold)
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 
 
 def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
-                 baseline: Baseline | None = None) -> dict[str, Any]:
+                 baseline: Baseline | None = None,
+                 slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> dict[str, Any]:
     """The contract's diagnosis document for the patterns of one job (compared with `baseline` when
     given, which this window then joins unless it is hung or regressed)."""
     if not patterns:
@@ -89,7 +92,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         return entry
 
     reference = baseline.reference() if baseline is not None else None
-    findings = findings_of(table, hang_timeout_s, reference)
+    findings = findings_of(table, hang_timeout_s, reference, slowdown_threshold)
     profile = StepProfile.of(table) if analyzed else None
     if baseline is not None and not any(f.kind in NOT_BASELINE for f in findings):
         baseline.add(profile)
@@ -100,7 +103,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         "step_time_s": plain(profile.step_s if profile else None),
         "baseline": plain({"step_time_s": reference.profile.step_s, "windows": reference.windows,
                            "end": reference.profile.end, "noise_s": reference.noise_s,
-                           "slower": bool(profile and reference.slower(profile.step_s))}) if reference else None,
+                           "slower": bool(profile and reference.slower(profile.step_s, slowdown_threshold))})
+        if reference else None,
         "ranks": [rank_entry(p) for p in sorted(patterns, key=lambda p: (p.rank, p.pid))],
         "findings": [f.to_dict() for f in findings],
     }

@@ -93,6 +93,15 @@ def test_slowdown_below_the_threshold_is_not_a_regression():
     assert doc["findings"] == []
 
 
+def test_the_threshold_is_the_callers():
+    """~8% slower: not a regression at the default 10%, one at the agent's --slowdown-threshold 0.05."""
+    slower = simulate(RANKS, seed=42, sync_extra=dict.fromkeys(range(RANKS), 0.004))
+    doc = diagnose_job(slower, baseline=warmed())
+    assert doc["findings"] == [] and doc["baseline"]["slower"] is False, doc["baseline"]
+    doc = diagnose_job(slower, baseline=warmed(), slowdown_threshold=0.05)
+    assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")] and doc["baseline"]["slower"] is True
+
+
 def test_diagnose_keeps_one_baseline_per_job():
     baselines: dict[str, Baseline] = {}
     for seed in range(4):

@@ -62,6 +62,7 @@ def test_insufficient_privilege():
 
 @pytest.mark.parametrize("args", [["agent", "--listen", "nonsense"], ["agent"], ["diagnose", "--pid", "1", "--duration", "0"],
                                   ["agent", "--pid", "1", "--deep-seconds", "0"],
-                                  ["agent", "--pid", "1", "--slowdown-threshold", "-1"]])
+                                  ["agent", "--pid", "1", "--slowdown-threshold", "-1"],
+                                  ["agent", "--pid", "1", "--slowdown-threshold", "0"]])
 def test_bad_agent_and_duration_arguments(args):
     one_line_error(run(*args))
