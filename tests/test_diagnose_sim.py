@@ -99,8 +99,10 @@ def test_rank_that_never_reaches_the_collective_is_a_noncomm_hang(sim_job):
 
 
 def test_collective_that_never_completes_is_a_comm_hang(sim_job):
-    """Links so slow that the all-reduce never ends: every rank entered it, none completes."""
-    job = sim_job(4, faults=tuple(f"slow-link:{r}:1e9@1" for r in range(4)))
+    """Links so slow that the all-reduce never ends: every rank entered it, none completes. The links slow
+    down from the first step on every rank: a later onset is per rank clock, so one rank could finish the
+    last fast all-reduce and wait alone in the next one (then it is the odd one out)."""
+    job = sim_job(4, faults=("slow-link:*:1e9",))
     wait_until(lambda: len({_syscall(p) for p in job.pids}) == 1 and _syscall(job.pids[0]) != "running", 30,
                "every rank to block alike, waiting for the transfer")
     doc = diagnose_json(job.pids, 2.5, "--hang-timeout", "2")
