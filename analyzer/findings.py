@@ -17,7 +17,8 @@ from .differential import Alignment, peer_deviation, peers_median
 from .metrics import RankTable
 from .patterns import Role
 
-MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable
+MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable from timing alone...
+CONTENTION_MIN_RANKS = 2  # ...but the run queue tells which of two waits for a CPU
 Z_MIN = 4.0  # robust z-score for an outlier
 Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 then needs >= 2% of the step,
 # so on quiet jobs the excess bars below decide, on noisy ones the z-score
@@ -83,17 +84,18 @@ def _range_ms(values: list[float]) -> str:
     return ms(lo) if ms(lo) == ms(hi) else f"{ms(lo)[:-3]}-{ms(hi)}"
 
 
-def _decidable(t: RankTable) -> np.ndarray | None:
+def _decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
     """Rows with a known step time, or None when too few ranks to compare."""
     valid = np.isfinite(t.step_s)
-    ok = np.count_nonzero(valid) >= MIN_RANKS and np.isfinite(t.job_step_s) and t.job_step_s > 0
+    ok = np.count_nonzero(valid) >= min_ranks and np.isfinite(t.job_step_s) and t.job_step_s > 0
     return valid if ok else None
 
 
-def _straggling(t: RankTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float] | None:
+def _straggling(t: RankTable, min_ranks: int = MIN_RANKS
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float] | None:
     """Rows whose own work per step (step - COMM) is a robust outlier while they wait less in collectives
     than their peers (they arrive last; the others wait for them): (rows, z, excess, work, comm median)."""
-    valid = _decidable(t)
+    valid = _decidable(t, min_ranks)
     if valid is None:
         return None
     step = t.job_step_s
@@ -106,8 +108,10 @@ def _straggling(t: RankTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
 
 
 def _runq_excess(t: RankTable) -> np.ndarray:
-    """Per row: how much longer per step its main thread waited for a CPU than its peers' (NaN: unknown)."""
-    return t.runq_s - peers_median(t.runq_s)
+    """Per row: how much longer per step its main thread waited for a CPU than its peers' (NaN: unknown),
+    against the same peers as its work (the others only, in a small job: of two ranks, the median of both
+    would halve the difference)."""
+    return peer_deviation(t.runq_s, 0.0)[1]
 
 
 def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray:
@@ -232,7 +236,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
 def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Straggling ranks whose extra time is waiting for a CPU (runnable, not running): the scheduler gave
     their CPU to other tasks, named from the kernel's view of who ran while they waited."""
-    found = _straggling(t)
+    found = _straggling(t, CONTENTION_MIN_RANKS)
     if found is None:
         return []
     rows, z, excess, _work, _comm_med = found
@@ -253,7 +257,7 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
                      f"peers' for a CPU it is ready to use, mostly while {who} ran; "
                      f"costs {cost:.0%} of step time"),
             evidence={"step_time_s": step, "thread_role": "main", "excess_s": float(excess[i]),
-                      "runq_s": float(t.runq_s[i]), "peers_runq_s": peers_median(t.runq_s),
+                      "runq_s": float(t.runq_s[i]), "peers_runq_s": float(t.runq_s[i] - runq_excess[i]),
                       "preempted": main.preempted, "runq_p99_s": main.runq_p99_s, "neighbours": neighbours},
         ))
     return out

@@ -1,4 +1,5 @@
 """cpu_contention versus compute_straggler on synthetic jobs: where a slow rank's extra time goes decides."""
+import pytest
 from rankscope.analyzer.patterns import Neighbour, ThreadTimes
 from test_analyzer import WINDOW, findings, simulate
 
@@ -29,6 +30,15 @@ def test_waiting_for_a_cpu_is_contention_and_names_the_neighbour():
     assert f["component"] == "cpu" and 0.2 < f["cost"] < 0.4
     assert f["evidence"]["neighbours"][0]["name"] == "stress-ng"
     assert "stress-ng (pid 4242)" in f["summary"]
+
+
+def test_two_ranks_the_contended_one_is_named():
+    """Of two ranks, each is compared with the other: the runq difference is not halved by a median of both."""
+    pats = with_sched(simulate(2, host_extra={1: 0.015}), runq_extra={1: 0.012}, neighbour=HOG)
+    found = findings(pats)
+    assert [(f["kind"], f["ranks"]) for f in found] == [("cpu_contention", [1])], found
+    # The peer is rank 0 alone: its run-queue wait per step of the job (slowed by rank 1's 15 ms).
+    assert found[0]["evidence"]["peers_runq_s"] == pytest.approx(BASE_RUNQ * (STEP + 0.015) / STEP, rel=0.02)
 
 
 def test_computing_longer_stays_a_compute_straggler():

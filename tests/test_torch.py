@@ -55,6 +55,7 @@ class TorchJob:
     reports: Path  # directory of r<rank>.json
     log: Path
     pids: list[int]  # rank processes (torchrun's children), in no particular order
+    ranks: int
 
     def report(self, rank: int) -> dict | None:
         try:
@@ -86,33 +87,34 @@ class TorchJob:
 
 @pytest.fixture
 def torch_job(tmp_path) -> Iterator[Callable[..., TorchJob]]:
-    """Start DDP jobs of RANKS ranks under torchrun, wait until every rank trains; always kill them after."""
+    """Start DDP jobs (RANKS ranks unless told) under torchrun, wait until every rank trains; always kill them
+    after."""
     jobs: list[TorchJob] = []
 
-    def start(*args: str) -> TorchJob:
+    def start(*args: str, ranks: int = RANKS) -> TorchJob:
         run_id = f"torch-{secrets.token_hex(4)}"
         reports = tmp_path / run_id
         reports.mkdir()
         log = tmp_path / f"{run_id}.log"
         with open(log, "wb") as out:
             launcher = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                  "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--rdzv-id", run_id,
                  str(SCRIPT), "--report", str(reports / "r{rank}.json"), *args],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        job = TorchJob(run_id, launcher, reports, log, [])
+        job = TorchJob(run_id, launcher, reports, log, [], ranks)
         jobs.append(job)
 
         def ranks_up() -> list[int]:
             if launcher.poll() is not None:
                 raise AssertionError(f"torchrun exited {launcher.returncode}: {log.read_text()[-2000:]}")
             pids = [p for p in _children(launcher.pid) if _imports_torch(p)]
-            return pids if len(pids) == RANKS else []
+            return pids if len(pids) == ranks else []
 
         job.pids = wait_until(ranks_up, 60, "torchrun's ranks to load torch", interval=0.2)
 
         def training() -> bool:
-            return all((r := job.report(rank)) and r["steps"] >= STEADY_STEPS for rank in range(RANKS))
+            return all((r := job.report(rank)) and r["steps"] >= STEADY_STEPS for rank in range(ranks))
 
         wait_until(training, 60, f"every rank to train {STEADY_STEPS} steps", interval=0.2)
         return job
@@ -169,20 +171,39 @@ def test_rank_that_stops_before_its_collective_is_a_noncomm_hang(torch_job):
     assert "rank 1: in torch_ddp_train.py:hang_before_collective" in hung["summary"]
 
 
-def _pin_all_threads(pids_by_rank: dict[int, int]) -> None:
-    """Ranks 0 and 1 share CPU 0, rank 2 has CPU 1, every thread of each."""
-    for rank, pid in pids_by_rank.items():
-        subprocess.run(["taskset", "-a", "-p", "-c", "0" if rank < 2 else "1", str(pid)], check=True,
-                       capture_output=True)
+def _pin_all_threads(job: TorchJob) -> None:
+    """The last rank has CPU 1, the others share CPU 0; every thread of each."""
+    for rank in range(job.ranks):
+        subprocess.run(["taskset", "-a", "-p", "-c", "1" if rank == job.ranks - 1 else "0",
+                        str(job.report(rank)["pid"])], check=True, capture_output=True)
 
 
-def _pids_by_rank(job: TorchJob) -> dict[int, int]:
-    return {rank: job.report(rank)["pid"] for rank in range(RANKS)}
+BUSY_EVERY_RANK = ("--busy-before-forward", "*:0.004")  # 4 ms of CPU per step: losing the CPU costs time
+
+
+def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(torch_job, hog):
+    """Two ranks, one per CPU, each computing 4 ms a step; the hog on rank 1's CPU: rank 1 waits for its CPU,
+    and rank 0 waits for rank 1 in the all-reduce. (A rank that mostly sleeps gets its CPU back at once on
+    waking: the scheduler owes it; three ranks on two CPUs would contend with each other.)"""
+    job = torch_job(*BUSY_EVERY_RANK, ranks=2)
+    _pin_all_threads(job)
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert [(f["kind"], f["ranks"], f["component"]) for f in doc["findings"]] == [
+        ("cpu_contention", [1], "cpu")], doc["findings"]
+    f = doc["findings"][0]
+    assert f["evidence"]["neighbours"][0]["pid"] == hog.pid, f
+    assert f["evidence"]["runq_s"] > 2 * f["evidence"]["peers_runq_s"], f
+
+
+def test_two_ranks_on_their_own_cpus_are_healthy(torch_job):
+    job = torch_job(*BUSY_EVERY_RANK, ranks=2)
+    _pin_all_threads(job)
+    assert diagnose_json(job.pids, OBSERVE_S)["findings"] == []
 
 
 def test_computing_longer_on_its_own_cpu_is_a_compute_straggler_not_contention(torch_job):
     job = torch_job("--busy-before-forward", "2:0.02")
-    _pin_all_threads(_pids_by_rank(job))
+    _pin_all_threads(job)
     doc = diagnose_json(job.pids, OBSERVE_S)
     assert [(f["kind"], f["ranks"], f["component"]) for f in doc["findings"]] == [
         ("compute_straggler", [2], "cpu")], doc["findings"]
