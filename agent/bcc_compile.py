@@ -1,15 +1,26 @@
 """Compiling a BPF program with bcc, and giving the compiler's memory back.
 
-bcc compiles C with clang/LLVM inside this process: each compile grows the heap by 60-100 MB that is
-free again afterwards, but glibc keeps freed heap mapped, so the agent's resident memory would stay at
-its peak. malloc_trim returns it to the kernel (measured: 200 MB -> 145 MB resident after the sampler's
-compile).
+bcc compiles C with clang/LLVM inside this process, which costs resident memory twice over:
+- the heap grows by 60-100 MB that is free again afterwards, but glibc keeps freed heap mapped:
+  malloc_trim returns it to the kernel (measured: 200 MB -> 145 MB resident after the sampler's compile);
+- the compiler's code (libLLVM, libclang-cpp: ~80 MB of pages touched per compile) stays mapped into the
+  agent and counts in its resident set until the next compile needs it again, minutes or hours later. Those
+  pages are clean copies of the library files, so they are dropped from this process's page tables
+  (MADV_DONTNEED): the page cache keeps them, and a later compile faults them back in.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
+import re
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+COMPILER_LIBRARIES = re.compile(r"/lib(LLVM|clang)[^/]*\.so[^/]*$")
+MADV_DONTNEED = 4
+_MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \S+\s*(.*)$")
 
 
 def compile_bpf(text: str, cflags: list[str]) -> Any:
@@ -22,9 +33,50 @@ def compile_bpf(text: str, cflags: list[str]) -> Any:
         return BPF(text=text, cflags=cflags)
     finally:
         _trim_heap()
+        release_clean_pages(COMPILER_LIBRARIES)
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
 
 
 def _trim_heap() -> None:
-    libc = ctypes.util.find_library("c")
+    libc = _libc()
     if libc:
-        ctypes.CDLL(libc).malloc_trim(0)
+        libc.malloc_trim(0)
+
+
+def clean_mappings(path_pattern: re.Pattern[str], smaps: str = "/proc/self/smaps") -> list[tuple[int, int]]:
+    """(start, end) of this process's read-only mappings of files matching `path_pattern` that hold no
+    private (copy-on-write) page: what dropping gives back exactly as the file has it. Mappings the dynamic
+    linker wrote to (relocations) have anonymous pages and are left alone."""
+    out: list[tuple[int, int]] = []
+    current: tuple[int, int] | None = None
+    with open(smaps) as f:
+        for line in f:
+            m = _MAPPING.match(line)
+            if m:
+                start, end, perms, path = m.groups()
+                current = (int(start, 16), int(end, 16)) if "w" not in perms and path_pattern.search(path) else None
+            elif current and line.startswith("Anonymous:"):
+                if int(line.split()[1]) == 0:
+                    out.append(current)
+                current = None
+    return out
+
+
+def release_clean_pages(path_pattern: re.Pattern[str]) -> None:
+    """Drops the resident pages of clean read-only file mappings (see clean_mappings) from this process."""
+    libc = _libc()
+    if libc is None:
+        return
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    try:
+        ranges = clean_mappings(path_pattern)
+    except OSError as e:
+        log.debug("cannot read /proc/self/smaps: %s", e)
+        return
+    for start, end in ranges:
+        if libc.madvise(start, end - start, MADV_DONTNEED) != 0:
+            log.debug("madvise(%#x, %d): errno %d", start, end - start, ctypes.get_errno())
