@@ -191,7 +191,7 @@ class ProbeProgram:
         """Drop a forgotten process's entries from every per-process map (after its last read)."""
         if self._bpf is None:
             return
-        for name in ("fn_stats", "coll_ring", *(m for kind in self.kinds for m in kind.maps)):
+        for name in ("fn_stats", "coll_ring", "upper_call", *(m for kind in self.kinds for m in kind.maps)):
             table = self._bpf[name]
             for key in [k for k in table.keys() if k.pid == pid]:
                 table.pop(key, None)

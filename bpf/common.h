@@ -198,6 +198,46 @@ static __always_inline int sync_return(u32 fn) {
     return 0;
 }
 
+struct thread_key {
+    u32 pid;
+    u32 tid;
+};
+
+// Layered APIs (the CUDA runtime calls the driver, both probed): the upper layer's call in flight on each
+// thread. A lower-layer call made inside it is part of it and is not accounted a second time. An upper
+// call whose return was missed (attached mid-call) leaves its mark until the thread's next upper call.
+BPF_HASH(upper_call, struct thread_key, u32, 16384);  // -> fn of the upper layer's call
+
+static __always_inline struct thread_key this_thread(void) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct thread_key key = {.pid = id >> 32, .tid = (u32)id};
+    return key;
+}
+
+static __always_inline int upper_enter(u32 fn, u64 bytes) {
+    if (!watched_proc())
+        return 0;
+    struct thread_key key = this_thread();
+    upper_call.update(&key, &fn);
+    return timed_enter(fn, bytes);
+}
+
+static __always_inline void upper_exit(u32 fn) {
+    struct thread_key key = this_thread();
+    u32 *cur = upper_call.lookup(&key);
+    if (cur && *cur == fn)
+        upper_call.delete(&key);
+}
+
+static __always_inline int lower_enter(u32 fn, u64 bytes) {
+    if (!watched_proc())
+        return 0;
+    struct thread_key key = this_thread();
+    if (upper_call.lookup(&key))
+        return 0;  // its return then finds no entry and accounts nothing
+    return timed_enter(fn, bytes);
+}
+
 // Probe entry points, one per probed symbol; FN_<symbol> ids are defined by the loader.
 #define COUNTED(sym, bytes_expr)                                          \
     int enter_##sym(struct pt_regs *ctx) { return count_call(FN_##sym, (bytes_expr)); }
@@ -206,6 +246,19 @@ static __always_inline int sync_return(u32 fn) {
     int return_##sym(struct pt_regs *ctx) { return timed_return(FN_##sym); }
 #define SYNC(sym)                                                         \
     int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, 0); } \
+    int return_##sym(struct pt_regs *ctx) { return sync_return(FN_##sym); }
+// The same, for the two layers of an API: UPPER_* mark the thread while they run, LOWER_* skip inside them.
+#define UPPER_TIMED(sym, bytes_expr)                                      \
+    int enter_##sym(struct pt_regs *ctx) { return upper_enter(FN_##sym, (bytes_expr)); } \
+    int return_##sym(struct pt_regs *ctx) { upper_exit(FN_##sym); return timed_return(FN_##sym); }
+#define UPPER_SYNC(sym)                                                   \
+    int enter_##sym(struct pt_regs *ctx) { return upper_enter(FN_##sym, 0); } \
+    int return_##sym(struct pt_regs *ctx) { upper_exit(FN_##sym); return sync_return(FN_##sym); }
+#define LOWER_TIMED(sym, bytes_expr)                                      \
+    int enter_##sym(struct pt_regs *ctx) { return lower_enter(FN_##sym, (bytes_expr)); } \
+    int return_##sym(struct pt_regs *ctx) { return timed_return(FN_##sym); }
+#define LOWER_SYNC(sym)                                                   \
+    int enter_##sym(struct pt_regs *ctx) { return lower_enter(FN_##sym, 0); } \
     int return_##sym(struct pt_regs *ctx) { return sync_return(FN_##sym); }
 #define COLLECTIVE(sym, bytes_expr, blocking)                             \
     int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, (bytes_expr)); } \

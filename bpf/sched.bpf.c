@@ -6,10 +6,7 @@
 #define TASK_UNINTERRUPTIBLE 0x2
 #define TASK_REPORT_MAX 0x100  // sched_switch reports a preempted task's state as this (kernel >= 4.14)
 
-struct thread_key {
-    u32 pid;
-    u32 tid;
-};
+// struct thread_key {pid, tid}: common.h
 struct thread_val {
     u64 on_cpu_ns;
     u64 runq_ns;

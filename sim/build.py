@@ -1,4 +1,4 @@
-"""Compiles the stand-in libcuda.so.1 and libnccl.so.2 into a per-source-hash cache folder."""
+"""Compiles the stand-in libcuda.so.1, libnccl.so.2 and libcudart.so.12 into a per-source-hash cache folder."""
 from __future__ import annotations
 
 import hashlib
@@ -12,10 +12,13 @@ SOURCE_DIR = Path(__file__).resolve().parent
 HEADERS = ("rsim.h",)
 CC = os.environ.get("RANKSCOPE_SIM_CC", "gcc")
 CFLAGS = ("-O2", "-fPIC", "-shared", "-fno-omit-frame-pointer", "-std=gnu11", "-Wall", "-Wextra", "-pthread")
-# libcuda first: libnccl links against it (DT_NEEDED libcuda.so.1, found next to it through $ORIGIN).
+# libcuda first: libnccl and libcudart link against it (DT_NEEDED libcuda.so.1, found next to it through
+# $ORIGIN).
+_ON_LIBCUDA = ("-L.", "-l:libcuda.so.1", "-Wl,-rpath,$ORIGIN")
 LIBRARIES = (
     ("libcuda.so.1", "libcuda.c", ()),
-    ("libnccl.so.2", "libnccl.c", ("-L.", "-l:libcuda.so.1", "-Wl,-rpath,$ORIGIN")),
+    ("libnccl.so.2", "libnccl.c", _ON_LIBCUDA),
+    ("libcudart.so.12", "libcudart.c", _ON_LIBCUDA),
 )
 
 
@@ -51,7 +54,7 @@ def _compile(out_dir: Path) -> None:
 
 
 def build_libraries() -> Path:
-    """Folder holding libcuda.so.1 and libnccl.so.2, compiled when the sources (or flags) changed.
+    """Folder holding the stand-in libraries, compiled when the sources (or flags) changed.
 
     Builds into a temporary folder renamed into place, so concurrent callers are safe.
     """
