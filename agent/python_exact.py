@@ -35,7 +35,7 @@ from importlib import resources
 
 from rankscope.analyzer.patterns import FunctionStats, PyTimed, Role
 
-from . import histograms
+from . import histograms, usdt
 from .bcc_compile import compile_bpf
 from .interpreters import SPECIAL_FRAMES, Frame
 from .interpreters.cpython import CodeResolver, Interpreter, PythonAttachError
@@ -135,10 +135,9 @@ class _Watched:
     resolver: CodeResolver
     events: list[bytes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
     too_hot: bool = False  # entered eval too often to be timed: never probed again
-    gc_events: list[bytes] = field(default_factory=list)
+    gc_probes: list[usdt.GuardedProbe] = field(default_factory=list)  # the GC's USDT sites, where used
     seen: dict[int, _Cumulative] = field(default_factory=dict)  # code -> cumulative stats at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
-    semaphores: list[int] = field(default_factory=list)  # USDT semaphores incremented in the process
     gc: _Cumulative = field(default_factory=_Cumulative)
     entries: int = 0  # eval entries probed, at the last read
     read_at: float = field(default_factory=time.monotonic)
@@ -243,8 +242,8 @@ class PythonTimer:
     def _time_gc(self, w: _Watched, path: str) -> None:
         """Time garbage collections with the USDT probes, where the interpreter has no gc_collect_main
         symbol for the libpython probes (stripped builds such as Debian's) but has the probes. A USDT site
-        runs only while its semaphore (a counter in the process) is non-zero: it is incremented here and
-        decremented at detach, as every USDT tracer does."""
+        runs only while its semaphore (a counter in the process) is non-zero: the kernel raises it while
+        the probes are attached (agent/usdt.py), so nothing is left armed whatever happens to the agent."""
         try:
             if "gc_collect_main" in functions(path, local=True):
                 return
@@ -256,34 +255,33 @@ class PythonTimer:
             log.info("pid %d: %s has neither gc_collect_main nor GC USDT probes: GC not timed", w.interp.pid, path)
             return
         pid = w.interp.pid
-        bpf = self.bpf
-        before = set(bpf.uprobe_fds)
         try:
-            bpf.attach_uprobe(name=path, addr=start.address, fn_name=b"pyx_gc_enter", pid=pid)
-            bpf.attach_uprobe(name=path, addr=done.address, fn_name=b"pyx_gc_return", pid=pid)
-        except Exception as e:  # bcc raises bare Exception
+            from bcc import BPF
+            for site, fn in ((start, "pyx_gc_enter"), (done, "pyx_gc_return")):
+                prog = self.bpf.load_func(fn.encode(), BPF.KPROBE)
+                w.gc_probes.append(usdt.attach(prog.fd, path, site.address, site.semaphore, pid,
+                                               f"rankscope_gc_{pid}_{site.address:x}"))
+        except Exception as e:  # bcc raises bare Exception; usdt.UsdtError
+            self._close_gc(w)
             raise TimerError(f"cannot probe the GC's USDT sites in {path}: {e}") from e
-        finally:
-            w.gc_events = [ev for ev in bpf.uprobe_fds if ev not in before]
-        for sem in {start.semaphore, done.semaphore} - {0}:
-            _add_to_semaphore(pid, sem + w.interp.load_bias, +1)
-            w.semaphores.append(sem + w.interp.load_bias)
+
+    @staticmethod
+    def _close_gc(w: _Watched) -> None:
+        for probe in w.gc_probes:
+            probe.close()
+        w.gc_probes = []
 
     def detach(self, pid: int) -> None:
         """Stop timing `pid` (alive or not); what it did since the last read is dropped."""
         w = self._watched.pop(pid, None)
         if w is None:
             return
-        for addr in w.semaphores:
-            try:
-                _add_to_semaphore(pid, addr, -1)
-            except OSError:  # it exited
-                pass
+        self._close_gc(w)
         w.resolver.close()
         bpf = self._bpf
         if bpf is None:  # never probed anything
             return
-        self._unprobe(w.events + w.gc_events)
+        self._unprobe(w.events)
         bpf["pyx_targets"].pop(ctypes.c_uint32(pid), None)
         bpf["pyx_gc"].pop(ctypes.c_uint32(pid), None)
         for name in ("pyx_stats", "pyx_verdict"):
@@ -379,12 +377,3 @@ class PythonTimer:
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
-
-
-def _add_to_semaphore(pid: int, addr: int, n: int) -> None:
-    """Adds n to the unsigned short USDT semaphore at `addr` in `pid` (never below 0)."""
-    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
-        mem.seek(addr)
-        value = struct.unpack("<H", mem.read(2))[0]
-        mem.seek(addr)
-        mem.write(struct.pack("<H", max(0, min(0xFFFF, value + n))))

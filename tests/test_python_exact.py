@@ -7,11 +7,12 @@ waits; the test reads the timer after "done", so counts are exact.
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import RANKSCOPE, diagnose_json
+from conftest import RANKSCOPE, diagnose_json, wait_until
 from rankscope.agent.interpreters.cpython import inspect
 from rankscope.agent.python_exact import PythonTimer, TracedFunction
 from test_python_sampler import INTERPRETERS, interpreter, needs_root, start
@@ -202,32 +203,51 @@ sys.stdin.readline()
 '''
 
 
-@needs_root
-def test_collections_of_a_stripped_interpreter_are_timed_through_usdt(timer, procs, tmp_path):
+def _gc_armed(pid: int, python: str) -> int:
+    """The process's python:gc__start semaphore (non-zero: its GC probe sites run)."""
     from rankscope.agent.python_exact import GC_START
     from rankscope.agent.symbols import sdt_probes
 
+    with open(f"/proc/{pid}/mem", "rb") as mem:
+        mem.seek(sdt_probes(python)[GC_START].semaphore)  # Debian's python3.11 is not PIE: no load bias
+        return int.from_bytes(mem.read(2), "little")
+
+
+@needs_root
+def test_collections_of_a_stripped_interpreter_are_timed_through_usdt(timer, procs, tmp_path):
     script = tmp_path / "gc_target.py"
     script.write_text(f"COLLECTIONS = 7\n{GC_TARGET}")
     python = str(interpreter("debian-3.11"))  # no gc_collect_main symbol; python:gc__start/gc__done notes
     p, _ = start(procs, [python, str(script)])
     timer.attach(inspect(p.pid))
-    semaphore = sdt_probes(python)[GC_START].semaphore
-
-    def armed() -> int:
-        with open(f"/proc/{p.pid}/mem", "rb") as mem:
-            mem.seek(semaphore)
-            return int.from_bytes(mem.read(2), "little")
-
     try:
-        assert armed() == 1
+        assert _gc_armed(p.pid, python) == 1
         run_calls(p)
         gc_stats = timer.read_gc()[p.pid]
     finally:
         timer.detach(p.pid)
-    assert armed() == 0  # the process is left as it was found
+    assert _gc_armed(p.pid, python) == 0  # the process is left as it was found
     assert gc_stats.count == 7 and gc_stats.role == "gc"
     assert 0 < gc_stats.p50_s <= gc_stats.max_s <= gc_stats.total_s < 7 * 0.5, gc_stats
+
+
+@needs_root
+def test_a_killed_agent_leaves_the_gc_sites_disarmed(procs, tmp_path):
+    """The kernel keeps the semaphore (the uprobes' reference counter): it goes down with the agent."""
+    script = tmp_path / "gc_target.py"
+    script.write_text(f"COLLECTIONS = 1\n{GC_TARGET}")
+    python = str(interpreter("debian-3.11"))
+    p, _ = start(procs, [python, str(script)])
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; from rankscope.agent.interpreters.cpython import "
+                              "inspect; from rankscope.agent.python_exact import PythonTimer; "
+                              f"PythonTimer().attach(inspect({p.pid})); print('up', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs.append(agent)
+    assert agent.stdout.readline().strip() == "up"
+    assert _gc_armed(p.pid, python) == 1
+    agent.kill()
+    agent.wait()
+    wait_until(lambda: _gc_armed(p.pid, python) == 0, 5, "the kernel to lower the semaphore")
 
 
 @needs_root

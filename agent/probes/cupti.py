@@ -4,10 +4,10 @@ Unlike the uprobe kinds (one program for every library file), a USDT probe with 
 process: attaching raises the process's semaphore, which is what turns the shim's hand-off on. So each
 process that maps the shim gets its own small program (about a second of clang to build).
 
-The semaphore is left to the kernel (the uprobe's reference counter, `ref_ctr_offset`): it is raised while
-the probe is attached and lowered when the agent's file descriptors close, even if the agent is SIGKILLed.
-bcc's own USDT attach writes the semaphore through /proc/PID/mem instead (and refuses a semaphore probe
-without a pid), and a killed agent would leave it raised: bcc is used only to generate the argument readers.
+The semaphore is left to the kernel (agent/usdt.py): it is raised while the probe is attached and lowered
+when the agent's file descriptors close, even if the agent is SIGKILLed. bcc's own USDT attach writes the
+semaphore through /proc/PID/mem instead, and a killed agent would leave it raised: bcc is used only to
+generate the argument readers.
 """
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
 from rankscope.analyzer.patterns import (
     KERNEL_NAME_CHARS,
     TOP_KERNELS,
@@ -25,13 +23,14 @@ from rankscope.analyzer.patterns import (
     GpuKernel,
 )
 
+from .. import usdt
 from ..bcc_compile import compile_bpf
 from ..bpf_program import ProbeError
+from ..symbols import SymbolError, sdt_probes
 from ..targets import TargetError, mapped_libraries
 
 SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
-PROBE = "activity"
-SEMAPHORE = "rankscope_activity_semaphore"
+PROVIDER, PROBE = "rankscope", "activity"
 
 # CUpti_ActivityKind values of the records the shim enables.
 KIND_MEMCPY = 1
@@ -77,41 +76,23 @@ def shim_path(pid: int) -> str | None:
         return None
 
 
-def semaphore_offset(path: str) -> int:
-    """File offset of the probe's semaphore in the shim (what the kernel's uprobe ref_ctr_offset wants)."""
+def semaphore_address(path: str) -> int:
+    """Link-time address of the shim's semaphore, from the probe's SDT note."""
     try:
-        with open(path, "rb") as f:
-            elf = ELFFile(f)
-            syms = elf.get_section_by_name(".dynsym")
-            sym = syms.get_symbol_by_name(SEMAPHORE) if syms is not None else None
-            if not sym:
-                raise ProbeError(f"{path} has no {SEMAPHORE}: not the rankscope CUPTI shim")
-            addr = sym[0]["st_value"]
-            for section in elf.iter_sections():
-                if section["sh_addr"] <= addr < section["sh_addr"] + section["sh_size"] and section["sh_type"] != "SHT_NOBITS":
-                    return addr - section["sh_addr"] + section["sh_offset"]
-    except (OSError, ELFError) as e:
-        raise ProbeError(f"cannot read {path}: {e}") from e
-    raise ProbeError(f"{path}: {SEMAPHORE} is not in a section with file contents")
-
-
-def _attach_uprobe_with_semaphore():
-    """libbcc's bpf_attach_uprobe with its last argument (ref_ctr_offset), which bcc's Python leaves out.
-    A separate function object, so bcc's own argtypes stay as they are."""
-    from bcc.libbcc import lib
-    fn = ctypes.CDLL(lib._name).bpf_attach_uprobe
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_int,
-                   ctypes.c_uint32]
-    return fn
+        probe = sdt_probes(path).get((PROVIDER, PROBE))
+    except SymbolError as e:
+        raise ProbeError(str(e)) from e
+    if probe is None or not probe.semaphore:
+        raise ProbeError(f"{path} has no guarded {PROVIDER}:{PROBE} probe: not the rankscope CUPTI shim")
+    return probe.semaphore
 
 
 def _probe_sites(usdt_class, pid: int) -> tuple[str, list[tuple[bytes, int]]]:
     """bcc's generated argument readers for the probe, and its sites (binary, address). bcc raises the
     semaphore when it enables the probe and lowers it when its context is freed, on return from here."""
-    usdt = usdt_class(pid=pid)
-    usdt.enable_probe(probe=PROBE, fn_name="on_activity")
-    return usdt.get_text(), [(binpath, addr) for binpath, _fn, addr, _pid in usdt.enumerate_active_probes()]
+    ctx = usdt_class(pid=pid)
+    ctx.enable_probe(probe=PROBE, fn_name="on_activity")
+    return ctx.get_text(), [(binpath, addr) for binpath, _fn, addr, _pid in ctx.enumerate_active_probes()]
 
 
 class CuptiReader:
@@ -120,7 +101,6 @@ class CuptiReader:
     def __init__(self, pid: int):
         try:
             from bcc import BPF, USDT
-            from bcc.libbcc import lib
         except ImportError as e:
             raise ProbeError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
         path = shim_path(pid)
@@ -129,23 +109,21 @@ class CuptiReader:
         self.pid = pid
         self._names: dict[int, str] = {0: ""}
         self._raw: list[RawActivity] = []
-        self._events: list[tuple[bytes, int]] = []  # (uprobe event name, perf fd)
-        self._lib = lib
-        sem = semaphore_offset(path)
+        self._probes: list[usdt.GuardedProbe] = []
+        sem = semaphore_address(path)
         try:
             readers, sites = _probe_sites(USDT, pid)
             self._bpf = compile_bpf(readers + (resources.files("rankscope.bpf") / "cupti.bpf.c").read_text(), [])
             fn = self._bpf.load_func("on_activity", BPF.KPROBE)
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
-        attach = _attach_uprobe_with_semaphore()
         for binpath, addr in sites:
-            ev = f"rankscope_cupti_{pid}_{addr:x}".encode()
-            fd = attach(fn.fd, 0, ev, binpath, addr, pid, sem)
-            if fd < 0:
+            try:
+                self._probes.append(usdt.attach(fn.fd, binpath.decode(), addr, sem, pid,
+                                                f"rankscope_cupti_{pid}_{addr:x}"))
+            except usdt.UsdtError as e:
                 self.close()
-                raise ProbeError(f"cannot attach to the CUPTI shim of pid {pid} at {addr:#x}")
-            self._events.append((ev, fd))
+                raise ProbeError(f"cannot attach to the CUPTI shim of pid {pid}: {e}") from e
         self._bpf["raw_activity"].open_ring_buffer(self._on_raw)
 
     def set_raw(self, on: bool) -> None:
@@ -187,10 +165,9 @@ class CuptiReader:
 
     def close(self) -> None:
         """Detach: closing the probes' perf events lowers the process's semaphore (the kernel does it)."""
-        for ev, fd in self._events:
-            self._lib.bpf_close_perf_event_fd(fd)
-            self._lib.bpf_detach_uprobe(ev)
-        self._events = []
+        for probe in self._probes:
+            probe.close()
+        self._probes = []
         self._bpf.cleanup()
 
 
