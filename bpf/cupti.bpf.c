@@ -2,6 +2,7 @@
 // rankscope:activity(kind, start, end, device, stream, correlation, name, bytes). Aggregated here per
 // (process, record kind, kernel) and GPU busy time per (process, device); each record is also sent raw to
 // user space only while `raw_on` is set (deep mode, tests). Counters only grow: the agent reads differences.
+// Composed after bpf/cupti_launch.bpf.c (join_kernel).
 #include <uapi/linux/ptrace.h>
 
 #define GPU_HIST_SLOTS 40  // log2(ns) buckets, as the uprobe histograms
@@ -75,6 +76,9 @@ int on_activity(struct pt_regs *ctx) {
             slot = GPU_HIST_SLOTS - 1;
         __sync_fetch_and_add(&v->hist[slot], 1);
     }
+
+    if (r.kind == 3 || r.kind == 10)  // kernel, concurrent kernel: joined to their launch (cupti_launch.bpf.c)
+        join_kernel(r.pid, r.correlation, r.start);
 
     struct dev_key dk = {.pid = r.pid, .device = r.device};
     struct dev_val dzero = {};
