@@ -4,6 +4,7 @@
 // whichever comes first waits in an LRU hash for the other. Per process: joined launches and the queue delay,
 // kernel GPU start - launch API end (CUPTI's one clock), as a log2 histogram and a total. Near zero: the GPU
 // waits for the host; large: the host runs ahead of a busy GPU. Composed before bpf/cupti.bpf.c.
+// Small values only: on_activity's stack already holds the activity record and its aggregate.
 #include <uapi/linux/ptrace.h>
 
 #define QUEUE_HIST_SLOTS 40  // log2(ns) buckets, as the GPU activity histograms
@@ -30,9 +31,13 @@ BPF_TABLE("lru_hash", struct join_key, struct join_val, launch_join, 65536);
 struct queue_val {
     u64 joined;
     u64 total_ns;
-    u64 hist[QUEUE_HIST_SLOTS];
 };
 BPF_HASH(launch_queue, u32, struct queue_val, 1024);
+struct queue_slot {
+    u32 pid;
+    u32 slot;  // bpf_log2l(delay ns)
+};
+BPF_HASH(launch_queue_hist, struct queue_slot, u64, 1024 * QUEUE_HIST_SLOTS);
 BPF_ARRAY(join_on, u32, 1);  // set while the launch probe is attached: kernels wait for launches only then
 
 // One half of a launch-kernel pair arrived. One CUPTI thread delivers a process's buffers: no race to guard.
@@ -59,10 +64,10 @@ static __always_inline void join(u32 pid, u32 correlation, u32 side, u64 ts) {
         return;
     __sync_fetch_and_add(&q->joined, 1);
     __sync_fetch_and_add(&q->total_ns, delay);
-    u32 slot = bpf_log2l(delay);
-    if (slot >= QUEUE_HIST_SLOTS)
-        slot = QUEUE_HIST_SLOTS - 1;
-    __sync_fetch_and_add(&q->hist[slot], 1);
+    struct queue_slot qs = {.pid = pid, .slot = bpf_log2l(delay)};
+    if (qs.slot >= QUEUE_HIST_SLOTS)
+        qs.slot = QUEUE_HIST_SLOTS - 1;
+    launch_queue_hist.increment(qs);
 }
 
 static __always_inline void join_kernel(u32 pid, u32 correlation, u64 start) {

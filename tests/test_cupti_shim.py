@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ import pytest
 from rankscope.agent.bpf_program import ProbeError
 from rankscope.agent.gpu import GpuViews
 from rankscope.agent.gpu_health import GpuHealthReader
+from rankscope.agent.histograms import percentile_s
 from rankscope.agent.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
-                                          RawActivity, short_kernel_name)
+                                          LaunchStats, RawActivity, short_kernel_name)
 from rankscope.analyzer.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel, RankPattern
 from rankscope.cupti_shim.build import build_shim, cupti_library, include_dirs
 
@@ -27,8 +29,29 @@ KERNEL = "_Z9gemm_tileILi128EEvPKfS1_Pf"
 RECORDS_PER_BUFFER = 3
 
 
+# tests/cupti_driver.c's launch buffers: 0 the kernel of launch 7001 (5 us after its launch call returned),
+# 1 the API records (7001 as a runtime launch and its nested driver launch, a memcpy call, launch 7002), 2 the
+# kernel of launch 7002 (2 ms after its launch).
+KERNEL_FIRST, API_RECORDS, KERNEL_AFTER = 0, 1, 2
+LAUNCH_RECORDS = 3  # launches in API_RECORDS: the memcpy call is not one
+QUEUE_DELAYS_NS = (5_000, 2_000_000)
+
+
+@dataclass(frozen=True)
+class ShimStats:
+    """The shim's counters (cupti_shim/shim.c struct rankscope_shim_stats)."""
+
+    emitted: int
+    dropped: int
+    skipped: int
+    launches: int
+    launches_dropped: int
+    api_wanted: bool  # the shim's decision: CUPTI's API records on (launch semaphore up)
+    api_failures: int  # enable/disable calls CUPTI refused (all of them without a driver)
+
+
 class Driver:
-    """tests/cupti_driver.c in a child process: it holds the shim and processes its record buffer on command."""
+    """tests/cupti_driver.c in a child process: it holds the shim and processes its record buffers on command."""
 
     def __init__(self, binary: Path, shim: Path, env: dict[str, str]):
         self.proc = subprocess.Popen([str(binary), str(shim)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -38,12 +61,21 @@ class Driver:
         self.pid = self.proc.pid
 
     def emit(self, buffers: int) -> tuple[int, int, int]:
-        """Processes the buffer `buffers` times; returns the shim's (emitted, dropped, skipped buffers)."""
-        self.proc.stdin.write(f"emit {buffers}\n")
+        """Processes the activity buffer `buffers` times; returns the shim's (emitted, dropped, skipped buffers)."""
+        st = self.command(f"emit {buffers}")
+        return st.emitted, st.dropped, st.skipped
+
+    def launch(self, buffer: int) -> ShimStats:
+        """Processes launch buffer `buffer` (KERNEL_FIRST, API_RECORDS, KERNEL_AFTER)."""
+        return self.command(f"launch {buffer}")
+
+    def command(self, line: str) -> ShimStats:
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         words = self.proc.stdout.readline().split()
-        assert words[0] == "stats", words
-        return int(words[1]), int(words[2]), int(words[3])
+        assert words[0] == "stats" and len(words) == 8, words
+        n = [int(w) for w in words[1:]]
+        return ShimStats(n[0], n[1], n[2], n[3], n[4], bool(n[5]), n[6])
 
     def close(self) -> str:
         self.proc.stdin.close()

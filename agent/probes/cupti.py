@@ -202,7 +202,8 @@ class CuptiReader:
         v = self._bpf["launch_queue"].get(ctypes.c_uint32(self.pid))
         if v is None:
             return LaunchStats(0, 0, ())
-        return LaunchStats(v.joined, v.total_ns, tuple(v.hist))
+        slots = {k.slot: n.value for k, n in self._bpf["launch_queue_hist"].items() if k.pid == self.pid}
+        return LaunchStats(v.joined, v.total_ns, tuple(slots.get(s, 0) for s in range(max(slots, default=-1) + 1)))
 
     def busy_ns(self) -> dict[int, int]:
         """Cumulative GPU busy time per device (union of activity intervals) since attach."""
