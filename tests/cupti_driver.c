@@ -20,7 +20,8 @@ struct shim_stats {
 
 static const char kernel_name[] = "_Z9gemm_tileILi128EEvPKfS1_Pf";
 
-// Launch 7001 ends at LAUNCH_END_A, its kernel starts 5 us later; launch 7002 ends at LAUNCH_END_B, its
+// Launch 7001's driver call ends at LAUNCH_END_A (its record comes first, as CUPTI writes it when the call
+// returns, inside the runtime call), its kernel starts 5 us later; launch 7002 ends at LAUNCH_END_B, its
 // kernel starts 2 ms later.
 #define LAUNCH_END_A 2000000010000ull
 #define LAUNCH_END_B 2000000020000ull
@@ -98,9 +99,9 @@ int main(int argc, char **argv) {
     size_t launch_used[3];
     launch_used[0] = put_kernel(launch_buffers[0], 0, 7001, LAUNCH_END_A + 5000);
     size_t n_api = put_api(launch_buffers[1], 0, CUPTI_ACTIVITY_KIND_DRIVER, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel,
-                           7001, LAUNCH_END_A - 8000, LAUNCH_END_A - 1000);
+                           7001, LAUNCH_END_A - 8000, LAUNCH_END_A);
     n_api = put_api(launch_buffers[1], n_api, CUPTI_ACTIVITY_KIND_RUNTIME, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000,
-                    7001, LAUNCH_END_A - 9000, LAUNCH_END_A);
+                    7001, LAUNCH_END_A - 9000, LAUNCH_END_A + 1000);
     n_api = put_api(launch_buffers[1], n_api, CUPTI_ACTIVITY_KIND_RUNTIME, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_v3020,
                     7003, LAUNCH_END_A + 1000, LAUNCH_END_A + 4000);
     launch_used[1] = put_api(launch_buffers[1], n_api, CUPTI_ACTIVITY_KIND_RUNTIME,
