@@ -250,10 +250,14 @@ def test_launches_join_their_kernels_by_correlation_id(start_driver):
         reader.set_launches(False)
         st = driver.launch(API_RECORDS)
         assert (st.api_wanted, st.launches) == (False, 2 * LAUNCH_RECORDS)
+        reader.set_launches(True)  # the next deep episode attaches again
+        st = driver.launch(API_RECORDS)
+        assert (st.api_wanted, st.launches) == (True, 3 * LAUNCH_RECORDS)
+        reader.set_launches(False)
     finally:
         reader.close()
     # Without a driver CUPTI refuses every enable and disable; the shim counts it and goes on.
-    assert driver.launch(API_RECORDS).api_failures == 4
+    assert driver.launch(API_RECORDS).api_failures == 8  # two kinds, two episodes, on and off
 
 
 def test_gpu_views_join_launches_in_deep_mode_only(start_driver):
