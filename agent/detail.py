@@ -23,8 +23,9 @@ class Detail:
     python_hz: int  # frame samples per second per CPU
     max_collectives: int  # per pattern: collective instants shipped (the kernel ring keeps 64)
     top_python: int  # per pattern: Python functions shipped
-    # Probes on per-call hot paths: kernel launches counted (~0.6 us each) and Python's eval loop, to time
-    # forward and data-loader __next__ exactly (~1.3 us per entry). Too costly to leave on.
+    # Probes on per-call hot paths: kernel launches counted (~0.6 us each), Python's eval loop, to time
+    # forward and data-loader __next__ exactly (~1.3 us per entry), and the CUPTI shim's launch records joined
+    # to their kernels (CUPTI's API records cost time on every CUDA call). Too costly to leave on.
     hot_probes: bool
 
 

@@ -15,8 +15,9 @@ log = logging.getLogger(__name__)
 
 
 class GpuViews:
-    def __init__(self, health: GpuHealthReader | None = None):
+    def __init__(self, health: GpuHealthReader | None = None, launches: bool = False):
         self._shim: dict[int, tuple[CuptiReader, ActivityWindow]] = {}
+        self._launches = launches  # join kernels to their launches (deep mode: CUPTI then records each API call)
         self._refused: set[int] = set()  # processes whose shim could not be attached: said once
         self._health = health
         self._device_of: dict[int, int] = {}
@@ -27,12 +28,26 @@ class GpuViews:
         if pid in self._shim or pid in self._refused or shim_path(pid) is None:
             return pid in self._shim
         try:
-            self._shim[pid] = (CuptiReader(pid), ActivityWindow())
+            reader = CuptiReader(pid)
         except ProbeError as e:
             self._refused.add(pid)
             log.warning("pid %d: no GPU kernel times: %s", pid, e)
             return False
+        self._shim[pid] = (reader, ActivityWindow())
+        self._follow(pid, reader)
         return True
+
+    def set_launches(self, on: bool) -> None:
+        """Deep mode on or off: the shims of every process hand over kernel launches, or stop."""
+        self._launches = on
+        for pid, (reader, _) in self._shim.items():
+            self._follow(pid, reader)
+
+    def _follow(self, pid: int, reader: CuptiReader) -> None:
+        try:
+            reader.set_launches(self._launches)
+        except ProbeError as e:  # kernel times go on without the join
+            log.warning("pid %d: kernel launches not joined: %s", pid, e)
 
     @property
     def health(self) -> GpuHealthReader:
@@ -47,7 +62,8 @@ class GpuViews:
                 self.attach(p.pid)
             if p.pid in self._shim:
                 reader, window = self._shim[p.pid]
-                p.gpu = window.next(reader.activity(), reader.busy_ns())
+                p.gpu = window.next(reader.activity(), reader.busy_ns(),
+                                    reader.launches() if reader.launches_on else None)
         health = self.health
         if not health.available:
             return

@@ -44,7 +44,7 @@ class Session:
         self.collector = Collector(self.program, self.python, self.timer, host_name())
         self.collector.detail = detail
         self.targets: dict[int, Target] = {}
-        self.gpu = GpuViews()
+        self.gpu = GpuViews(launches=detail.hot_probes)
 
     def add(self, pid: int) -> Target:
         """Inspect and attach to `pid`; TargetError or ProbeError say why not."""
@@ -94,6 +94,7 @@ class Session:
             self.python.set_frequency(detail.python_hz)
             self.timer.set_functions(detail.hot_probes)
             self.program.set_hot(detail.hot_probes)
+            self.gpu.set_launches(detail.hot_probes)
             self.collector.detail = detail
 
     def remove(self, pid: int) -> None:

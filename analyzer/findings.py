@@ -357,6 +357,10 @@ THROTTLE_REASONS = {0x4: "software power cap", 0x8: "hardware slowdown", 0x10: "
 VOID_MIN = 0.30  # GPU idle share of the window (XPUTimer's "void percentage") that makes a rank launch-bound
 LAUNCH_SYNC_MAX = 0.10  # ... while the host waits for its GPU at most this share: the GPU waits for the host
 SMALL_KERNEL_S = 50e-6  # ... and its kernels are short on average (launch cost rivals kernel time)
+# ... unless its launches wait in the GPU's queue: a median launch-to-kernel-start delay this long (CUPTI
+# correlation, deep mode) means the host runs ahead of the GPU, so the idle gaps are not the launch path's.
+# An idle GPU starts a kernel ~5-20 us after its launch call returns.
+QUEUE_AHEAD_S = 100e-6
 
 
 def _reasons(bits: int) -> list[str]:
@@ -408,10 +412,14 @@ def launch_bound(t: RankTable) -> list[Finding]:
         void = 1.0 - min(g.busy_s / p.window_s, 1.0)
         sync_share = p.time_in(Role.SYNC) / p.window_s
         mean_kernel = g.kernel_s / g.kernels
-        if void >= VOID_MIN and sync_share <= LAUNCH_SYNC_MAX and mean_kernel <= SMALL_KERNEL_S:
+        queued = bool(g.launches) and g.queue_p50_s >= QUEUE_AHEAD_S
+        if void >= VOID_MIN and sync_share <= LAUNCH_SYNC_MAX and mean_kernel <= SMALL_KERNEL_S and not queued:
             per_rank.append({"rank": int(t.rank[i]), "void_share": void, "gpu_busy_s": g.busy_s,
                              "window_s": p.window_s, "sync_share": sync_share, "mean_kernel_us": mean_kernel * 1e6,
                              "kernels": g.kernels, "kernels_per_s": g.kernels / p.window_s})
+            if g.launches:  # joined launches: how long each waited for the GPU
+                per_rank[-1].update(launches=g.launches, queue_p50_us=g.queue_p50_s * 1e6,
+                                    queue_p99_us=g.queue_p99_s * 1e6)
     if not per_rank:
         return []
     per_rank.sort(key=lambda r: r["rank"])
@@ -419,13 +427,18 @@ def launch_bound(t: RankTable) -> list[Finding]:
     void = float(np.median([r["void_share"] for r in per_rank]))
     mean_us = float(np.median([r["mean_kernel_us"] for r in per_rank]))
     rate = float(np.median([r["kernels_per_s"] for r in per_rank]))  # launches are counted in deep mode only
+    # Kernel times in microseconds: plain() rounds evidence to 1e-6.
+    evidence = {"void_share": void, "mean_kernel_us": mean_us, "kernels_per_s": rate, "per_rank": per_rank}
+    queue = [r["queue_p50_us"] for r in per_rank if "queue_p50_us" in r]
+    if queue:
+        evidence["queue_p50_us"] = float(np.median(queue))
+    waits = f", each kernel starting {evidence['queue_p50_us']:.0f} us after its launch" if queue else ""
     return [Finding(
         kind="launch_bound", ranks=ranks, function="cuLaunchKernel", component="host",
         score=void / VOID_MIN, cost=void,  # at most the idle share could be won back
         summary=(f"{_rank_list(ranks)}: the GPU is idle {void:.0%} of the time between short kernels "
-                 f"({mean_us:.0f} us on average, {rate:.0f} kernels/s) while the host does not wait for it: "
+                 f"({mean_us:.0f} us on average, {rate:.0f} kernels/s{waits}) while the host does not wait for it: "
                  f"the host cannot launch work fast enough (CUDA graphs or larger kernels help); "
                  f"costs up to {void:.0%} of step time"),
-        # Kernel times in microseconds: plain() rounds evidence to 1e-6.
-        evidence={"void_share": void, "mean_kernel_us": mean_us, "kernels_per_s": rate, "per_rank": per_rank},
+        evidence=evidence,
     )]

@@ -130,6 +130,12 @@ class GpuActivity:
     copy_s: float  # memcpy and memset durations
     kernels: int
     top: list[GpuKernel] = field(default_factory=list)  # by GPU time, largest first, at most TOP_KERNELS
+    # Launches joined to their kernels by CUPTI correlation id (deep mode only; None: not measured) and their
+    # queue delay, kernel GPU start - launch API end: ~0 when the GPU waits for the host, large when the host
+    # runs ahead of a busy GPU.
+    launches: int | None = None
+    queue_p50_s: float = 0.0
+    queue_p99_s: float = 0.0
 
 
 @dataclass
@@ -246,10 +252,14 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         "since": None if p.since is None else _us(p.since),
         "py": [[f.name, f.self_s, f.total_s, f.cpu_s] for f in p.python],
         "pyt": [[f.name, f.count, f.total_s, f.max_s] for f in p.python_timed],
-        "gpu": None if p.gpu is None else [p.gpu.busy_s, p.gpu.kernel_s, p.gpu.copy_s, p.gpu.kernels,
-                                           [[k.name, k.count, k.total_s] for k in p.gpu.top]],
+        "gpu": None if p.gpu is None else _gpu_to_wire(p.gpu),
         "gh": None if p.gpu_health is None else [getattr(p.gpu_health, f) for f in _HEALTH_FIELDS],
     }
+
+
+def _gpu_to_wire(g: GpuActivity) -> list:
+    row = [g.busy_s, g.kernel_s, g.copy_s, g.kernels, [[k.name, k.count, k.total_s] for k in g.top]]
+    return row if g.launches is None else [*row, g.launches, g.queue_p50_s, g.queue_p99_s]
 
 
 class PatternDecodeError(ValueError):
@@ -366,16 +376,23 @@ def _python_timed_from_wire(raw: Any) -> list[PyTimed]:
 def _gpu_from_wire(raw: Any) -> GpuActivity | None:
     if raw is None:
         return None
-    busy, kernel_s, copy_s, kernels, top = _list(raw, "gpu", 5)
+    row = _list(raw, "gpu")
+    if len(row) not in (5, 8):  # 8: with launches joined to their kernels (deep mode)
+        raise PatternDecodeError(f"gpu: expected 5 or 8 fields, got {len(row)}")
+    busy, kernel_s, copy_s, kernels, top = row[:5]
     kernels_top = []
-    for row in _list(top, "gpu kernels"):
-        name, count, total = _list(row, "gpu kernel", 3)
+    for k in _list(top, "gpu kernels"):
+        name, count, total = _list(k, "gpu kernel", 3)
         name = _str(name, "gpu kernel name")
         kernels_top.append(GpuKernel(name=name, count=_int(count, f"{name}.count"),
                                      total_s=_seconds(total, f"{name}.total_s")))
-    return GpuActivity(busy_s=_seconds(busy, "gpu busy"), kernel_s=_seconds(kernel_s, "gpu kernel time"),
-                       copy_s=_seconds(copy_s, "gpu copy time"), kernels=_int(kernels, "gpu kernels"),
-                       top=kernels_top)
+    gpu = GpuActivity(busy_s=_seconds(busy, "gpu busy"), kernel_s=_seconds(kernel_s, "gpu kernel time"),
+                      copy_s=_seconds(copy_s, "gpu copy time"), kernels=_int(kernels, "gpu kernels"),
+                      top=kernels_top)
+    if len(row) == 8:
+        gpu.launches = _int(row[5], "gpu launches")
+        gpu.queue_p50_s, gpu.queue_p99_s = _seconds(row[6], "gpu queue p50"), _seconds(row[7], "gpu queue p99")
+    return gpu
 
 
 def _health_from_wire(raw: Any) -> GpuHealth | None:

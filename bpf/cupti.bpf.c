@@ -2,6 +2,7 @@
 // rankscope:activity(kind, start, end, device, stream, correlation, name, bytes). Aggregated here per
 // (process, record kind, kernel) and GPU busy time per (process, device); each record is also sent raw to
 // user space only while `raw_on` is set (deep mode, tests). Counters only grow: the agent reads differences.
+// Composed after bpf/cupti_launch.bpf.c (join_kernel).
 #include <uapi/linux/ptrace.h>
 
 #define GPU_HIST_SLOTS 40  // log2(ns) buckets, as the uprobe histograms
@@ -18,6 +19,7 @@ struct act_val {
     u64 hist[GPU_HIST_SLOTS];
 };
 BPF_HASH(gpu_activity, struct act_key, struct act_val, 4096);
+BPF_ARRAY(act_zero, struct act_val, 1);  // never written: a new aggregate's zeros, off the 512-byte stack
 
 // Busy time as the union of activity intervals per device: records of one device arrive about in end
 // order, so an interval only adds the part after the latest end seen.
@@ -64,8 +66,9 @@ int on_activity(struct pt_regs *ctx) {
     u64 ns = r.end > r.start ? r.end - r.start : 0;
 
     struct act_key key = {.pid = r.pid, .kind = r.kind, .name = r.name};
-    struct act_val zero = {};
-    struct act_val *v = gpu_activity.lookup_or_try_init(&key, &zero);
+    int zero_idx = 0;
+    struct act_val *zero = act_zero.lookup(&zero_idx);
+    struct act_val *v = zero ? gpu_activity.lookup_or_try_init(&key, zero) : NULL;
     if (v) {
         __sync_fetch_and_add(&v->count, 1);
         __sync_fetch_and_add(&v->total_ns, ns);
@@ -85,9 +88,11 @@ int on_activity(struct pt_regs *ctx) {
         d->last_end = r.end;
     }
 
-    int zero_idx = 0;
     u32 *on = raw_on.lookup(&zero_idx);
     if (on && *on)
         raw_activity.ringbuf_output(&r, sizeof(r), 0);
+    // Kernel, concurrent kernel records wait for or complete their launch (cupti_launch.bpf.c).
+    if (r.kind == 3 || r.kind == 10)
+        join_kernel(r.pid, r.correlation, r.start);
     return 0;
 }

@@ -3,6 +3,12 @@
 // the USDT probe rankscope:activity. The probe has a semaphore: while no agent is attached, completed
 // buffers are returned to CUPTI unread, so the shim costs nothing beyond CUPTI's own record keeping.
 //
+// A second probe, rankscope:launch, with its own semaphore, hands over kernel launches (runtime and driver API
+// records) so the agent can join each kernel to its launch by correlation id. API records cost CUPTI time on
+// every call of the job, so the shim enables them only while an agent wants them (its deep mode): it looks at
+// the semaphore at each completed buffer (at least every flush period) and turns the API kinds on or off.
+// No CUPTI callbacks: nothing runs in the job's API-calling threads.
+//
 // libcupti is opened at run time (the copy the process already maps, e.g. torch's, else RANKSCOPE_CUPTI_LIB,
 // else libcupti.so.12 from the loader's path), so the shim links against nothing CUDA and loads anywhere.
 #define _GNU_SOURCE
@@ -26,6 +32,8 @@
 
 // The USDT semaphore of rankscope:activity; the kernel increments it while an agent's uprobe is attached.
 SHIM_API unsigned short rankscope_activity_semaphore __attribute__((section(".probes")));
+// The semaphore of rankscope:launch: API records are enabled while it is up.
+SHIM_API unsigned short rankscope_launch_semaphore __attribute__((section(".probes")));
 
 // Counters a test (or a debugger) reads through rankscope_shim_stats.
 struct rankscope_shim_stats {
@@ -33,10 +41,20 @@ struct rankscope_shim_stats {
     uint64_t dropped;          // records over the rate limit
     uint64_t skipped_buffers;  // buffers returned unread: no agent attached
     uint64_t cupti_dropped;    // records CUPTI itself dropped (buffers full)
+    uint64_t launches;         // launch records handed to rankscope:launch
+    uint64_t launches_dropped; // launch records over the rate limit
+    uint64_t api_wanted;       // 1 while the shim wants API records (the launch semaphore was up)
+    uint64_t api_failures;     // cuptiActivityEnable/Disable calls CUPTI refused
+};
+
+// Per-probe rate limiter: the current second and records emitted in it.
+struct rate {
+    _Atomic uint64_t second, in_second;
 };
 static struct {
-    _Atomic uint64_t emitted, dropped, skipped_buffers, cupti_dropped;
-    _Atomic uint64_t second, in_second;  // rate limiter: the current second and records emitted in it
+    _Atomic uint64_t emitted, dropped, skipped_buffers, cupti_dropped, launches, launches_dropped, api_failures;
+    _Atomic int api_wanted;
+    struct rate activity, launch;
     uint64_t max_rate;
 } stats;
 
@@ -45,6 +63,7 @@ static struct {
     CUptiResult (*unsubscribe)(CUpti_SubscriberHandle);
     CUptiResult (*register_callbacks)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc);
     CUptiResult (*enable)(CUpti_ActivityKind);
+    CUptiResult (*disable)(CUpti_ActivityKind);
     CUptiResult (*next_record)(uint8_t *, size_t, CUpti_Activity **);
     CUptiResult (*flush_all)(uint32_t);
     CUptiResult (*flush_period)(uint32_t);
@@ -75,6 +94,7 @@ static int resolve(void *h) {
     SYM(unsubscribe, "cuptiUnsubscribe");
     SYM(register_callbacks, "cuptiActivityRegisterCallbacks");
     SYM(enable, "cuptiActivityEnable");
+    SYM(disable, "cuptiActivityDisable");
     SYM(next_record, "cuptiActivityGetNextRecord");
     SYM(flush_all, "cuptiActivityFlushAll");
     SYM(flush_period, "cuptiActivityFlushPeriod");
@@ -84,14 +104,14 @@ static int resolve(void *h) {
     return 0;
 }
 
-static int under_rate_limit(void) {
+static int under_rate_limit(struct rate *r) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
     uint64_t now = (uint64_t)ts.tv_sec;
-    uint64_t second = atomic_load(&stats.second);
-    if (now != second && atomic_compare_exchange_strong(&stats.second, &second, now))
-        atomic_store(&stats.in_second, 0);
-    return atomic_fetch_add(&stats.in_second, 1) < stats.max_rate;
+    uint64_t second = atomic_load(&r->second);
+    if (now != second && atomic_compare_exchange_strong(&r->second, &second, now))
+        atomic_store(&r->in_second, 0);
+    return atomic_fetch_add(&r->in_second, 1) < stats.max_rate;
 }
 
 // Every argument widened to 64 bits, so each has one size at every probe site (bcc reads an argument
@@ -127,19 +147,84 @@ static void emit(const CUpti_Activity *rec) {
     atomic_fetch_add(&stats.emitted, 1);
 }
 
+// The API calls that launch GPU work, by callback id (enum names of the pinned CUPTI headers).
+static int is_launch(CUpti_ActivityKind kind, uint32_t cbid) {
+    if (kind == CUPTI_ACTIVITY_KIND_RUNTIME)
+        switch (cbid) {
+        case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000:
+        case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_ptsz_v7000:
+        case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_v11060:
+        case CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernelExC_ptsz_v11060:
+        case CUPTI_RUNTIME_TRACE_CBID_cudaGraphLaunch_v10000:
+        case CUPTI_RUNTIME_TRACE_CBID_cudaGraphLaunch_ptsz_v10000:
+            return 1;
+        }
+    if (kind == CUPTI_ACTIVITY_KIND_DRIVER)
+        switch (cbid) {
+        case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel:
+        case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel_ptsz:
+        case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx:
+        case CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz:
+        case CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch:
+        case CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz:
+            return 1;
+        }
+    return 0;
+}
+
+// One launch to rankscope:launch(correlation, API start ns, API end ns, thread id, callback id). A runtime
+// launch and the driver call inside it share a correlation id: the agent keeps the first.
+static void emit_launch(const CUpti_ActivityAPI *a) {
+    if (!is_launch(a->kind, a->cbid))
+        return;
+    if (!under_rate_limit(&stats.launch)) {
+        atomic_fetch_add(&stats.launches_dropped, 1);
+        return;
+    }
+    STAP_PROBE5(rankscope, launch, (uint64_t)a->correlationId, (uint64_t)a->start, (uint64_t)a->end,
+                (uint64_t)a->threadId, (uint64_t)a->cbid);
+    atomic_fetch_add(&stats.launches, 1);
+}
+
+// API records on while the launch semaphore is up, off when it goes down. A refusal (no driver, another
+// tool) is counted, never said: the job goes on, and the agent simply sees no launches.
+static void follow_launch_semaphore(void) {
+    int want = rankscope_launch_semaphore != 0;
+    int was = atomic_load(&stats.api_wanted);
+    if (want == was || !atomic_compare_exchange_strong(&stats.api_wanted, &was, want))
+        return;
+    CUptiResult (*set)(CUpti_ActivityKind) = want ? cupti.enable : cupti.disable;
+    if (set(CUPTI_ACTIVITY_KIND_RUNTIME) != CUPTI_SUCCESS)
+        atomic_fetch_add(&stats.api_failures, 1);
+    if (set(CUPTI_ACTIVITY_KIND_DRIVER) != CUPTI_SUCCESS)
+        atomic_fetch_add(&stats.api_failures, 1);
+}
+
 // Walks a completed buffer (without freeing it). Exposed so tests can feed it records built with the real
 // CUPTI types; the completed-buffer callback below is its only caller in a job.
 SHIM_API void rankscope_shim_process_buffer(uint8_t *buffer, size_t valid) {
-    if (!rankscope_activity_semaphore || !cupti.next_record) {
+    if (!cupti.next_record) {
+        atomic_fetch_add(&stats.skipped_buffers, 1);
+        return;
+    }
+    follow_launch_semaphore();
+    int activity = rankscope_activity_semaphore != 0, launches = rankscope_launch_semaphore != 0;
+    if (!activity && !launches) {
         atomic_fetch_add(&stats.skipped_buffers, 1);
         return;
     }
     CUpti_Activity *rec = NULL;
     while (cupti.next_record(buffer, valid, &rec) == CUPTI_SUCCESS) {
-        if (under_rate_limit())
+        if (rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME || rec->kind == CUPTI_ACTIVITY_KIND_DRIVER) {
+            if (launches)
+                emit_launch((const CUpti_ActivityAPI *)rec);
+        } else if (!activity) {
+            continue;
+        } else if (under_rate_limit(&stats.activity)) {
             emit(rec);
-        else
+        } else {
             atomic_fetch_add(&stats.dropped, 1);
+        }
     }
 }
 
@@ -148,6 +233,10 @@ SHIM_API void rankscope_shim_stats(struct rankscope_shim_stats *out) {
     out->dropped = atomic_load(&stats.dropped);
     out->skipped_buffers = atomic_load(&stats.skipped_buffers);
     out->cupti_dropped = atomic_load(&stats.cupti_dropped);
+    out->launches = atomic_load(&stats.launches);
+    out->launches_dropped = atomic_load(&stats.launches_dropped);
+    out->api_wanted = (uint64_t)atomic_load(&stats.api_wanted);
+    out->api_failures = atomic_load(&stats.api_failures);
 }
 
 static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records) {

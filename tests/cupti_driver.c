@@ -1,6 +1,10 @@
 // Test driver for the CUPTI shim without a GPU: loads the shim, calls its InitializeInjection (which finds
 // no driver), then feeds its completed-buffer path a buffer of real CUPTI record structs, on command.
-// stdin commands: "emit N" -> process the buffer N times, then print "stats EMITTED DROPPED SKIPPED".
+// stdin commands, each answered by "stats EMITTED DROPPED SKIPPED LAUNCHES LAUNCHES_DROPPED API_WANTED API_FAILURES":
+//   "emit N"   -> process the activity buffer (a kernel, a memcpy, a memset) N times;
+//   "launch I" -> process launch buffer I: 0 a kernel whose launch comes later, 1 the API records (a runtime
+//                 launch with its nested driver launch, another runtime launch, a memcpy call), 2 the kernel of
+//                 the second launch. See LAUNCH_* for the times.
 // First output line: "init RC BUFFER_ADDRESS NAME_ADDRESS".
 #include <dlfcn.h>
 #include <stdint.h>
@@ -11,10 +15,41 @@
 #include <cupti.h>
 
 struct shim_stats {
-    uint64_t emitted, dropped, skipped_buffers, cupti_dropped;
+    uint64_t emitted, dropped, skipped_buffers, cupti_dropped, launches, launches_dropped, api_wanted, api_failures;
 };
 
 static const char kernel_name[] = "_Z9gemm_tileILi128EEvPKfS1_Pf";
+
+// Launch 7001's driver call ends at LAUNCH_END_A (its record comes first, as CUPTI writes it when the call
+// returns, inside the runtime call), its kernel starts 5 us later; launch 7002 ends at LAUNCH_END_B, its
+// kernel starts 2 ms later.
+#define LAUNCH_END_A 2000000010000ull
+#define LAUNCH_END_B 2000000020000ull
+
+static size_t put_api(uint8_t *buffer, size_t used, CUpti_ActivityKind kind, uint32_t cbid, uint32_t correlation,
+                      uint64_t start, uint64_t end) {
+    CUpti_ActivityAPI *a = (void *)(buffer + used);
+    a->kind = kind;
+    a->cbid = cbid;
+    a->start = start;
+    a->end = end;
+    a->processId = 1;
+    a->threadId = 77;
+    a->correlationId = correlation;
+    return used + sizeof(*a);
+}
+
+static size_t put_kernel(uint8_t *buffer, size_t used, uint32_t correlation, uint64_t start) {
+    CUpti_ActivityKernel9 *k = (void *)(buffer + used);
+    k->kind = CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
+    k->start = start;
+    k->end = start + 30000;
+    k->deviceId = 0;
+    k->streamId = 7;
+    k->correlationId = correlation;
+    k->name = kernel_name;
+    return used + sizeof(*k);
+}
 
 int main(int argc, char **argv) {
     if (argc != 2) {
@@ -60,18 +95,36 @@ int main(int argc, char **argv) {
     s->bytes = 4096;
     used += sizeof(*s);
 
+    static uint8_t launch_buffers[3][4096] __attribute__((aligned(8)));
+    size_t launch_used[3];
+    launch_used[0] = put_kernel(launch_buffers[0], 0, 7001, LAUNCH_END_A + 5000);
+    size_t n_api = put_api(launch_buffers[1], 0, CUPTI_ACTIVITY_KIND_DRIVER, CUPTI_DRIVER_TRACE_CBID_cuLaunchKernel,
+                           7001, LAUNCH_END_A - 8000, LAUNCH_END_A);
+    n_api = put_api(launch_buffers[1], n_api, CUPTI_ACTIVITY_KIND_RUNTIME, CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000,
+                    7001, LAUNCH_END_A - 9000, LAUNCH_END_A + 1000);
+    n_api = put_api(launch_buffers[1], n_api, CUPTI_ACTIVITY_KIND_RUNTIME, CUPTI_RUNTIME_TRACE_CBID_cudaMemcpy_v3020,
+                    7003, LAUNCH_END_A + 1000, LAUNCH_END_A + 4000);
+    launch_used[1] = put_api(launch_buffers[1], n_api, CUPTI_ACTIVITY_KIND_RUNTIME,
+                             CUPTI_RUNTIME_TRACE_CBID_cudaLaunchKernel_v7000, 7002, LAUNCH_END_B - 6000, LAUNCH_END_B);
+    launch_used[2] = put_kernel(launch_buffers[2], 0, 7002, LAUNCH_END_B + 2000000);
+
     printf("init %d %p %p\n", init(), (void *)buffer, (void *)kernel_name);
     fflush(stdout);
     char line[64];
     while (fgets(line, sizeof(line), stdin)) {
         int n = 0;
-        if (sscanf(line, "emit %d", &n) != 1)
+        if (sscanf(line, "emit %d", &n) == 1) {
+            for (int i = 0; i < n; i++)
+                process(buffer, used);
+        } else if (sscanf(line, "launch %d", &n) == 1 && n >= 0 && n < 3) {
+            process(launch_buffers[n], launch_used[n]);
+        } else {
             continue;
-        for (int i = 0; i < n; i++)
-            process(buffer, used);
+        }
         struct shim_stats st;
         get_stats(&st);
-        printf("stats %lu %lu %lu\n", st.emitted, st.dropped, st.skipped_buffers);
+        printf("stats %lu %lu %lu %lu %lu %lu %lu\n", st.emitted, st.dropped, st.skipped_buffers, st.launches,
+               st.launches_dropped, st.api_wanted, st.api_failures);
         fflush(stdout);
     }
     return 0;

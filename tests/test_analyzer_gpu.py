@@ -72,6 +72,27 @@ def test_not_launch_bound(busy, kernels, kernel_s, sync_s):
     assert [f for f in findings(ps) if f["kind"] == "launch_bound"] == []
 
 
+def test_launch_bound_evidence_has_the_queue_delay_and_a_queued_rank_is_not_launch_bound():
+    """Deep mode joins launches to kernels: a median queue delay near zero confirms the GPU waits for the host;
+    a long one (the host ahead of a busy GPU) takes the rank out of launch_bound, whatever else it shows."""
+    ps = simulate(4, seed=1)
+    for p in ps:
+        p.functions["cuStreamSynchronize"].total_s = 0.05
+        p.gpu = gpu(busy_s=0.7, kernels=40_000, kernel_s=0.7)
+        p.gpu.launches, p.gpu.queue_p50_s, p.gpu.queue_p99_s = 39_990, 2 ** 12.5 / 1e9, 2 ** 14.5 / 1e9
+    ps[2].gpu.queue_p50_s, ps[2].gpu.queue_p99_s = 2 ** 20.5 / 1e9, 2 ** 22.5 / 1e9  # ~1.5 ms in the queue
+    fs = [f for f in findings(ps) if f["kind"] == "launch_bound"]
+    assert len(fs) == 1 and fs[0]["ranks"] == [0, 1, 3]
+    ev = fs[0]["evidence"]
+    assert ev["queue_p50_us"] == pytest.approx(5.79, abs=0.01)
+    assert [r["queue_p99_us"] for r in ev["per_rank"]] == pytest.approx([2 ** 14.5 / 1e3] * 3, abs=1e-3)
+    assert "each kernel starting 6 us after its launch" in fs[0]["summary"]
+
+    for p in ps:  # every rank queued: no launch_bound at all
+        p.gpu.queue_p50_s = 2 ** 20.5 / 1e9
+    assert [f for f in findings(ps) if f["kind"] == "launch_bound"] == []
+
+
 def test_ranks_without_gpu_views_are_unchanged():
     assert findings(simulate(8, seed=3)) == []
     assert [f["kind"] for f in findings(simulate(8, sync_extra={5: 0.030}, seed=3))] == ["compute_straggler"]

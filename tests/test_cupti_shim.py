@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ import pytest
 from rankscope.agent.bpf_program import ProbeError
 from rankscope.agent.gpu import GpuViews
 from rankscope.agent.gpu_health import GpuHealthReader
+from rankscope.agent.histograms import percentile_s
 from rankscope.agent.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
-                                          RawActivity, short_kernel_name)
+                                          LaunchStats, RawActivity, short_kernel_name)
 from rankscope.analyzer.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel, RankPattern
 from rankscope.cupti_shim.build import build_shim, cupti_library, include_dirs
 
@@ -27,8 +29,29 @@ KERNEL = "_Z9gemm_tileILi128EEvPKfS1_Pf"
 RECORDS_PER_BUFFER = 3
 
 
+# tests/cupti_driver.c's launch buffers: 0 the kernel of launch 7001 (5 us after its launch call returned),
+# 1 the API records (7001 as a runtime launch and its nested driver launch, a memcpy call, launch 7002), 2 the
+# kernel of launch 7002 (2 ms after its launch).
+KERNEL_FIRST, API_RECORDS, KERNEL_AFTER = 0, 1, 2
+LAUNCH_RECORDS = 3  # launches in API_RECORDS: the memcpy call is not one
+QUEUE_DELAYS_NS = (5_000, 2_000_000)
+
+
+@dataclass(frozen=True)
+class ShimStats:
+    """The shim's counters (cupti_shim/shim.c struct rankscope_shim_stats)."""
+
+    emitted: int
+    dropped: int
+    skipped: int
+    launches: int
+    launches_dropped: int
+    api_wanted: bool  # the shim's decision: CUPTI's API records on (launch semaphore up)
+    api_failures: int  # enable/disable calls CUPTI refused (all of them without a driver)
+
+
 class Driver:
-    """tests/cupti_driver.c in a child process: it holds the shim and processes its record buffer on command."""
+    """tests/cupti_driver.c in a child process: it holds the shim and processes its record buffers on command."""
 
     def __init__(self, binary: Path, shim: Path, env: dict[str, str]):
         self.proc = subprocess.Popen([str(binary), str(shim)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -38,12 +61,21 @@ class Driver:
         self.pid = self.proc.pid
 
     def emit(self, buffers: int) -> tuple[int, int, int]:
-        """Processes the buffer `buffers` times; returns the shim's (emitted, dropped, skipped buffers)."""
-        self.proc.stdin.write(f"emit {buffers}\n")
+        """Processes the activity buffer `buffers` times; returns the shim's (emitted, dropped, skipped buffers)."""
+        st = self.command(f"emit {buffers}")
+        return st.emitted, st.dropped, st.skipped
+
+    def launch(self, buffer: int) -> ShimStats:
+        """Processes launch buffer `buffer` (KERNEL_FIRST, API_RECORDS, KERNEL_AFTER)."""
+        return self.command(f"launch {buffer}")
+
+    def command(self, line: str) -> ShimStats:
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         words = self.proc.stdout.readline().split()
-        assert words[0] == "stats", words
-        return int(words[1]), int(words[2]), int(words[3])
+        assert words[0] == "stats" and len(words) == 8, words
+        n = [int(w) for w in words[1:]]
+        return ShimStats(n[0], n[1], n[2], n[3], n[4], bool(n[5]), n[6])
 
     def close(self) -> str:
         self.proc.stdin.close()
@@ -77,7 +109,7 @@ def start_driver(driver_binary) -> Iterator:
 
 def test_shim_exports_injection_entry_and_semaphore_probe():
     notes = subprocess.run(["readelf", "-n", str(build_shim())], capture_output=True, text=True, check=True).stdout
-    assert "Provider: rankscope" in notes and "Name: activity" in notes
+    assert "Provider: rankscope" in notes and "Name: activity" in notes and "Name: launch" in notes
     assert "Semaphore: 0x0000000000000000" not in notes  # the probe is guarded by a semaphore
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(build_shim())], capture_output=True, text=True,
                              check=True).stdout
@@ -186,6 +218,93 @@ def test_sigkilled_agent_leaves_the_shim_idle(start_driver):
         agent.kill()
         agent.wait()
     assert driver.emit(1) == (RECORDS_PER_BUFFER, 0, 1)  # skipped: nothing attached any more
+
+
+def test_launches_join_their_kernels_by_correlation_id(start_driver):
+    """Kernel before its launch, kernel after it; a runtime launch and its nested driver launch join once; a
+    memcpy call is no launch. The queue delay (kernel start - launch end) lands in its log2 slot."""
+    driver = start_driver()
+    reader = CuptiReader(driver.pid)
+    try:
+        # Without the launch probe the shim leaves CUPTI's API records off and hands over no launch.
+        st = driver.launch(API_RECORDS)
+        assert (st.api_wanted, st.launches) == (False, 0)
+
+        reader.set_launches(True)
+        st = driver.launch(KERNEL_FIRST)
+        assert st.api_wanted and st.emitted == 1
+        assert reader.launches() == LaunchStats(0, 0, ())  # the kernel waits for its launch
+        assert driver.launch(API_RECORDS).launches == LAUNCH_RECORDS
+        assert driver.launch(KERNEL_AFTER).emitted == 2
+        # The probes run in the driver's thread before it answers: the aggregates are final.
+        joined = reader.launches()
+        assert (joined.joined, joined.total_ns) == (2, sum(QUEUE_DELAYS_NS))
+        assert sum(joined.hist) == 2
+        assert [joined.hist[d.bit_length()] for d in QUEUE_DELAYS_NS] == [1, 1]  # bpf_log2l slots
+
+        # Records seen again (a twin, a graph's later kernel) find their correlation ids taken.
+        for buffer in (KERNEL_FIRST, API_RECORDS, KERNEL_AFTER):
+            driver.launch(buffer)
+        assert reader.launches() == joined
+
+        reader.set_launches(False)
+        st = driver.launch(API_RECORDS)
+        assert (st.api_wanted, st.launches) == (False, 2 * LAUNCH_RECORDS)
+        reader.set_launches(True)  # the next deep episode attaches again
+        st = driver.launch(API_RECORDS)
+        assert (st.api_wanted, st.launches) == (True, 3 * LAUNCH_RECORDS)
+        reader.set_launches(False)
+    finally:
+        reader.close()
+    # Without a driver CUPTI refuses every enable and disable; the shim counts it and goes on.
+    assert driver.launch(API_RECORDS).api_failures == 8  # two kinds, two episodes, on and off
+
+
+def test_gpu_views_join_launches_in_deep_mode_only(start_driver):
+    driver = start_driver()
+    views = GpuViews(GpuHealthReader(ReplayNvml(READINGS)))
+    pattern = RankPattern(job="j", rank=0, world_size=1, pid=driver.pid, host="h", window_start=0, window_end=1)
+    try:
+        assert views.attach(driver.pid)
+        assert not driver.launch(KERNEL_FIRST).api_wanted
+        views.fill([pattern])
+        assert (pattern.gpu.kernels, pattern.gpu.launches) == (1, None)  # light mode: not measured
+
+        views.set_launches(True)
+        for buffer in (KERNEL_FIRST, API_RECORDS, KERNEL_AFTER):
+            assert driver.launch(buffer).api_wanted
+        views.fill([pattern])
+        slots = [0] * 22
+        for d in QUEUE_DELAYS_NS:
+            slots[d.bit_length()] += 1
+        assert (pattern.gpu.launches, pattern.gpu.queue_p50_s, pattern.gpu.queue_p99_s) == (
+            2, percentile_s(slots, 0.5), percentile_s(slots, 0.99))
+        assert pattern.gpu.queue_p50_s == 2 ** 12.5 / 1e9 and pattern.gpu.queue_p99_s == 2 ** 20.5 / 1e9
+
+        views.fill([pattern])
+        assert (pattern.gpu.launches, pattern.gpu.queue_p99_s) == (0, 0.0)  # this window only
+        views.set_launches(False)
+        assert not driver.launch(API_RECORDS).api_wanted
+    finally:
+        views.close()
+
+
+def test_sigkilled_agent_leaves_the_launch_records_off(start_driver):
+    """The launch semaphore is a kernel-kept uprobe counter too: a killed agent in deep mode leaves CUPTI's
+    API records to be turned off at the next buffer."""
+    driver = start_driver()
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; from rankscope.agent.probes.cupti import "
+                              f"CuptiReader; CuptiReader({driver.pid}).set_launches(True); print('up', flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout.readline().strip() == "up"
+        st = driver.launch(API_RECORDS)
+        assert (st.api_wanted, st.launches) == (True, LAUNCH_RECORDS)
+    finally:
+        agent.kill()
+        agent.wait()
+    st = driver.launch(API_RECORDS)
+    assert (st.api_wanted, st.launches, st.skipped) == (False, LAUNCH_RECORDS, 1)
 
 
 def test_process_without_the_shim_is_refused_clearly():

@@ -196,6 +196,17 @@ def test_gpu_views_round_trip_and_fit_1kb():
     assert (q.gpu.kernels, [k.name for k in q.gpu.top]) == (4980, [k.name for k in p.gpu.top])
     assert q.gpu.busy_s == pytest.approx(1.61, rel=1e-7)
     assert [k.total_s for k in q.gpu.top] == pytest.approx([k.total_s for k in p.gpu.top], rel=1e-7)
+    assert q.gpu.launches is None  # light mode: launches not measured, and the wire keeps the five fields
+    assert len(msgpack.unpackb(payload, raw=False)[0]["gpu"]) == 5
+
+
+def test_gpu_launches_round_trip():
+    """Deep mode: launches joined to their kernels and their queue delay travel in three more fields."""
+    p = with_gpu(typical())
+    p.gpu.launches, p.gpu.queue_p50_s, p.gpu.queue_p99_s = 4975, 2 ** 12.5 / 1e9, 2 ** 20.5 / 1e9
+    q = decode_patterns(encode_patterns([p]))[0]
+    assert q.gpu.launches == 4975
+    assert (q.gpu.queue_p50_s, q.gpu.queue_p99_s) == pytest.approx((p.gpu.queue_p50_s, p.gpu.queue_p99_s), rel=1e-7)
 
 
 def test_patterns_without_gpu_views_decode_with_defaults():
@@ -207,7 +218,9 @@ def test_patterns_without_gpu_views_decode_with_defaults():
 
 
 @pytest.mark.parametrize("field,value", [("gpu", [1.0, 1.0, 0.0, -1, []]), ("gpu", [1.0, 1.0, 0.0, 3]),
-                                         ("gpu", [1.0, "x", 0.0, 3, []]), ("gh", [0] * 12),
+                                         ("gpu", [1.0, "x", 0.0, 3, []]), ("gpu", [1.0, 1.0, 0.0, 3, [], 2]),
+                                         ("gpu", [1.0, 1.0, 0.0, 3, [], -2, 0.0, 0.0]),
+                                         ("gpu", [1.0, 1.0, 0.0, 3, [], 2, "x", 0.0]), ("gh", [0] * 12),
                                          ("gh", [0, 1.0, 1.0, 0, 1.0, 1.0, 1.0, 0, 1.0, 1.0, 0, 0, ["79"]])])
 def test_malformed_gpu_views_raise_decode_error(field, value):
     wire = msgpack.unpackb(encode_patterns([with_gpu(typical())]), raw=False)

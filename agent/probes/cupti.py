@@ -1,4 +1,6 @@
-"""GPU activity from the rankscope CUPTI shim, read through its USDT probe. BPF side: bpf/cupti.bpf.c.
+"""GPU activity from the rankscope CUPTI shim, read through its USDT probes. BPF side: bpf/cupti.bpf.c, and
+bpf/cupti_launch.bpf.c for kernel launches joined to their kernels (deep mode only: the shim enables CUPTI's
+API records, which cost time on every launch, only while the launch probe is attached).
 
 Unlike the uprobe kinds (one program for every library file), a USDT probe with a semaphore is enabled per
 process: attaching raises the process's semaphore, which is what turns the shim's hand-off on. So each
@@ -24,13 +26,15 @@ from rankscope.analyzer.patterns import (
 )
 
 from .. import usdt
+from ..histograms import minus, percentile_s
 from ..bcc_compile import compile_bpf
 from ..bpf_program import ProbeError
 from ..symbols import SymbolError, sdt_probes
 from ..targets import TargetError, mapped_libraries
 
 SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
-PROVIDER, PROBE = "rankscope", "activity"
+PROVIDER, PROBE, LAUNCH_PROBE = "rankscope", "activity", "launch"
+BPF_SOURCES = ("cupti_launch.bpf.c", "cupti.bpf.c")  # composed in this order
 
 # CUpti_ActivityKind values of the records the shim enables.
 KIND_MEMCPY = 1
@@ -50,6 +54,16 @@ class ActivityStats:
     count: int
     total_ns: int
     bytes: int
+    hist: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LaunchStats:
+    """Cumulative launches of one process joined to their kernels, and their queue delays (kernel GPU start
+    - launch API end) as a log2 histogram."""
+
+    joined: int
+    total_ns: int
     hist: tuple[int, ...]
 
 
@@ -76,23 +90,31 @@ def shim_path(pid: int) -> str | None:
         return None
 
 
-def semaphore_address(path: str) -> int:
-    """Link-time address of the shim's semaphore, from the probe's SDT note."""
+def semaphore_address(path: str, probe_name: str = PROBE) -> int:
+    """Link-time address of the semaphore of the shim's probe `probe_name`, from its SDT note; 0 for the
+    launch probe of a shim built before it had one."""
     try:
-        probe = sdt_probes(path).get((PROVIDER, PROBE))
+        probe = sdt_probes(path).get((PROVIDER, probe_name))
     except SymbolError as e:
         raise ProbeError(str(e)) from e
+    if probe_name == LAUNCH_PROBE and probe is None:
+        return 0
     if probe is None or not probe.semaphore:
-        raise ProbeError(f"{path} has no guarded {PROVIDER}:{PROBE} probe: not the rankscope CUPTI shim")
+        raise ProbeError(f"{path} has no guarded {PROVIDER}:{probe_name} probe: not the rankscope CUPTI shim")
     return probe.semaphore
 
 
-def _probe_sites(usdt_class, pid: int) -> tuple[str, list[tuple[bytes, int]]]:
-    """bcc's generated argument readers for the probe, and its sites (binary, address). bcc raises the
-    semaphore when it enables the probe and lowers it when its context is freed, on return from here."""
+def _probe_sites(usdt_class, pid: int, probes: dict[str, str]) -> tuple[str, dict[str, list[tuple[bytes, int]]]]:
+    """bcc's generated argument readers for `probes` (probe -> BPF function), and each function's sites
+    (binary, address). bcc raises the semaphores when it enables the probes and lowers them when its context
+    is freed, on return from here."""
     ctx = usdt_class(pid=pid)
-    ctx.enable_probe(probe=PROBE, fn_name="on_activity")
-    return ctx.get_text(), [(binpath, addr) for binpath, _fn, addr, _pid in ctx.enumerate_active_probes()]
+    for probe, fn in probes.items():
+        ctx.enable_probe(probe=probe, fn_name=fn)
+    sites: dict[str, list[tuple[bytes, int]]] = {fn: [] for fn in probes.values()}
+    for binpath, fn, addr, _pid in ctx.enumerate_active_probes():
+        sites[fn.decode() if isinstance(fn, bytes) else fn].append((binpath, addr))
+    return ctx.get_text(), sites
 
 
 class CuptiReader:
@@ -110,21 +132,50 @@ class CuptiReader:
         self._names: dict[int, str] = {0: ""}
         self._raw: list[RawActivity] = []
         self._probes: list[usdt.GuardedProbe] = []
-        sem = semaphore_address(path)
+        self._launch_probes: list[usdt.GuardedProbe] = []
+        sem, self._launch_sem = semaphore_address(path), semaphore_address(path, LAUNCH_PROBE)
+        probes = {PROBE: "on_activity"}
+        if self._launch_sem:
+            probes[LAUNCH_PROBE] = "on_launch"
         try:
-            readers, sites = _probe_sites(USDT, pid)
-            self._bpf = compile_bpf(readers + (resources.files("rankscope.bpf") / "cupti.bpf.c").read_text(), [])
-            fn = self._bpf.load_func("on_activity", BPF.KPROBE)
+            readers, self._sites = _probe_sites(USDT, pid, probes)
+            text = "".join((resources.files("rankscope.bpf") / f).read_text() for f in BPF_SOURCES)
+            self._bpf = compile_bpf(readers + text, [])
+            self._fns = {fn: self._bpf.load_func(fn, BPF.KPROBE) for fn in probes.values()}
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
-        for binpath, addr in sites:
-            try:
-                self._probes.append(usdt.attach(fn.fd, binpath.decode(), addr, sem, pid,
-                                                f"rankscope_cupti_{pid}_{addr:x}"))
-            except usdt.UsdtError as e:
-                self.close()
-                raise ProbeError(f"cannot attach to the CUPTI shim of pid {pid}: {e}") from e
+        try:
+            self._probes = self._attach("on_activity", sem)
+        except ProbeError:
+            self.close()
+            raise
         self._bpf["raw_activity"].open_ring_buffer(self._on_raw)
+
+    def _attach(self, fn: str, semaphore: int) -> list[usdt.GuardedProbe]:
+        """Attaches `fn` at each of its sites, the kernel raising `semaphore`; all or none."""
+        attached: list[usdt.GuardedProbe] = []
+        for binpath, addr in self._sites[fn]:
+            try:
+                attached.append(usdt.attach(self._fns[fn].fd, binpath.decode(), addr, semaphore, self.pid,
+                                            f"rankscope_cupti_{self.pid}_{addr:x}"))
+            except usdt.UsdtError as e:
+                _closed(attached)
+                raise ProbeError(f"cannot attach to the CUPTI shim of pid {self.pid}: {e}") from e
+        return attached
+
+    @property
+    def launches_on(self) -> bool:
+        return bool(self._launch_probes)
+
+    def set_launches(self, on: bool) -> None:
+        """Deep mode: attach the launch probe, which has the shim enable CUPTI's API records (a cost on
+        every launch of the job) and hand over kernel launches to be joined to their kernels. A shim
+        without the probe stays without launches."""
+        if on and not self._launch_probes and self._launch_sem:
+            self._launch_probes = self._attach("on_launch", self._launch_sem)
+        elif not on:
+            self._launch_probes = _closed(self._launch_probes)
+        self._bpf["join_on"][ctypes.c_int(0)] = ctypes.c_uint32(int(self.launches_on))
 
     def set_raw(self, on: bool) -> None:
         """Deep mode: also send every record to user space (collected by poll_raw)."""
@@ -146,6 +197,14 @@ class CuptiReader:
         return [ActivityStats(k.kind, self.name(k.name), v.count, v.total_ns, v.bytes, tuple(v.hist))
                 for k, v in self._bpf["gpu_activity"].items() if k.pid == self.pid]
 
+    def launches(self) -> LaunchStats:
+        """Cumulative launches joined to their kernels since attach (counting while the probe was on)."""
+        v = self._bpf["launch_queue"].get(ctypes.c_uint32(self.pid))
+        if v is None:
+            return LaunchStats(0, 0, ())
+        slots = {k.slot: n.value for k, n in self._bpf["launch_queue_hist"].items() if k.pid == self.pid}
+        return LaunchStats(v.joined, v.total_ns, tuple(slots.get(s, 0) for s in range(max(slots, default=-1) + 1)))
+
     def busy_ns(self) -> dict[int, int]:
         """Cumulative GPU busy time per device (union of activity intervals) since attach."""
         return {k.device: v.busy_ns for k, v in self._bpf["gpu_busy"].items() if k.pid == self.pid}
@@ -164,11 +223,16 @@ class CuptiReader:
         return self._names[pointer]
 
     def close(self) -> None:
-        """Detach: closing the probes' perf events lowers the process's semaphore (the kernel does it)."""
-        for probe in self._probes:
-            probe.close()
-        self._probes = []
+        """Detach: closing the probes' perf events lowers the process's semaphores (the kernel does it)."""
+        self._launch_probes = _closed(self._launch_probes)
+        self._probes = _closed(self._probes)
         self._bpf.cleanup()
+
+
+def _closed(probes: list[usdt.GuardedProbe]) -> list[usdt.GuardedProbe]:
+    for probe in probes:
+        probe.close()
+    return []
 
 
 _MANGLED_PART = re.compile(r"(\d+)")
@@ -200,8 +264,11 @@ class ActivityWindow:
     def __init__(self) -> None:
         self._activity: dict[tuple[int, str], ActivityStats] = {}
         self._busy: dict[int, int] = {}
+        self._launches = LaunchStats(0, 0, ())
 
-    def next(self, activity: list[ActivityStats], busy: dict[int, int]) -> GpuActivity:
+    def next(self, activity: list[ActivityStats], busy: dict[int, int],
+             launches: LaunchStats | None = None) -> GpuActivity:
+        """`launches`: the reader's joined launches while its launch probe is on, else None (not measured)."""
         kernel_ns: dict[str, list[int]] = {}  # short name -> [count, ns]
         copy_ns = 0
         for a in activity:
@@ -218,6 +285,12 @@ class ActivityWindow:
         self._activity = {(a.kind, a.name): a for a in activity}
         self._busy = dict(busy)
         top = sorted(((ns, name, count) for name, (count, ns) in kernel_ns.items() if count), reverse=True)
-        return GpuActivity(busy_s=busy_ns / 1e9, kernel_s=sum(ns for _, ns in kernel_ns.values()) / 1e9,
-                           copy_s=copy_ns / 1e9, kernels=sum(c for c, _ in kernel_ns.values()),
-                           top=[GpuKernel(name, count, ns / 1e9) for ns, name, count in top[:TOP_KERNELS]])
+        gpu = GpuActivity(busy_s=busy_ns / 1e9, kernel_s=sum(ns for _, ns in kernel_ns.values()) / 1e9,
+                          copy_s=copy_ns / 1e9, kernels=sum(c for c, _ in kernel_ns.values()),
+                          top=[GpuKernel(name, count, ns / 1e9) for ns, name, count in top[:TOP_KERNELS]])
+        if launches is not None:
+            hist = minus(launches.hist, self._launches.hist)
+            gpu.launches = launches.joined - self._launches.joined
+            gpu.queue_p50_s, gpu.queue_p99_s = percentile_s(hist, 0.5), percentile_s(hist, 0.99)
+            self._launches = launches
+        return gpu
