@@ -45,7 +45,7 @@ def build_shim() -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{LIBRARY}-", dir=final.parent)
     os.close(fd)
-    cmd = [CC, *CFLAGS, *(f"-I{d}" for d in includes), "-o", tmp, str(SOURCE), "-ldl"]
+    cmd = [CC, *CFLAGS, *(f"-I{d}" for d in includes), "-o", tmp, str(SOURCE), "-ldl", "-pthread"]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:

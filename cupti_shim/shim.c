@@ -5,14 +5,15 @@
 //
 // A second probe, rankscope:launch, with its own semaphore, hands over kernel launches (runtime and driver API
 // records) so the agent can join each kernel to its launch by correlation id. API records cost CUPTI time on
-// every call of the job, so the shim enables them only while an agent wants them (its deep mode): it looks at
-// the semaphore at each completed buffer (at least every flush period) and turns the API kinds on or off.
-// No CUPTI callbacks: nothing runs in the job's API-calling threads.
+// every call of the job, so the shim enables them only while an agent wants them (its deep mode): a thread of
+// the shim's own looks at the semaphore once a flush period and turns the API kinds on or off. No CUPTI
+// callbacks: nothing runs in the job's API-calling threads.
 //
 // libcupti is opened at run time (the copy the process already maps, e.g. torch's, else RANKSCOPE_CUPTI_LIB,
 // else libcupti.so.12 from the loader's path), so the shim links against nothing CUDA and loads anywhere.
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -187,8 +188,9 @@ static void emit_launch(const CUpti_ActivityAPI *a) {
 }
 
 // API records on while the launch semaphore is up, off when it goes down. A refusal (no driver, another
-// tool) is counted, never said: the job goes on, and the agent simply sees no launches.
-static void follow_launch_semaphore(void) {
+// tool) is counted, never said: the job goes on, and the agent simply sees no launches. Called by the
+// shim's watcher thread every flush period (exposed so tests can call it in its place).
+SHIM_API void rankscope_shim_follow_launch_semaphore(void) {
     int want = rankscope_launch_semaphore != 0;
     int was = atomic_load(&stats.api_wanted);
     if (want == was || !atomic_compare_exchange_strong(&stats.api_wanted, &was, want))
@@ -207,7 +209,6 @@ SHIM_API void rankscope_shim_process_buffer(uint8_t *buffer, size_t valid) {
         atomic_fetch_add(&stats.skipped_buffers, 1);
         return;
     }
-    follow_launch_semaphore();
     int activity = rankscope_activity_semaphore != 0, launches = rankscope_launch_semaphore != 0;
     if (!activity && !launches) {
         atomic_fetch_add(&stats.skipped_buffers, 1);
@@ -262,6 +263,19 @@ static void CUPTIAPI ignore_callback(void *ud, CUpti_CallbackDomain d, CUpti_Cal
     (void)ud; (void)d; (void)id; (void)data;
 }
 
+// CUPTI's API record kinds are switched from a thread of the shim's own: never from CUPTI's buffer callback
+// (CUPTI calls made inside its own callbacks are what CUPTI restricts) nor from the job's threads. It wakes
+// once a flush period and does nothing else.
+static void *watch_launch_semaphore(void *period) {
+    uint32_t ms = (uint32_t)(uintptr_t)period;
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+    for (;;) {
+        nanosleep(&ts, NULL);
+        rankscope_shim_follow_launch_semaphore();
+    }
+    return NULL;
+}
+
 // Entry point called by the CUDA driver at cuInit. Returns 1 (the driver ignores the value) whether or not
 // CUPTI could be set up: the job must never fail because of its observer.
 SHIM_API int InitializeInjection(void) {
@@ -297,8 +311,16 @@ SHIM_API int InitializeInjection(void) {
             return 1;
         }
     const char *flush = getenv("RANKSCOPE_SHIM_FLUSH_MS");
-    if ((rc = cupti.flush_period(flush && *flush ? (uint32_t)strtoul(flush, NULL, 10) : DEFAULT_FLUSH_MS)) != CUPTI_SUCCESS)
+    uint32_t period = flush && *flush ? (uint32_t)strtoul(flush, NULL, 10) : DEFAULT_FLUSH_MS;
+    if ((rc = cupti.flush_period(period)) != CUPTI_SUCCESS)
         say("cannot set the flush period; records arrive when buffers fill", rc);
+    pthread_t watcher;
+    if (pthread_create(&watcher, NULL, watch_launch_semaphore, (void *)(uintptr_t)(period ? period : DEFAULT_FLUSH_MS)) == 0) {
+        pthread_setname_np(watcher, "rankscope-cupti");
+        pthread_detach(watcher);
+    } else {
+        fprintf(stderr, "rankscope-cupti: no watcher thread; kernels are not joined to their launches\n");
+    }
     atexit(flush_at_exit);
     return 1;
 }

@@ -1,6 +1,6 @@
 // Test driver for the CUPTI shim without a GPU: loads the shim, calls its InitializeInjection (which finds
 // no driver), then feeds its completed-buffer path a buffer of real CUPTI record structs, on command.
-// stdin commands, each answered by "stats EMITTED DROPPED SKIPPED LAUNCHES LAUNCHES_DROPPED API_WANTED API_FAILURES":
+// stdin commands, each after the shim's launch-semaphore check and answered by "stats EMITTED DROPPED SKIPPED LAUNCHES LAUNCHES_DROPPED API_WANTED API_FAILURES":
 //   "emit N"   -> process the activity buffer (a kernel, a memcpy, a memset) N times;
 //   "launch I" -> process launch buffer I: 0 a kernel whose launch comes later, 1 the API records (a runtime
 //                 launch with its nested driver launch, another runtime launch, a memcpy call), 2 the kernel of
@@ -63,6 +63,7 @@ int main(int argc, char **argv) {
     }
     int (*init)(void) = dlsym(shim, "InitializeInjection");
     void (*process)(uint8_t *, size_t) = dlsym(shim, "rankscope_shim_process_buffer");
+    void (*follow)(void) = dlsym(shim, "rankscope_shim_follow_launch_semaphore");
     void (*get_stats)(struct shim_stats *) = dlsym(shim, "rankscope_shim_stats");
 
     static uint8_t buffer[4096] __attribute__((aligned(8)));
@@ -113,6 +114,7 @@ int main(int argc, char **argv) {
     char line[64];
     while (fgets(line, sizeof(line), stdin)) {
         int n = 0;
+        follow();  // the shim's watcher thread (not started without a driver) ticks before each buffer
         if (sscanf(line, "emit %d", &n) == 1) {
             for (int i = 0; i < n; i++)
                 process(buffer, used);

@@ -291,7 +291,7 @@ def test_gpu_views_join_launches_in_deep_mode_only(start_driver):
 
 def test_sigkilled_agent_leaves_the_launch_records_off(start_driver):
     """The launch semaphore is a kernel-kept uprobe counter too: a killed agent in deep mode leaves CUPTI's
-    API records to be turned off at the next buffer."""
+    API records to be turned off at the watcher's next look."""
     driver = start_driver()
     agent = subprocess.Popen([sys.executable, "-c", "import sys; from rankscope.agent.probes.cupti import "
                               f"CuptiReader; CuptiReader({driver.pid}).set_launches(True); print('up', flush=True); "
