@@ -295,28 +295,43 @@ def median(xs) -> float:
 DETAILS = ("light", "deep")  # the agent's levels, each measured against no agent
 
 
-def slowdown_series(bench: str, pairs_per_level: int, phase: Callable[[str | None], float]) -> dict[str, dict]:
+def slowdown_series(bench: str, pairs_per_level: int,
+                    phase: Callable[[str | None], dict[str, float]]) -> dict[str, dict]:
     """For each detail level, alternating phases without (A) and with the agent at that level (B), A B B A ...;
-    `phase(level or None)` measures one phase. level -> {order, values, pair slowdowns in %, medians}."""
+    `phase(level or None)` measures one phase: metric -> value, lower is better ("step_s" always).
+    level -> {order, metric -> {values, pair slowdowns in %, medians without and with}}."""
     out = {}
     for level in DETAILS:
         order = abba(pairs_per_level)
-        values = []
+        measured: list[dict[str, float]] = []
         for i, p in enumerate(order):
-            values.append(phase(level if p == "B" else None))
-            log(f"{bench}: {level}: phase {i + 1}/{len(order)} {p}: step {values[-1] * 1e3:.3f} ms")
-        out[level] = {"order": order, "step_s": values,
-                      "pair_slowdown_pct": [(r - 1) * 100 for r in pair_ratios(order, values)],
-                      "median_step_s_without": median([v for p, v in zip(order, values) if p == "A"]),
-                      "median_step_s_with": median([v for p, v in zip(order, values) if p == "B"])}
+            measured.append(phase(level if p == "B" else None))
+            log(f"{bench}: {level}: phase {i + 1}/{len(order)} {p}: "
+                + ", ".join(f"{metric} {v * 1e3:.3f} ms" for metric, v in measured[-1].items()))
+        out[level] = {"order": order}
+        for metric in measured[0]:
+            values = [m[metric] for m in measured]
+            out[level][metric] = {
+                "values": values, "pair_slowdown_pct": [(r - 1) * 100 for r in pair_ratios(order, values)],
+                "median_without": median([v for p, v in zip(order, values) if p == "A"]),
+                "median_with": median([v for p, v in zip(order, values) if p == "B"])}
     return out
 
 
+# Metrics a phase may measure besides the step time, and how the table names their slowdown.
+METRIC_FIGURES = {"cpu_s_per_step": "on-CPU time per rank-step"}  # agent work in the job's threads: traps, samples
+
+
 def slowdown_rows(bench: str, what: str, series: dict[str, dict]) -> list[Row]:
-    rows = [row(bench, f"{what} slowdown, agent {level} mode", median(s["pair_slowdown_pct"]), "%",
-                0.3 if level == "light" else None, spread(s["pair_slowdown_pct"])) for level, s in series.items()]
+    rows = [row(bench, f"{what} slowdown, agent {level} mode", median(s["step_s"]["pair_slowdown_pct"]), "%",
+                0.3 if level == "light" else None, spread(s["step_s"]["pair_slowdown_pct"]))
+            for level, s in series.items()]
+    for metric, figure in METRIC_FIGURES.items():
+        rows += [row(bench, f"{what} {figure}, agent {level} mode", median(s[metric]["pair_slowdown_pct"]), "%",
+                     note=spread(s[metric]["pair_slowdown_pct"]))
+                 for level, s in series.items() if metric in s]
     return rows + [row(bench, f"{what} median step without agent",
-                       median([series[level]["median_step_s_without"] for level in series]) * 1e3, "ms")]
+                       median([s["step_s"]["median_without"] for s in series.values()]) * 1e3, "ms")]
 
 
 def cpu_ns(pid: int) -> int:
@@ -377,7 +392,8 @@ def job_phase(ctx: Context, ranks: int, steps: int, detail: str | None) -> float
 def bench_job(ctx: Context) -> tuple[list[Row], dict]:
     ranks = 4
     steps = 30 if ctx.quick else 300
-    series = slowdown_series("job", 1 if ctx.quick else 3, lambda detail: job_phase(ctx, ranks, steps, detail))
+    series = slowdown_series("job", 1 if ctx.quick else 3,
+                             lambda detail: {"step_s": job_phase(ctx, ranks, steps, detail)})
     details = {"ranks": ranks, "steps_per_phase": steps, "agent": "rankscope agent --pid --detail LEVEL (window 5 s)",
                "levels": series}
     return slowdown_rows("job", f"sim job ({ranks} ranks)", series), details
@@ -956,15 +972,22 @@ class TorchJob:
             return self.reports()
         return [d["pid"] for d in wait_until(ready, 180, "the torch ranks' first steps", interval=0.2)]
 
-    def median_step(self, start: float, end: float) -> float:
-        """Mean over ranks of the median duration of the steps that started within [start, end] (unix s)."""
+    def _steps_within(self, start: float, end: float) -> list[list[float]]:
+        """Per rank, the durations of its steps that started and ended within [start, end] (unix s)."""
         docs = wait_until(lambda: (d := self.reports()) and all(x["written"] > end for x in d) and d, 30,
                           "the torch ranks' reports")
+        return [[dur for s, dur in d["recent"] if start <= s and s + dur <= end] for d in docs]
+
+    def steps(self, start: float, end: float) -> int:
+        """Steps of all ranks within [start, end]."""
+        return sum(map(len, self._steps_within(start, end)))
+
+    def median_step(self, start: float, end: float) -> float:
+        """Mean over ranks of the median duration of the steps that started within [start, end] (unix s)."""
         medians = []
-        for d in docs:
-            steps = [dur for s, dur in d["recent"] if start <= s and s + dur <= end]
+        for rank, steps in enumerate(self._steps_within(start, end)):
             if len(steps) < 10:
-                raise BenchError(f"rank {d['rank']} reported {len(steps)} steps in the measured interval")
+                raise BenchError(f"rank {rank} reported {len(steps)} steps in the measured interval")
             medians.append(statistics.median(steps))
         return statistics.fmean(medians)
 
@@ -987,7 +1010,7 @@ def bench_torch(ctx: Context) -> tuple[list[Row], dict]:
     ranks = 4
     settle, measure = (2.0, 3.0) if ctx.quick else (8.0, 15.0)
 
-    def phase(detail: str | None) -> float:
+    def phase(detail: str | None) -> dict[str, float]:
         job = TorchJob(ctx, ranks)
         try:
             pids = job.pids()
@@ -995,8 +1018,12 @@ def bench_torch(ctx: Context) -> tuple[list[Row], dict]:
             agent = AgentProc(ctx, pids, window=5, detail=detail) if detail else None
             try:
                 start = max(first + settle, time.time() + 0.5)
-                time.sleep(start - time.time() + measure)
-                return job.median_step(start, start + measure)
+                time.sleep(start - time.time())
+                cpu_start = sum(cpu_ns(p) for p in pids)
+                time.sleep(measure)
+                cpu_s = (sum(cpu_ns(p) for p in pids) - cpu_start) / 1e9
+                end = start + measure
+                return {"step_s": job.median_step(start, end), "cpu_s_per_step": cpu_s / job.steps(start, end)}
             finally:
                 if agent:
                     agent.stop()
