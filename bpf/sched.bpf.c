@@ -48,9 +48,8 @@ static __always_inline struct thread_val *thread_stats_for(u32 pid, u32 tid) {
     return thread_stats.lookup_or_try_init(&key, &zero);
 }
 
-// Closes the state the thread was in and charges its duration.
-static __always_inline u64 close_state(u32 pid, u32 tid, u64 now, u32 *was) {
-    struct thread_state *st = thread_now.lookup(&tid);
+// Closes the state the thread was in (`st`, its entry in thread_now) and charges its duration.
+static __always_inline u64 close_state(struct thread_state *st, u32 pid, u32 tid, u64 now, u32 *was) {
     if (!st)
         return 0;
     u64 ns = now - st->since;
@@ -74,20 +73,32 @@ static __always_inline u64 close_state(u32 pid, u32 tid, u64 now, u32 *was) {
     return ns;
 }
 
-static __always_inline void open_state(u32 tid, u64 now, u32 state) {
-    struct thread_state st = {.since = now, .state = state};
-    thread_now.update(&tid, &st);
+// Opens the thread's next state: in place when it has an entry (an LRU insert per switch would cost more
+// than the rest of the accounting), else inserted. A thread's own switch and its wakeup are serialized by
+// its run queue's lock, so the two fields are never read half-written.
+static __always_inline void open_state(struct thread_state *st, u32 tid, u64 now, u32 state) {
+    if (st) {
+        st->since = now;
+        st->state = state;
+        return;
+    }
+    struct thread_state fresh = {.since = now, .state = state};
+    thread_now.update(&tid, &fresh);
 }
 
 TRACEPOINT_PROBE(sched, sched_switch) {
-    u64 now = bpf_ktime_get_ns();
+    u64 now = 0;  // read only for watched threads: most switches on a node are not theirs
     u64 cur = bpf_get_current_pid_tgid();
     u32 prev_pid = cur >> 32;  // the task switching out is still current
     u32 prev_tid = args->prev_pid;
     if (prev_tid && watched.lookup(&prev_pid)) {
-        sched_tids.update(&prev_tid, &prev_pid);
+        u32 *known = sched_tids.lookup(&prev_tid);
+        if (!known || *known != prev_pid)  // first seen, or a recycled tid
+            sched_tids.update(&prev_tid, &prev_pid);
+        struct thread_state *st = thread_now.lookup(&prev_tid);
+        now = bpf_ktime_get_ns();
         u32 was;
-        close_state(prev_pid, prev_tid, now, &was);
+        close_state(st, prev_pid, prev_tid, now, &was);
         long s = args->prev_state;
         u32 next_state = ASLEEP;
         if (s == 0 || (s & TASK_REPORT_MAX)) {
@@ -98,7 +109,7 @@ TRACEPOINT_PROBE(sched, sched_switch) {
         } else if (s & TASK_UNINTERRUPTIBLE) {
             next_state = BLOCKED;
         }
-        open_state(prev_tid, now, next_state);
+        open_state(st, prev_tid, now, next_state);
     }
     u32 next_tid = args->next_pid;
     u32 *next_pid = sched_tids.lookup(&next_tid);
@@ -106,7 +117,10 @@ TRACEPOINT_PROBE(sched, sched_switch) {
         return 0;
     u32 pid = *next_pid;
     u32 was = ON_CPU;
-    u64 waited = close_state(pid, next_tid, now, &was);
+    struct thread_state *st = thread_now.lookup(&next_tid);
+    if (!now)
+        now = bpf_ktime_get_ns();
+    u64 waited = close_state(st, pid, next_tid, now, &was);
     if (was == RUNNABLE && prev_tid && prev_pid != pid) {
         struct thief_key tk = {.pid = pid, .thief_tgid = prev_pid};
         struct thief_val zero = {};
@@ -117,7 +131,7 @@ TRACEPOINT_PROBE(sched, sched_switch) {
             bpf_get_current_comm(&t->comm, sizeof(t->comm));
         }
     }
-    open_state(next_tid, now, ON_CPU);
+    open_state(st, next_tid, now, ON_CPU);
     return 0;
 }
 
@@ -131,8 +145,8 @@ static __always_inline int on_wakeup(u32 tid) {
         return 0;
     u64 now = bpf_ktime_get_ns();
     u32 was;
-    close_state(*pid, tid, now, &was);
-    open_state(tid, now, RUNNABLE);
+    close_state(st, *pid, tid, now, &was);
+    open_state(st, tid, now, RUNNABLE);
     return 0;
 }
 
