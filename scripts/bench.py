@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rankscope.sim.harness import maps_library, wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
 HELPER_SOURCE = Path(__file__).resolve().parent / "bench_storm.c"
 TORCH_SCRIPT = ROOT / "tests" / "torch_ddp_train.py"
@@ -110,25 +112,6 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
-def maps_library(pid: int, name: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return name in f.read()
-    except OSError:
-        return False
-
 
 def probe_armed(pid: int, library: str, symbol: str) -> bool:
     """Whether a uprobe is armed on `symbol` in `pid`: its first instruction byte reads 0xCC (int3)."""

@@ -6,35 +6,17 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from rankscope.sim.harness import maps_library, wait_until
 from rankscope.sim.job import SimJob, start_job
 
+__all__ = ["maps_library", "wait_until"]  # re-exported: the tests' own helpers live in the package
+
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll `condition` until it returns something truthy; fail the test with `what` after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
-def maps_library(pid: int, name: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            return name in f.read()
-    except OSError:
-        return False
 
 
 def free_port() -> int:
