@@ -49,6 +49,6 @@ def test_time_on_cpu_and_asleep_is_accounted(target):
     finally:
         session.close()
     busy = CYCLES * SLICE_S
-    assert busy * 0.9 <= main.on_cpu_s + main.runq_s <= busy * 1.3, main  # computing, or ready to
+    assert busy * 0.9 <= main.on_cpu_s <= busy * 1.2, main  # computing (its wait for a CPU depends on the load)
     assert busy * 0.9 <= main.sleep_s <= busy * 1.5, main  # the sleeps (and the wait for "go")
     assert main.io_s < 0.05 * busy, main
