@@ -50,6 +50,15 @@ def _functions(path: str, local: bool, _dev: int, _ino: int, _mtime: int) -> dic
     return found
 
 
+def loaded_offset(elf: ELFFile, vaddr: int, size: int = 1) -> int | None:
+    """File offset of the `size` bytes at link-time address `vaddr`, where a loaded segment holds them
+    from the file (None: in no PT_LOAD, or in its zero-filled tail)."""
+    for seg in elf.iter_segments():
+        if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr and vaddr + size <= seg["p_vaddr"] + seg["p_filesz"]:
+            return seg["p_offset"] + vaddr - seg["p_vaddr"]
+    return None
+
+
 @dataclass(frozen=True)
 class SdtProbe:
     """A USDT (SystemTap SDT) probe site: where to put a uprobe, and the semaphore that arms the site."""

@@ -9,14 +9,13 @@ descriptor if need be. bcc's Python API does not pass that offset; libbcc's C fu
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass
 from functools import cache
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-log = logging.getLogger(__name__)
+from .symbols import loaded_offset
 
 BPF_PROBE_ENTRY = 0
 
@@ -29,12 +28,12 @@ def file_offset(path: str, vaddr: int) -> int:
     """The file offset of link-time address `vaddr` of `path` (what uprobes and their counters take)."""
     try:
         with open(path, "rb") as f:
-            for seg in ELFFile(f).iter_segments():
-                if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr < seg["p_vaddr"] + seg["p_filesz"]:
-                    return vaddr - seg["p_vaddr"] + seg["p_offset"]
+            offset = loaded_offset(ELFFile(f), vaddr)
     except (OSError, ELFError) as e:
         raise UsdtError(f"cannot read {path}: {e}") from e
-    raise UsdtError(f"{path}: address {vaddr:#x} is in no loaded part of the file")
+    if offset is None:
+        raise UsdtError(f"{path}: address {vaddr:#x} is in no loaded part of the file")
+    return offset
 
 
 @cache

@@ -32,6 +32,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
+from ..symbols import loaded_offset
 from . import UNKNOWN_CODE, Frame
 
 log = logging.getLogger(__name__)
@@ -446,11 +447,11 @@ def _elf_facts(open_path: str, shown_path: str) -> ElfFacts:
 
 
 def _read_vaddr(elf: ELFFile, f, vaddr: int, size: int) -> bytes | None:
-    for seg in elf.iter_segments():
-        if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr and vaddr + size <= seg["p_vaddr"] + seg["p_filesz"]:
-            f.seek(seg["p_offset"] + vaddr - seg["p_vaddr"])
-            return f.read(size)
-    return None
+    offset = loaded_offset(elf, vaddr, size)
+    if offset is None:
+        return None
+    f.seek(offset)
+    return f.read(size)
 
 
 def _decode_hex(hexversion: int) -> tuple[tuple[int, int, int], str]:
