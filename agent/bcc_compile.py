@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import logging
 import re
+from functools import cache
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -36,9 +37,15 @@ def compile_bpf(text: str, cflags: list[str]) -> Any:
         release_clean_pages(COMPILER_LIBRARIES)
 
 
+@cache
 def _libc() -> ctypes.CDLL | None:
+    """libc, found once (find_library runs ldconfig) and with madvise's argument types set."""
     name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name, use_errno=True) if name else None
+    if not name:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def _trim_heap() -> None:
@@ -71,7 +78,6 @@ def release_clean_pages(path_pattern: re.Pattern[str]) -> None:
     libc = _libc()
     if libc is None:
         return
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     try:
         ranges = clean_mappings(path_pattern)
     except OSError as e:
