@@ -955,24 +955,11 @@ class TorchJob:
             return self.reports()
         return [d["pid"] for d in wait_until(ready, 180, "the torch ranks' first steps", interval=0.2)]
 
-    def _steps_within(self, start: float, end: float) -> list[list[float]]:
+    def steps_within(self, start: float, end: float) -> list[list[float]]:
         """Per rank, the durations of its steps that started and ended within [start, end] (unix s)."""
         docs = wait_until(lambda: (d := self.reports()) and all(x["written"] > end for x in d) and d, 30,
                           "the torch ranks' reports")
         return [[dur for s, dur in d["recent"] if start <= s and s + dur <= end] for d in docs]
-
-    def steps(self, start: float, end: float) -> int:
-        """Steps of all ranks within [start, end]."""
-        return sum(map(len, self._steps_within(start, end)))
-
-    def median_step(self, start: float, end: float) -> float:
-        """Mean over ranks of the median duration of the steps that started within [start, end] (unix s)."""
-        medians = []
-        for rank, steps in enumerate(self._steps_within(start, end)):
-            if len(steps) < 10:
-                raise BenchError(f"rank {rank} reported {len(steps)} steps in the measured interval")
-            medians.append(statistics.median(steps))
-        return statistics.fmean(medians)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -985,6 +972,14 @@ class TorchJob:
             except ProcessLookupError:
                 pass
         self.log.close()
+
+
+def median_step(steps_per_rank: list[list[float]]) -> float:
+    """Mean over ranks of the median duration of each rank's steps."""
+    for rank, steps in enumerate(steps_per_rank):
+        if len(steps) < 10:
+            raise BenchError(f"rank {rank} reported {len(steps)} steps in the measured interval")
+    return statistics.fmean(statistics.median(steps) for steps in steps_per_rank)
 
 
 def bench_torch(ctx: Context) -> tuple[list[Row], dict]:
@@ -1006,7 +1001,8 @@ def bench_torch(ctx: Context) -> tuple[list[Row], dict]:
                 time.sleep(measure)
                 cpu_s = (sum(cpu_ns(p) for p in pids) - cpu_start) / 1e9
                 end = start + measure
-                return {"step_s": job.median_step(start, end), "cpu_s_per_step": cpu_s / job.steps(start, end)}
+                steps = job.steps_within(start, end)
+                return {"step_s": median_step(steps), "cpu_s_per_step": cpu_s / sum(map(len, steps))}
             finally:
                 if agent:
                     agent.stop()
