@@ -46,6 +46,38 @@ def sim_job() -> Iterator[Callable[..., SimJob]]:
         job.stop()
 
 
+class CommandProcess:
+    """A helper program driven one line at a time (tests/*_driver.py): it prints "ready" once loaded, then
+    one reply line per command line."""
+
+    def __init__(self, *argv: str):
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+        self.pid = self.proc.pid
+
+    def call(self, line: str) -> list[str]:
+        """The reply's words."""
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().split()
+
+
+@pytest.fixture
+def command_process() -> Iterator[Callable[..., CommandProcess]]:
+    """Start CommandProcesses (argv); every one is killed after the test."""
+    started: list[CommandProcess] = []
+
+    def start(*argv: str) -> CommandProcess:
+        started.append(CommandProcess(*argv))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.proc.kill()
+        p.proc.wait()
+
+
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen]]:
     """Processes a test starts (append them): terminated after the test, killed if they linger."""

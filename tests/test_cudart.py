@@ -4,9 +4,8 @@ go through the stand-in driver as the real runtime's go through the real one: a 
 runtime call is the runtime call's work, accounted once."""
 from __future__ import annotations
 
-import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,36 +14,15 @@ from rankscope.agent.session import Session
 from rankscope.cupti_shim import wheels
 from rankscope.sim.build import build_libraries
 
+from conftest import CommandProcess
+
 DRIVER = Path(__file__).with_name("cudart_driver.py")
 HOST_TO_DEVICE, DEVICE_TO_HOST = 1, 2
 CUDA_ERROR_INSUFFICIENT_DRIVER = "35"  # what the real runtime answers on a machine without NVIDIA's driver
 
 
-class RuntimeProcess:
-    def __init__(self, *libraries: Path):
-        self.proc = subprocess.Popen([sys.executable, str(DRIVER), *map(str, libraries)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout.readline().strip() == "ready"
-        self.pid = self.proc.pid
-
-    def call(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
-
-
-@pytest.fixture
-def runtime_process() -> Iterator[Callable[..., RuntimeProcess]]:
-    started: list[RuntimeProcess] = []
-
-    def start(*libraries: Path) -> RuntimeProcess:
-        started.append(RuntimeProcess(*libraries))
-        return started[-1]
-
-    yield start
-    for p in started:
-        p.proc.kill()
-        p.proc.wait()
+def _runtime_process(command_process, *libraries: Path) -> CommandProcess:
+    return command_process(sys.executable, str(DRIVER), *map(str, libraries))
 
 
 @pytest.fixture
@@ -60,27 +38,27 @@ def _functions(session: Session, pid: int) -> dict[str, tuple[int, int]]:
     return {name: (f.count, f.bytes) for name, f in pattern.functions.items()}
 
 
-def test_probes_decode_real_cudart_calls(runtime_process, session):
+def test_probes_decode_real_cudart_calls(command_process, session):
     lib = wheels.extract(wheels.RUNTIME, ("nvidia/cuda_runtime/lib/",)) / "nvidia/cuda_runtime/lib/libcudart.so.12"
-    proc = runtime_process(lib)
+    proc = _runtime_process(command_process, lib)
     target = session.add(proc.pid)
     assert target.libraries["cudart"].endswith("libcudart.so.12")
     for line in ("memcpy 4096 1", "memcpyasync 100 2", "malloc 1048576", "sync", "sync"):
-        assert proc.call(line) == CUDA_ERROR_INSUFFICIENT_DRIVER, line
+        assert proc.call(line) == [CUDA_ERROR_INSUFFICIENT_DRIVER], line
     assert _functions(session, proc.pid) == {
         "cudaMemcpy": (1, 4096), "cudaMemcpyAsync": (1, 100), "cudaMalloc": (1, 1 << 20),
         "cudaStreamSynchronize": (2, 0)}
 
 
-def test_driver_calls_inside_a_runtime_call_are_not_counted_twice(runtime_process, session):
+def test_driver_calls_inside_a_runtime_call_are_not_counted_twice(command_process, session):
     sim = build_libraries()
-    proc = runtime_process(sim / "libcudart.so.12", sim / "libcuda.so.1")
+    proc = _runtime_process(command_process, sim / "libcudart.so.12", sim / "libcuda.so.1")
     target = session.add(proc.pid)
     assert set(target.libraries) >= {"cuda", "cudart"}
     # The first runtime call also initializes the driver (cuInit, cuCtxCreate_v2) inside it.
     for line in ("sync", "sync", "sync", f"memcpy 8192 {DEVICE_TO_HOST}", f"memcpy 8192 {DEVICE_TO_HOST}",
                  f"memcpyasync 512 {HOST_TO_DEVICE}", "driver-sync", "driver-sync"):
-        assert proc.call(line) == "0", line
+        assert proc.call(line) == ["0"], line
     # Only the driver's own calls from outside the runtime: the two direct cuStreamSynchronize.
     assert _functions(session, proc.pid) == {
         "cudaStreamSynchronize": (3, 0), "cudaMemcpy": (2, 16384), "cudaMemcpyAsync": (1, 512),

@@ -4,9 +4,7 @@ its calls fail only after their entry, where the probes fire and decode their ar
 The wheel (~320 MB) is cached under ~/.cache/rankscope/wheels and downloaded when absent."""
 from __future__ import annotations
 
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from rankscope.agent.symbols import code_byte, exported_functions
 from rankscope.agent.probes.nccl import communicators, world_communicator
 from rankscope.cupti_shim import wheels
 
-from conftest import wait_until
+from conftest import CommandProcess, wait_until
 
 DRIVER = Path(__file__).with_name("nccl_real_driver.py")
 NCCL_FLOAT32, NCCL_BFLOAT16, NCCL_SUM, NCCL_MAX = 7, 9, 0, 2
@@ -35,25 +33,9 @@ def libnccl() -> Path:
     return wheels.extract(wheels.NCCL, ("nvidia/nccl/lib/",)) / "nvidia/nccl/lib/libnccl.so.2"
 
 
-class NcclProcess:
-    def __init__(self, lib: Path):
-        self.proc = subprocess.Popen([sys.executable, str(DRIVER), str(lib)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout.readline().strip() == "ready"
-        self.pid = self.proc.pid
-
-    def call(self, line: str) -> list[str]:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().split()
-
-
 @pytest.fixture
-def nccl_process(libnccl) -> Iterator[NcclProcess]:
-    p = NcclProcess(libnccl)
-    yield p
-    p.proc.kill()
-    p.proc.wait()
+def nccl_process(libnccl, command_process) -> CommandProcess:
+    return command_process(sys.executable, str(DRIVER), str(libnccl))
 
 
 def test_real_libnccl_exports_aliases_probed_once(libnccl):
