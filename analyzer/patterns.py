@@ -158,8 +158,35 @@ class GpuHealth:
     xids: list[int] = field(default_factory=list)  # XID codes seen during the window
 
 
+@dataclass
+class LinkStats:
+    """The rank's network transfers with one peer of one NCCL communicator during the window, timed step by
+    step in NCCL's proxy thread (rankscope's NCCL profiler plugin, cupti_shim/nccl_profiler.c)."""
+
+    comm: int  # NCCL's commHash: the same on every member of the communicator
+    rank: int  # this rank's rank in that communicator
+    peer: int  # the peer's rank in that communicator
+    send: bool  # True: this rank sends to the peer; False: it receives from the peer
+    steps: int  # network transfers completed
+    bytes: int
+    wire_s: float  # summed over steps: on the network (send: posted until done; recv: posted until data arrived)
+    peer_wait_s: float  # summed over steps, sends only: waiting for the receiver's clear-to-send credit
+
+
+@dataclass
+class CollectiveGpu:
+    """One collective op's GPU-side time on the rank during the window: from its first channel's kernel start
+    to its last channel's end, on the GPU's own timer (NCCL profiler plugin)."""
+
+    op: str
+    count: int
+    total_s: float
+    max_s: float
+
+
 TOP_KERNELS = 3
 KERNEL_NAME_CHARS = 30
+MAX_LINKS = 8  # link rows per pattern, most bytes first (a ring or tree rank has 2-6 per communicator)
 
 
 @dataclass
@@ -187,6 +214,8 @@ class RankPattern:
     python_timed: list[PyTimed] = field(default_factory=list)  # exactly timed functions, most time first
     gpu: GpuActivity | None = None  # None: the job does not load the CUPTI shim
     gpu_health: GpuHealth | None = None  # None: no NVML, or the rank's GPU is unknown
+    links: list[LinkStats] = field(default_factory=list)  # NCCL profiler plugin; at most MAX_LINKS
+    collectives_gpu: list[CollectiveGpu] = field(default_factory=list)  # NCCL profiler plugin
 
     @property
     def window_s(self) -> float:
@@ -254,6 +283,10 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         "pyt": [[f.name, f.count, f.total_s, f.max_s] for f in p.python_timed],
         "gpu": None if p.gpu is None else _gpu_to_wire(p.gpu),
         "gh": None if p.gpu_health is None else [getattr(p.gpu_health, f) for f in _HEALTH_FIELDS],
+        # Optional keys (absent without the NCCL profiler plugin), so other patterns stay byte-identical.
+        **({"lk": [[k.comm, k.rank, k.peer, int(k.send), k.steps, k.bytes, k.wire_s, k.peer_wait_s]
+                   for k in p.links]} if p.links else {}),
+        **({"cg": [[c.op, c.count, c.total_s, c.max_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
     }
 
 
@@ -395,6 +428,28 @@ def _gpu_from_wire(raw: Any) -> GpuActivity | None:
     return gpu
 
 
+def _links_from_wire(raw: Any) -> list[LinkStats]:
+    out = []
+    for row in _list(raw, "lk"):
+        comm, rank, peer, send, steps, nbytes, wire_s, wait_s = _list(row, "link", 8)
+        if _int(send, "link send") > 1:
+            raise PatternDecodeError(f"link send: expected 0 or 1, got {send}")
+        out.append(LinkStats(comm=_int(comm, "link comm"), rank=_int(rank, "link rank"), peer=_int(peer, "link peer"),
+                             send=bool(send), steps=_int(steps, "link steps"), bytes=_int(nbytes, "link bytes"),
+                             wire_s=_seconds(wire_s, "link wire_s"), peer_wait_s=_seconds(wait_s, "link peer_wait_s")))
+    return out
+
+
+def _collectives_gpu_from_wire(raw: Any) -> list[CollectiveGpu]:
+    out = []
+    for row in _list(raw, "cg"):
+        op, count, total_s, max_s = _list(row, "collective gpu", 4)
+        op = _str(op, "collective gpu op")
+        out.append(CollectiveGpu(op=op, count=_int(count, f"{op}.count"), total_s=_seconds(total_s, f"{op}.total_s"),
+                                 max_s=_seconds(max_s, f"{op}.max_s")))
+    return out
+
+
 def _health_from_wire(raw: Any) -> GpuHealth | None:
     if raw is None:
         return None
@@ -439,6 +494,8 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             python_timed=_python_timed_from_wire(d.get("pyt", [])),
             gpu=_gpu_from_wire(d.get("gpu")),  # optional: patterns from agents without GPU views lack them
             gpu_health=_health_from_wire(d.get("gh")),
+            links=_links_from_wire(d.get("lk", [])),
+            collectives_gpu=_collectives_gpu_from_wire(d.get("cg", [])),
         )
     except PatternDecodeError:
         raise

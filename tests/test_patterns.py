@@ -8,13 +8,16 @@ import msgpack
 import pytest
 from rankscope.analyzer.patterns import (
     KERNEL_NAME_CHARS,
+    MAX_LINKS,
     SCHEMA_VERSION,
     TOP_KERNELS,
+    CollectiveGpu,
     CollectiveRecord,
     FunctionStats,
     GpuActivity,
     GpuHealth,
     GpuKernel,
+    LinkStats,
     PatternDecodeError,
     PyTimed,
     RankPattern,
@@ -224,6 +227,45 @@ def test_patterns_without_gpu_views_decode_with_defaults():
                                          ("gh", [0, 1.0, 1.0, 0, 1.0, 1.0, 1.0, 0, 1.0, 1.0, 0, 0, ["79"]])])
 def test_malformed_gpu_views_raise_decode_error(field, value):
     wire = msgpack.unpackb(encode_patterns([with_gpu(typical())]), raw=False)
+    wire[0][field] = value
+    with pytest.raises(PatternDecodeError):
+        decode_patterns(msgpack.packb(wire))
+
+
+def with_links(p: RankPattern) -> RankPattern:
+    """The NCCL profiler plugin's views of a rank in three communicators: a ring's two links each."""
+    p.links = [LinkStats(comm=0xF3A61C2D4E8B7059 + c, rank=3, peer=(4 if send else 2) + c, send=send, steps=6400,
+                         bytes=6400 * 524_288, wire_s=0.3121 + c, peer_wait_s=0.0123 if send else 0.0)
+               for c in range(MAX_LINKS // 2) for send in (True, False)]
+    p.collectives_gpu = [CollectiveGpu("AllReduce", 41, 0.6021, 0.0172), CollectiveGpu("Broadcast", 1, 0.0002, 0.0002)]
+    return p
+
+
+def test_nccl_plugin_views_round_trip_and_fit_1kb():
+    p = with_links(with_gpu(typical()))
+    p.collectives = p.collectives[:12]
+    payload = encode_patterns([p])
+    assert len(payload) <= 1024 + 60 * MAX_LINKS, len(payload)  # links ride beside a full GPU pattern
+    q = decode_patterns(payload)[0]
+    assert [(k.comm, k.rank, k.peer, k.send, k.steps, k.bytes) for k in q.links] == \
+        [(k.comm, k.rank, k.peer, k.send, k.steps, k.bytes) for k in p.links]
+    assert [k.wire_s for k in q.links] == pytest.approx([k.wire_s for k in p.links], rel=1e-7)
+    assert [(c.op, c.count) for c in q.collectives_gpu] == [("AllReduce", 41), ("Broadcast", 1)]
+    assert q.collectives_gpu[0].total_s == pytest.approx(0.6021, rel=1e-7)
+
+
+def test_patterns_without_nccl_plugin_views_stay_unchanged():
+    wire = msgpack.unpackb(encode_patterns([typical()]), raw=False)[0]
+    assert "lk" not in wire and "cg" not in wire
+    q = decode_patterns(encode_patterns([typical()]))[0]
+    assert q.links == [] and q.collectives_gpu == []
+
+
+@pytest.mark.parametrize("field,value", [("lk", [[1, 0, 1, 2, 1, 1, 0.1, 0.0]]), ("lk", [[1, 0, 1, 1, 1, 1, 0.1]]),
+                                         ("lk", [[1, 0, -1, 1, 1, 1, 0.1, 0.0]]), ("lk", [[1, 0, 1, 1, 1, 1, -0.1, 0.0]]),
+                                         ("cg", [["AllReduce", 1, 0.1]]), ("cg", [[3, 1, 0.1, 0.1]]), ("cg", {})])
+def test_malformed_nccl_plugin_views_raise_decode_error(field, value):
+    wire = msgpack.unpackb(encode_patterns([with_links(typical())]), raw=False)
     wire[0][field] = value
     with pytest.raises(PatternDecodeError):
         decode_patterns(msgpack.packb(wire))
