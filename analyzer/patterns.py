@@ -178,10 +178,10 @@ class CollectiveGpu:
     """One collective op's GPU-side time on the rank during the window: from its first channel's kernel start
     to its last channel's end, on the GPU's own timer (NCCL profiler plugin)."""
 
-    op: str
+    op: str  # the NCCL function, as the host-side probes name it: "ncclAllReduce", "ncclSend", ...
     count: int
     total_s: float
-    max_s: float
+    p99_s: float
 
 
 TOP_KERNELS = 3
@@ -286,7 +286,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         # Optional keys (absent without the NCCL profiler plugin), so other patterns stay byte-identical.
         **({"lk": [[k.comm, k.rank, k.peer, int(k.send), k.steps, k.bytes, k.wire_s, k.peer_wait_s]
                    for k in p.links]} if p.links else {}),
-        **({"cg": [[c.op, c.count, c.total_s, c.max_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
+        **({"cg": [[c.op, c.count, c.total_s, c.p99_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
     }
 
 
@@ -443,10 +443,10 @@ def _links_from_wire(raw: Any) -> list[LinkStats]:
 def _collectives_gpu_from_wire(raw: Any) -> list[CollectiveGpu]:
     out = []
     for row in _list(raw, "cg"):
-        op, count, total_s, max_s = _list(row, "collective gpu", 4)
+        op, count, total_s, p99_s = _list(row, "collective gpu", 4)
         op = _str(op, "collective gpu op")
         out.append(CollectiveGpu(op=op, count=_int(count, f"{op}.count"), total_s=_seconds(total_s, f"{op}.total_s"),
-                                 max_s=_seconds(max_s, f"{op}.max_s")))
+                                 p99_s=_seconds(p99_s, f"{op}.p99_s")))
     return out
 
 

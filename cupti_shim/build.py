@@ -1,4 +1,5 @@
-"""Builds librankscope_cupti.so with gcc against the CUPTI/CUDA headers of NVIDIA's pip wheels.
+"""Builds librankscope_cupti.so with gcc against the CUPTI/CUDA headers of NVIDIA's pip wheels: the CUPTI
+shim (shim.c, loaded by CUDA) and the NCCL profiler plugin (nccl_profiler.c, loaded by NCCL) in one library.
 
 Cached per source and flags hash like the simulator's stand-ins; called by scripts/install and the tests."""
 from __future__ import annotations
@@ -14,9 +15,11 @@ from rankscope.sim.build import CC, BuildError, cache_root
 
 from . import wheels
 
-SOURCE = Path(__file__).resolve().parent / "shim.c"
+SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("shim.c", "nccl_profiler.c"))
 LIBRARY = "librankscope_cupti.so"
-CFLAGS = ("-O2", "-fPIC", "-shared", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden")
+# -z nodelete: NCCL dlcloses its plugin with its last communicator while the plugin's watcher thread runs.
+CFLAGS = ("-O2", "-fPIC", "-shared", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
+          "-Wl,-z,nodelete")
 
 
 def include_dirs() -> list[Path]:
@@ -34,7 +37,8 @@ def cupti_library() -> Path:
 def build_shim() -> Path:
     """Path of the compiled shim, rebuilt when its source, flags or pinned wheels change."""
     h = hashlib.sha256(repr((CC, CFLAGS, wheels.CUPTI, wheels.RUNTIME, wheels.NVCC)).encode())
-    h.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        h.update(source.read_bytes())
     final = cache_root() / f"cupti-shim-{h.hexdigest()[:16]}" / LIBRARY
     if final.is_file():
         return final
@@ -45,7 +49,7 @@ def build_shim() -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{LIBRARY}-", dir=final.parent)
     os.close(fd)
-    cmd = [CC, *CFLAGS, *(f"-I{d}" for d in includes), "-o", tmp, str(SOURCE), "-ldl", "-pthread"]
+    cmd = [CC, *CFLAGS, *(f"-I{d}" for d in includes), "-o", tmp, *map(str, SOURCES), "-ldl", "-pthread"]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:

@@ -237,7 +237,7 @@ def with_links(p: RankPattern) -> RankPattern:
     p.links = [LinkStats(comm=0xF3A61C2D4E8B7059 + c, rank=3, peer=(4 if send else 2) + c, send=send, steps=6400,
                          bytes=6400 * 524_288, wire_s=0.3121 + c, peer_wait_s=0.0123 if send else 0.0)
                for c in range(MAX_LINKS // 2) for send in (True, False)]
-    p.collectives_gpu = [CollectiveGpu("AllReduce", 41, 0.6021, 0.0172), CollectiveGpu("Broadcast", 1, 0.0002, 0.0002)]
+    p.collectives_gpu = [CollectiveGpu("ncclAllReduce", 41, 0.6021, 0.0172), CollectiveGpu("ncclBroadcast", 1, 0.0002, 0.0002)]
     return p
 
 
@@ -250,7 +250,7 @@ def test_nccl_plugin_views_round_trip_and_fit_1kb():
     assert [(k.comm, k.rank, k.peer, k.send, k.steps, k.bytes) for k in q.links] == \
         [(k.comm, k.rank, k.peer, k.send, k.steps, k.bytes) for k in p.links]
     assert [k.wire_s for k in q.links] == pytest.approx([k.wire_s for k in p.links], rel=1e-7)
-    assert [(c.op, c.count) for c in q.collectives_gpu] == [("AllReduce", 41), ("Broadcast", 1)]
+    assert [(c.op, c.count) for c in q.collectives_gpu] == [("ncclAllReduce", 41), ("ncclBroadcast", 1)]
     assert q.collectives_gpu[0].total_s == pytest.approx(0.6021, rel=1e-7)
 
 
