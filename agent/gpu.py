@@ -1,6 +1,7 @@
-"""The GPU's own view of each rank, added to its pattern: kernel time from the CUPTI shim (for processes that
-load it) and health of the rank's GPU from NVML (when the machine has it). Both are optional: a rank
-without them keeps its CPU-side pattern."""
+"""The GPU's own view of each rank, added to its pattern: kernel time from the CUPTI shim and NCCL's
+collective and link timing from the same library as NCCL's profiler plugin (for processes that load it), and
+health of the rank's GPU from NVML (when the machine has it). All are optional: a rank without them keeps
+its CPU-side pattern."""
 from __future__ import annotations
 
 import logging
@@ -10,13 +11,14 @@ from rankscope.analyzer.patterns import RankPattern
 from .bpf_program import ProbeError
 from .gpu_health import GpuHealthReader
 from .probes.cupti import ActivityWindow, CuptiReader, shim_path
+from .probes.nccl_profiler import CommWindow
 
 log = logging.getLogger(__name__)
 
 
 class GpuViews:
     def __init__(self, health: GpuHealthReader | None = None, launches: bool = False):
-        self._shim: dict[int, tuple[CuptiReader, ActivityWindow]] = {}
+        self._shim: dict[int, tuple[CuptiReader, ActivityWindow, CommWindow]] = {}
         self._launches = launches  # join kernels to their launches (deep mode: CUPTI then records each API call)
         self._refused: set[int] = set()  # processes whose shim could not be attached: said once
         self._health = health
@@ -33,14 +35,14 @@ class GpuViews:
             self._refused.add(pid)
             log.warning("pid %d: no GPU kernel times: %s", pid, e)
             return False
-        self._shim[pid] = (reader, ActivityWindow())
+        self._shim[pid] = (reader, ActivityWindow(), CommWindow())
         self._follow(pid, reader)
         return True
 
     def set_launches(self, on: bool) -> None:
         """Deep mode on or off: the shims of every process hand over kernel launches, or stop."""
         self._launches = on
-        for pid, (reader, _) in self._shim.items():
+        for pid, (reader, *_) in self._shim.items():
             self._follow(pid, reader)
 
     def _follow(self, pid: int, reader: CuptiReader) -> None:
@@ -61,9 +63,10 @@ class GpuViews:
             if p.state == "running":
                 self.attach(p.pid)
             if p.pid in self._shim:
-                reader, window = self._shim[p.pid]
+                reader, window, comm = self._shim[p.pid]
                 p.gpu = window.next(reader.activity(), reader.busy_ns(),
                                     reader.launches() if reader.launches_on else None)
+                p.collectives_gpu, p.links = comm.next(reader.nccl_colls(), reader.nccl_links())
         health = self.health
         if not health.available:
             return

@@ -1,6 +1,8 @@
 """GPU activity from the rankscope CUPTI shim, read through its USDT probes. BPF side: bpf/cupti.bpf.c, and
 bpf/cupti_launch.bpf.c for kernel launches joined to their kernels (deep mode only: the shim enables CUPTI's
-API records, which cost time on every launch, only while the launch probe is attached).
+API records, which cost time on every launch, only while the launch probe is attached). The same library is
+also NCCL's profiler plugin: its probes are attached here too (one program per process), their maps read by
+probes/nccl_profiler.py's types.
 
 Unlike the uprobe kinds (one program for every library file), a USDT probe with a semaphore is enabled per
 process: attaching raises the process's semaphore, which is what turns the shim's hand-off on. So each
@@ -31,10 +33,13 @@ from ..bcc_compile import compile_bpf
 from ..bpf_program import ProbeError
 from ..symbols import SymbolError, sdt_probes
 from ..targets import TargetError, mapped_libraries
+from .nccl_profiler import COLL_PROBE, LINK_PROBE, CollTotals, LinkTotals
 
 SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
 PROVIDER, PROBE, LAUNCH_PROBE = "rankscope", "activity", "launch"
-BPF_SOURCES = ("cupti_launch.bpf.c", "cupti.bpf.c")  # composed in this order
+BPF_SOURCES = ("cupti_launch.bpf.c", "cupti.bpf.c", "nccl_profiler.bpf.c")  # composed in this order
+OPTIONAL_PROBES = (LAUNCH_PROBE, COLL_PROBE, LINK_PROBE)  # absent from shims built before them
+NCCL_PROBES = {COLL_PROBE: "on_nccl_coll", LINK_PROBE: "on_nccl_link"}  # probe -> BPF function
 
 # CUpti_ActivityKind values of the records the shim enables.
 KIND_MEMCPY = 1
@@ -91,13 +96,13 @@ def shim_path(pid: int) -> str | None:
 
 
 def semaphore_address(path: str, probe_name: str = PROBE) -> int:
-    """Link-time address of the semaphore of the shim's probe `probe_name`, from its SDT note; 0 for the
-    launch probe of a shim built before it had one."""
+    """Link-time address of the semaphore of the shim's probe `probe_name`, from its SDT note; 0 for an
+    optional probe of a shim built before it had one."""
     try:
         probe = sdt_probes(path).get((PROVIDER, probe_name))
     except SymbolError as e:
         raise ProbeError(str(e)) from e
-    if probe_name == LAUNCH_PROBE and probe is None:
+    if probe_name in OPTIONAL_PROBES and probe is None:
         return 0
     if probe is None or not probe.semaphore:
         raise ProbeError(f"{path} has no guarded {PROVIDER}:{probe_name} probe: not the rankscope CUPTI shim")
@@ -134,9 +139,11 @@ class CuptiReader:
         self._probes: list[usdt.GuardedProbe] = []
         self._launch_probes: list[usdt.GuardedProbe] = []
         sem, self._launch_sem = semaphore_address(path), semaphore_address(path, LAUNCH_PROBE)
+        nccl_sems = {fn: semaphore_address(path, probe) for probe, fn in NCCL_PROBES.items()}
         probes = {PROBE: "on_activity"}
         if self._launch_sem:
             probes[LAUNCH_PROBE] = "on_launch"
+        probes.update((probe, fn) for probe, fn in NCCL_PROBES.items() if nccl_sems[fn])
         try:
             readers, self._sites = _probe_sites(USDT, pid, probes)
             text = "".join((resources.files("rankscope.bpf") / f).read_text() for f in BPF_SOURCES)
@@ -146,6 +153,9 @@ class CuptiReader:
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
         try:
             self._probes = self._attach("on_activity", sem)
+            for fn, nccl_sem in nccl_sems.items():  # NCCL's plugin hands over nothing until these are up
+                if nccl_sem:
+                    self._probes += self._attach(fn, nccl_sem)
         except ProbeError:
             self.close()
             raise
@@ -205,13 +215,23 @@ class CuptiReader:
         slots = {k.slot: n.value for k, n in self._bpf["launch_queue_hist"].items() if k.pid == self.pid}
         return LaunchStats(v.joined, v.total_ns, tuple(slots.get(s, 0) for s in range(max(slots, default=-1) + 1)))
 
+    def nccl_colls(self) -> list[CollTotals]:
+        """Cumulative GPU-side spans of NCCL collectives per function since attach (NCCL profiler plugin)."""
+        return [CollTotals(self.name(k.func), v.count, v.total_ns, tuple(v.hist))
+                for k, v in self._bpf["nccl_coll_gpu"].items() if k.pid == self.pid]
+
+    def nccl_links(self) -> list[LinkTotals]:
+        """Cumulative network steps per (communicator, peer, direction) since attach (NCCL profiler plugin)."""
+        return [LinkTotals(k.comm, k.rank, k.peer, bool(k.send), v.steps, v.bytes, v.wire_ns, v.peer_wait_ns)
+                for k, v in self._bpf["nccl_links"].items() if k.pid == self.pid]
+
     def busy_ns(self) -> dict[int, int]:
         """Cumulative GPU busy time per device (union of activity intervals) since attach."""
         return {k.device: v.busy_ns for k, v in self._bpf["gpu_busy"].items() if k.pid == self.pid}
 
     def name(self, pointer: int) -> str:
         """A kernel name from CUPTI's string in the process, read once per pointer (CUPTI keeps one string
-        per kernel for the life of the process)."""
+        per kernel for the life of the process; NCCL's function names are constants)."""
         if pointer not in self._names:
             try:
                 with open(f"/proc/{self.pid}/mem", "rb") as mem:

@@ -1,0 +1,172 @@
+"""Stands in for NCCL in front of rankscope's NCCL profiler plugin: loads the shim library, takes its
+ncclProfiler_v4 and calls it the way NCCL 2.27 does (src/plugin/profiler.cc, src/transport/net.cc), with the
+v4 descriptors declared here independently of the plugin's C declarations, and, like NCCL, reading the
+activation mask before each task. Driven one line at a time (conftest's CommandProcess): prints "ready",
+then per command "mask M colls LINKS_EMITTED LINKS_DROPPED".
+
+  init HASH NRANKS RANK         a communicator (every later command uses the last one)
+  follow                        one watcher period of the plugin (mask and link hand-over)
+  coll FUNC COUNT DTYPE NCH T0 SPAN_NS
+                                a collective on NCH channels whose kernels run [T0, T0 + SPAN_NS] on the GPU timer
+  steps PEER SEND N BYTES WIRE_MS WAIT_MS
+                                a proxy op of N network steps with PEER: each waits WAIT_MS for the receiver
+                                (sends) and WIRE_MS on the wire
+  finalize                      the communicator's end
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+
+EV_GROUP, EV_COLL, EV_PROXY_OP, EV_PROXY_STEP, EV_KERNEL_CH = 1 << 0, 1 << 1, 1 << 3, 1 << 4, 1 << 6
+SEND_GPU_WAIT, SEND_WAIT, RECV_WAIT, RECV_FLUSH_WAIT, RECV_GPU_WAIT, SEND_PEER_WAIT, KERNEL_CH_STOP = 8, 9, 10, 11, 12, 20, 22
+
+
+class Coll(ctypes.Structure):
+    _fields_ = [("seqNumber", ctypes.c_uint64), ("func", ctypes.c_char_p), ("sendBuff", ctypes.c_void_p),
+                ("recvBuff", ctypes.c_void_p), ("count", ctypes.c_size_t), ("root", ctypes.c_int),
+                ("datatype", ctypes.c_char_p), ("nChannels", ctypes.c_uint8), ("nWarps", ctypes.c_uint8),
+                ("algo", ctypes.c_char_p), ("proto", ctypes.c_char_p)]
+
+
+class ProxyOp(ctypes.Structure):
+    _fields_ = [("pid", ctypes.c_int), ("channelId", ctypes.c_uint8), ("peer", ctypes.c_int), ("nSteps", ctypes.c_int),
+                ("chunkSize", ctypes.c_int), ("isSend", ctypes.c_int)]
+
+
+class KernelCh(ctypes.Structure):
+    _fields_ = [("channelId", ctypes.c_uint8), ("pTimer", ctypes.c_uint64)]
+
+
+class Body(ctypes.Union):
+    _fields_ = [("coll", Coll), ("proxyOp", ProxyOp), ("step", ctypes.c_int), ("kernelCh", KernelCh)]
+
+
+class Descr(ctypes.Structure):
+    _anonymous_ = ("u",)
+    _fields_ = [("type", ctypes.c_uint8), ("parentObj", ctypes.c_void_p), ("rank", ctypes.c_int), ("u", Body)]
+
+
+class StateArgs(ctypes.Union):
+    _fields_ = [("transSize", ctypes.c_size_t), ("pTimer", ctypes.c_uint64)]
+
+
+HANDLE = ctypes.POINTER(ctypes.c_void_p)
+INIT = ctypes.CFUNCTYPE(ctypes.c_int, HANDLE, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_uint64,
+                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+START = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, HANDLE, ctypes.POINTER(Descr))
+STOP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(StateArgs))
+FINALIZE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class Profiler(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("init", INIT), ("startEvent", START), ("stopEvent", STOP),
+                ("recordEventState", RECORD), ("finalize", FINALIZE)]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [("colls", ctypes.c_uint64), ("links_emitted", ctypes.c_uint64), ("links_dropped", ctypes.c_uint64)]
+
+
+class Nccl:
+    def __init__(self, shim: str):
+        self.lib = ctypes.CDLL(shim)
+        self.profiler = Profiler.in_dll(self.lib, "ncclProfiler_v4")
+        self.mask = ctypes.c_int(0)  # NCCL's ncclProfilerEventMask: owned by NCCL, set by the plugin
+        self.context = ctypes.c_void_p()
+        self.rank = 0
+        self.seq = 0
+        self._names: dict[str, ctypes.Array] = {}  # NCCL's names are constants: one string each, kept
+
+    def start(self, descr: Descr) -> ctypes.c_void_p:
+        handle = ctypes.c_void_p()
+        self.profiler.startEvent(self.context, ctypes.byref(handle), ctypes.byref(descr))
+        return handle
+
+    def name(self, text: str) -> ctypes.c_char_p:
+        if text not in self._names:
+            self._names[text] = ctypes.create_string_buffer(text.encode())
+        return ctypes.cast(self._names[text], ctypes.c_char_p)
+
+    def init(self, comm_hash: int, nranks: int, rank: int) -> None:
+        self.rank = rank
+        rc = self.profiler.init(ctypes.byref(self.context), ctypes.byref(self.mask), b"", comm_hash, 1, nranks, rank,
+                                None)
+        assert rc == 0, rc
+
+    def coll(self, func: str, count: int, dtype: str, channels: int, t0: int, span: int) -> None:
+        mask = self.mask.value  # a task reads the mask once, when it is enqueued
+        if not mask & (EV_COLL | EV_KERNEL_CH):
+            return
+        group = self.start(Descr(type=EV_GROUP))
+        d = Descr(type=EV_COLL, parentObj=group, rank=self.rank)
+        d.coll.seqNumber, d.coll.count, d.coll.nChannels = self.seq, count, channels
+        d.coll.func, d.coll.datatype = self.name(func), self.name(dtype)
+        self.seq += 1
+        task = self.start(d)
+        self.profiler.stopEvent(task)  # the task is enqueued: NCCL stops the task event then
+        self.profiler.stopEvent(group)
+        if mask & EV_KERNEL_CH:  # the profiler proxy: channel c's kernel work spans [t0 + c, t0 + span - c]
+            handles = []
+            for c in range(channels):
+                k = Descr(type=EV_KERNEL_CH, parentObj=task)
+                k.kernelCh.channelId, k.kernelCh.pTimer = c, t0 + c
+                handles.append(self.start(k))
+            for c, h in enumerate(handles):
+                if h:
+                    self.profiler.recordEventState(h, KERNEL_CH_STOP, ctypes.byref(StateArgs(pTimer=t0 + span - c)))
+                    self.profiler.stopEvent(h)
+
+    def steps(self, peer: int, send: bool, n: int, nbytes: int, wire_s: float, wait_s: float) -> None:
+        if not self.mask.value & (EV_PROXY_OP | EV_PROXY_STEP):
+            return
+        d = Descr(type=EV_PROXY_OP, rank=self.rank)
+        d.proxyOp.pid, d.proxyOp.peer, d.proxyOp.nSteps, d.proxyOp.isSend = os.getpid(), peer, n, int(send)
+        op = self.start(d)
+        for step in range(n):
+            s = self.start(Descr(type=EV_PROXY_STEP, parentObj=op, rank=self.rank, step=step))
+            size = StateArgs(transSize=nbytes)
+            if send:  # as net.cc: GPU data ready, then the receiver's credit, then on the wire until done
+                self.profiler.recordEventState(s, SEND_GPU_WAIT, ctypes.byref(StateArgs()))
+                self.profiler.recordEventState(s, SEND_PEER_WAIT, ctypes.byref(StateArgs()))
+                time.sleep(wait_s)
+                self.profiler.recordEventState(s, SEND_WAIT, ctypes.byref(size))
+                time.sleep(wire_s)
+            else:  # posted, the data arrives, flushed, consumed by the GPU
+                self.profiler.recordEventState(s, RECV_WAIT, ctypes.byref(StateArgs()))
+                time.sleep(wire_s)
+                self.profiler.recordEventState(s, RECV_FLUSH_WAIT, ctypes.byref(size))
+                self.profiler.recordEventState(s, RECV_GPU_WAIT, ctypes.byref(size))
+            self.profiler.stopEvent(s)
+        self.profiler.stopEvent(op)
+
+    def reply(self) -> str:
+        st = Stats()
+        self.lib.rankscope_nccl_stats(ctypes.byref(st))
+        return f"mask {self.mask.value} {st.colls} {st.links_emitted} {st.links_dropped}"
+
+
+def main() -> None:
+    nccl = Nccl(sys.argv[1])
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "init":
+            nccl.init(int(args[0], 0), int(args[1]), int(args[2]))
+        elif cmd == "follow":
+            nccl.lib.rankscope_nccl_follow_semaphores()
+        elif cmd == "coll":
+            nccl.coll(args[0], int(args[1]), args[2], int(args[3]), int(args[4]), int(args[5]))
+        elif cmd == "steps":
+            nccl.steps(int(args[0]), args[1] == "1", int(args[2]), int(args[3]), float(args[4]) / 1e3,
+                       float(args[5]) / 1e3)
+        elif cmd == "finalize":
+            nccl.profiler.finalize(nccl.context)
+        print(nccl.reply(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
