@@ -142,14 +142,15 @@ def link_findings(patterns: Sequence[RankPattern]) -> list[Finding]:
     if not slow.any():
         return []
 
-    nodes = []
-    for r in np.union1d(m.src[slow], m.dst[slow]):
-        touching = judged & ((m.src == r) | (m.dst == r))
-        if np.count_nonzero(touching) >= MIN_NODE_LINKS and not (touching & ~slow).any():
-            nodes.append(int(r))
+    # Per rank: its judged links and how many of them are slow (a link counts for both of its ends).
+    ends, at = np.unique(np.concatenate([m.src, m.dst]), return_inverse=True)
+    n_judged = np.bincount(at, weights=np.tile(judged, 2), minlength=ends.size)
+    n_normal = n_judged - np.bincount(at, weights=np.tile(slow, 2), minlength=ends.size)
+    nodes = ends[(n_judged >= MIN_NODE_LINKS) & (n_normal == 0)].tolist()
+    normal_of = dict(zip(ends.tolist(), n_normal.tolist()))
     by_node = np.isin(m.src, nodes) | np.isin(m.dst, nodes)
     by_rank = {p.rank: p for p in patterns}
-    matrix = m.dense() if np.unique(np.concatenate([m.src[judged], m.dst[judged]])).size <= MATRIX_MAX_RANKS else None
+    matrix = m.dense() if np.count_nonzero(n_judged) <= MATRIX_MAX_RANKS else None
 
     def finding(ranks: list[int], rows: np.ndarray, summary: str, extra: dict[str, Any]) -> Finding:
         worst = float(bw[rows].min())
@@ -179,7 +180,7 @@ def link_findings(patterns: Sequence[RankPattern]) -> list[Finding]:
             f"{_gbps(median)} on the others: suspect its NIC or host, not one link"), {"rank": r, "host": host}))
     for i in np.flatnonzero(slow & ~by_node):
         src, dst = int(m.src[i]), int(m.dst[i])
-        normal = [r for r in (src, dst) if (judged & ~slow & ((m.src == r) | (m.dst == r))).any()]
+        normal = [r for r in (src, dst) if normal_of[r] > 0]
         why = {2: "while both ranks' other links are normal", 1: f"while rank {normal[0]}'s other links are normal",
                0: "(too few other links of these ranks to rule out a slow node)"}[len(normal)]
         out.append(finding([src, dst], np.arange(len(m)) == i, (

@@ -142,3 +142,13 @@ def test_timing_finding_outside_the_matrix_finding_stays():
     ps = ring(job(link_extra={5: 0.015}), list(range(8)), slow={(0, 1): 4.0})
     fs = find(ps)
     assert sorted((f.ranks, "src" in f.evidence) for f in fs) == [([0, 1], True), ([5], False)]
+
+
+def test_a_slow_node_and_an_unrelated_slow_link_in_the_diagnosis_document():
+    ps = ring(job(), list(range(8)), slow={(4, 5): 4.0, (5, 6): 4.0, (0, 1): 8.0})
+    fs = findings(ps)  # strict JSON: the dense matrix's empty cells are null
+    assert [(f["kind"], f["ranks"], f["component"]) for f in fs] == [("slow_link", [5], "link"),
+                                                                    ("slow_link", [0, 1], "link")]
+    matrix = fs[1]["evidence"]["link_matrix"]
+    assert matrix["bandwidth_Bps"][0][1] == pytest.approx(8e9) and matrix["bandwidth_Bps"][1][0] is None
+    assert fs[0]["cost"] > fs[1]["cost"] > 0
