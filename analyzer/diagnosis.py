@@ -19,6 +19,7 @@ from .findings import (
     slow_link,
 )
 from .hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
+from .links import link_findings
 from .metrics import RankTable, rank_table
 from .patterns import RankPattern
 
@@ -59,7 +60,12 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     stragglers = [f for f in compute_straggler(table, alignment)
                   if not (f.component == "gpu" and set(f.ranks) <= explained)] + cpu_contention(table, alignment)
     found = stragglers + throttled + node_fault(table, alignment) + launch_bound(table)
-    found += slow_link(table, alignment, {r for f in found for r in f.ranks})
+    # The link matrix (NCCL profiler plugin) names the precise link or node; the timing-based rule, from
+    # collective instants, serves jobs without the plugin and adds only what the matrix does not cover.
+    measured = link_findings(table.patterns)
+    covered = {r for f in measured for r in f.ranks}
+    found += measured + [f for f in slow_link(table, alignment, {r for f in found for r in f.ranks})
+                         if not set(f.ranks) <= covered]
     if not found:  # no rank differs from its peers: has the whole job changed?
         found = regression(table, reference, slowdown_threshold)
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
