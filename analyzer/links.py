@@ -124,7 +124,7 @@ def _collectives_gpu(by_rank: dict[int, RankPattern], ranks: list[int]) -> list[
         for c in p.collectives_gpu:
             if c.count:
                 means.setdefault(c.op, []).append(c.total_s / c.count)
-    return [{"rank": r, "op": c.op, "count": c.count, "mean_s": c.total_s / c.count, "max_s": c.max_s,
+    return [{"rank": r, "op": c.op, "count": c.count, "mean_s": c.total_s / c.count, "p99_s": c.p99_s,
              "peers_mean_s": float(np.median(means[c.op]))}
             for r in ranks for c in by_rank[r].collectives_gpu if c.count]
 

@@ -119,7 +119,7 @@ def test_mild_slowdown_is_not_flagged():
 def test_collectives_gpu_time_in_evidence():
     ps = ring(job(), list(range(8)), slow={(3, 4): 5.0})
     for p in ps:
-        p.collectives_gpu = [CollectiveGpu("AllReduce", 40, 40 * (0.030 if p.rank in (3, 4) else 0.017), 0.035)]
+        p.collectives_gpu = [CollectiveGpu("ncclAllReduce", 40, 40 * (0.030 if p.rank in (3, 4) else 0.017), 0.035)]
     f, = link_findings(ps)
     rows = f.evidence["collectives_gpu"]
     assert [(r["rank"], r["op"]) for r in rows] == [(3, "AllReduce"), (4, "AllReduce")]
