@@ -12,6 +12,12 @@ then per command "mask M colls LINKS_EMITTED LINKS_DROPPED".
                                 a proxy op of N network steps with PEER: each waits WAIT_MS for the receiver
                                 (sends) and WIRE_MS on the wire
   finalize                      the communicator's end
+
+With `--ring LIBNCCL WIRE_MS SLOW_TO SLOW_WIRE_MS` instead, it maps LIBNCCL (as NCCL's process would) and is
+rank RANK of a ring of WORLD_SIZE (the environment's torchrun variables) on communicator RING_COMM: it prints
+"ready", then forever sends 8 steps to the next rank
+and receives 8 from the previous one, WIRE_MS on the wire per step, SLOW_WIRE_MS on the link RANK -> SLOW_TO
+(and the receiving side of it); the plugin's own watcher hands the links over.
 """
 from __future__ import annotations
 
@@ -149,8 +155,27 @@ class Nccl:
         return f"mask {self.mask.value} {st.colls} {st.links_emitted} {st.links_dropped}"
 
 
+RING_COMM = 0x5EED
+RING_STEP_BYTES = 1 << 20
+
+
+def ring(nccl: Nccl, wire_ms: float, slow_to: int, slow_wire_ms: float) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    nccl.init(RING_COMM, world, rank)
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    send_ms = slow_wire_ms if nxt == slow_to else wire_ms
+    recv_ms = slow_wire_ms if rank == slow_to and prev == (slow_to - 1) % world else wire_ms
+    print("ready", flush=True)
+    while True:
+        nccl.steps(nxt, True, 8, RING_STEP_BYTES, send_ms / 1e3, 0.0)
+        nccl.steps(prev, False, 8, RING_STEP_BYTES, recv_ms / 1e3, 0.0)
+
+
 def main() -> None:
     nccl = Nccl(sys.argv[1])
+    if sys.argv[2:3] == ["--ring"]:
+        ctypes.CDLL(sys.argv[3])
+        return ring(nccl, float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
     print("ready", flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()

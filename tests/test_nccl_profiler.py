@@ -3,6 +3,7 @@
 plugin's collective spans and link timing through real USDT probes and eBPF."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,10 @@ import pytest
 
 from rankscope.agent.probes.cupti import CuptiReader
 from rankscope.agent.probes.nccl_profiler import CollTotals, CommWindow, LinkTotals
+from rankscope.cupti_shim import wheels
 from rankscope.cupti_shim.build import build_shim
 
-from conftest import wait_until
+from conftest import diagnose_json, wait_until
 
 DRIVER = Path(__file__).with_name("nccl_profiler_driver.py")
 COMM = 0xF3A61C2D4E8B7059
@@ -110,3 +112,22 @@ def test_comm_window_turns_totals_into_pattern_fields():
                                [LinkTotals(COMM, 2, 3, True, 10, 10 * STEP_BYTES, 40_000_000, 1_000_000),
                                 LinkTotals(COMM, 2, 1, False, 6, 6 * STEP_BYTES, 12_000_000, 0)])
     assert colls == [] and [(k.peer, k.steps, k.bytes) for k in links] == [(1, 6, 6 * STEP_BYTES)]
+
+
+def test_diagnose_names_the_slow_link_from_the_plugin(procs):
+    """Four ring ranks whose link 1 -> 2 is 4x slower on the wire: rankscope diagnose reads each rank's
+    plugin through USDT and eBPF, and the link matrix names exactly that link."""
+    world = 4
+    libnccl = wheels.extract(wheels.NCCL, ("nvidia/nccl/lib/",)) / "nvidia/nccl/lib/libnccl.so.2"
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": "ring",
+               "RANKSCOPE_SHIM_FLUSH_MS": "200"}
+        procs.append(subprocess.Popen([sys.executable, str(DRIVER), str(build_shim()), "--ring", str(libnccl), "0.5", "2", "2"],
+                                      stdout=subprocess.PIPE, text=True, env=env))
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    doc = diagnose_json([p.pid for p in procs], 3)
+    links = [f for f in doc["findings"] if f["kind"] == "slow_link"]
+    assert [(f["ranks"], f["component"]) for f in links] == [([1, 2], "link")], doc["findings"]
+    assert (links[0]["evidence"]["src"], links[0]["evidence"]["dst"]) == (1, 2)
+    assert links[0]["evidence"]["bandwidth_Bps"] < links[0]["evidence"]["peers_bandwidth_Bps"] / 2

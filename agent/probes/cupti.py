@@ -28,9 +28,9 @@ from rankscope.analyzer.patterns import (
 )
 
 from .. import usdt
-from ..histograms import minus, percentile_s
 from ..bcc_compile import compile_bpf
 from ..bpf_program import ProbeError
+from ..histograms import minus, percentile_s
 from ..symbols import SymbolError, sdt_probes
 from ..targets import TargetError, mapped_libraries
 from .nccl_profiler import COLL_PROBE, LINK_PROBE, CollTotals, LinkTotals
