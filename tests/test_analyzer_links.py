@@ -122,7 +122,7 @@ def test_collectives_gpu_time_in_evidence():
         p.collectives_gpu = [CollectiveGpu("ncclAllReduce", 40, 40 * (0.030 if p.rank in (3, 4) else 0.017), 0.035)]
     f, = link_findings(ps)
     rows = f.evidence["collectives_gpu"]
-    assert [(r["rank"], r["op"]) for r in rows] == [(3, "AllReduce"), (4, "AllReduce")]
+    assert [(r["rank"], r["op"]) for r in rows] == [(3, "ncclAllReduce"), (4, "ncclAllReduce")]
     assert rows[0]["mean_s"] == pytest.approx(0.030) and rows[0]["peers_mean_s"] == pytest.approx(0.017)
 
 
