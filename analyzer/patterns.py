@@ -398,14 +398,18 @@ def _python_from_wire(raw: Any) -> list[PyFunction]:
     return out
 
 
-def _python_timed_from_wire(raw: Any) -> list[PyTimed]:
+def _call_totals_from_wire(raw: Any, key: str, what: str, last: str) -> list[tuple[str, int, float, float]]:
+    """Rows of [name, calls, total seconds, one more duration named `last`]: timed Python functions (max_s)
+    and collectives' GPU time (p99_s) travel alike."""
     out = []
-    for row in _list(raw, "pyt"):
-        name, count, total_s, max_s = _list(row, "timed python function", 4)
-        name = _str(name, "timed python function name")
-        out.append(PyTimed(name=name, count=_int(count, f"{name}.count"), total_s=_seconds(total_s, f"{name}.total_s"),
-                           max_s=_seconds(max_s, f"{name}.max_s")))
+    for row in _list(raw, key):
+        name, count, total_s, other = _list(row, what, 4)
+        name = _str(name, f"{what} name")
+        out.append((name, _int(count, f"{name}.count"), _seconds(total_s, f"{name}.total_s"),
+                    _seconds(other, f"{name}.{last}")))
     return out
+
+
 def _gpu_from_wire(raw: Any) -> GpuActivity | None:
     if raw is None:
         return None
@@ -437,16 +441,6 @@ def _links_from_wire(raw: Any) -> list[LinkStats]:
         out.append(LinkStats(comm=_int(comm, "link comm"), rank=_int(rank, "link rank"), peer=_int(peer, "link peer"),
                              send=bool(send), steps=_int(steps, "link steps"), bytes=_int(nbytes, "link bytes"),
                              wire_s=_seconds(wire_s, "link wire_s"), peer_wait_s=_seconds(wait_s, "link peer_wait_s")))
-    return out
-
-
-def _collectives_gpu_from_wire(raw: Any) -> list[CollectiveGpu]:
-    out = []
-    for row in _list(raw, "cg"):
-        op, count, total_s, p99_s = _list(row, "collective gpu", 4)
-        op = _str(op, "collective gpu op")
-        out.append(CollectiveGpu(op=op, count=_int(count, f"{op}.count"), total_s=_seconds(total_s, f"{op}.total_s"),
-                                 p99_s=_seconds(p99_s, f"{op}.p99_s")))
     return out
 
 
@@ -491,11 +485,13 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             where=_str(d["wh"], "where"),
             since=None if d["since"] is None else _int(d["since"], "since") / 1e6,
             python=_python_from_wire(d["py"]),
-            python_timed=_python_timed_from_wire(d.get("pyt", [])),
+            python_timed=[PyTimed(*r) for r in _call_totals_from_wire(d.get("pyt", []), "pyt", "timed python function",
+                                                                      "max_s")],
             gpu=_gpu_from_wire(d.get("gpu")),  # optional: patterns from agents without GPU views lack them
             gpu_health=_health_from_wire(d.get("gh")),
             links=_links_from_wire(d.get("lk", [])),
-            collectives_gpu=_collectives_gpu_from_wire(d.get("cg", [])),
+            collectives_gpu=[CollectiveGpu(*r) for r in _call_totals_from_wire(d.get("cg", []), "cg", "collective gpu",
+                                                                               "p99_s")],
         )
     except PatternDecodeError:
         raise
