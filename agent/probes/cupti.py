@@ -38,8 +38,11 @@ from .nccl_profiler import COLL_PROBE, LINK_PROBE, CollTotals, LinkTotals
 SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
 PROVIDER, PROBE, LAUNCH_PROBE = "rankscope", "activity", "launch"
 BPF_SOURCES = ("cupti_launch.bpf.c", "cupti.bpf.c", "nccl_profiler.bpf.c")  # composed in this order
-OPTIONAL_PROBES = (LAUNCH_PROBE, COLL_PROBE, LINK_PROBE)  # absent from shims built before them
-NCCL_PROBES = {COLL_PROBE: "on_nccl_coll", LINK_PROBE: "on_nccl_link"}  # probe -> BPF function
+# The shim's probes and their BPF functions. All but the launch probe (deep mode only) are attached for the
+# life of the reader; all but the activity probe may be absent from shims built before them.
+PROBE_FUNCTIONS = {PROBE: "on_activity", LAUNCH_PROBE: "on_launch", COLL_PROBE: "on_nccl_coll",
+                   LINK_PROBE: "on_nccl_link"}
+ALWAYS_ATTACHED = (PROBE, COLL_PROBE, LINK_PROBE)
 
 # CUpti_ActivityKind values of the records the shim enables.
 KIND_MEMCPY = 1
@@ -102,7 +105,7 @@ def semaphore_address(path: str, probe_name: str = PROBE) -> int:
         probe = sdt_probes(path).get((PROVIDER, probe_name))
     except SymbolError as e:
         raise ProbeError(str(e)) from e
-    if probe_name in OPTIONAL_PROBES and probe is None:
+    if probe_name != PROBE and probe is None:
         return 0
     if probe is None or not probe.semaphore:
         raise ProbeError(f"{path} has no guarded {PROVIDER}:{probe_name} probe: not the rankscope CUPTI shim")
@@ -138,12 +141,8 @@ class CuptiReader:
         self._raw: list[RawActivity] = []
         self._probes: list[usdt.GuardedProbe] = []
         self._launch_probes: list[usdt.GuardedProbe] = []
-        sem, self._launch_sem = semaphore_address(path), semaphore_address(path, LAUNCH_PROBE)
-        nccl_sems = {fn: semaphore_address(path, probe) for probe, fn in NCCL_PROBES.items()}
-        probes = {PROBE: "on_activity"}
-        if self._launch_sem:
-            probes[LAUNCH_PROBE] = "on_launch"
-        probes.update((probe, fn) for probe, fn in NCCL_PROBES.items() if nccl_sems[fn])
+        self._semaphores = {probe: semaphore_address(path, probe) for probe in PROBE_FUNCTIONS}  # 0: absent
+        probes = {probe: fn for probe, fn in PROBE_FUNCTIONS.items() if self._semaphores[probe]}
         try:
             readers, self._sites = _probe_sites(USDT, pid, probes)
             text = "".join((resources.files("rankscope.bpf") / f).read_text() for f in BPF_SOURCES)
@@ -151,23 +150,23 @@ class CuptiReader:
             self._fns = {fn: self._bpf.load_func(fn, BPF.KPROBE) for fn in probes.values()}
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
-        try:
-            self._probes = self._attach("on_activity", sem)
-            for fn, nccl_sem in nccl_sems.items():  # NCCL's plugin hands over nothing until these are up
-                if nccl_sem:
-                    self._probes += self._attach(fn, nccl_sem)
+        try:  # NCCL's plugin, like the shim, hands over nothing until its probes' semaphores are up
+            for probe in ALWAYS_ATTACHED:
+                if self._semaphores[probe]:
+                    self._probes += self._attach(probe)
         except ProbeError:
             self.close()
             raise
         self._bpf["raw_activity"].open_ring_buffer(self._on_raw)
 
-    def _attach(self, fn: str, semaphore: int) -> list[usdt.GuardedProbe]:
-        """Attaches `fn` at each of its sites, the kernel raising `semaphore`; all or none."""
+    def _attach(self, probe: str) -> list[usdt.GuardedProbe]:
+        """Attaches the probe's function at each of its sites, the kernel raising its semaphore; all or none."""
+        fn = PROBE_FUNCTIONS[probe]
         attached: list[usdt.GuardedProbe] = []
         for binpath, addr in self._sites[fn]:
             try:
-                attached.append(usdt.attach(self._fns[fn].fd, binpath.decode(), addr, semaphore, self.pid,
-                                            f"rankscope_cupti_{self.pid}_{addr:x}"))
+                attached.append(usdt.attach(self._fns[fn].fd, binpath.decode(), addr, self._semaphores[probe],
+                                            self.pid, f"rankscope_cupti_{self.pid}_{addr:x}"))
             except usdt.UsdtError as e:
                 _closed(attached)
                 raise ProbeError(f"cannot attach to the CUPTI shim of pid {self.pid}: {e}") from e
@@ -181,8 +180,8 @@ class CuptiReader:
         """Deep mode: attach the launch probe, which has the shim enable CUPTI's API records (a cost on
         every launch of the job) and hand over kernel launches to be joined to their kernels. A shim
         without the probe stays without launches."""
-        if on and not self._launch_probes and self._launch_sem:
-            self._launch_probes = self._attach("on_launch", self._launch_sem)
+        if on and not self._launch_probes and self._semaphores[LAUNCH_PROBE]:
+            self._launch_probes = self._attach(LAUNCH_PROBE)
         elif not on:
             self._launch_probes = _closed(self._launch_probes)
         self._bpf["join_on"][ctypes.c_int(0)] = ctypes.c_uint32(int(self.launches_on))
