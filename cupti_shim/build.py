@@ -1,5 +1,6 @@
 """Builds librankscope_cupti.so with gcc against the CUPTI/CUDA headers of NVIDIA's pip wheels: the CUPTI
-shim (shim.c, loaded by CUDA) and the NCCL profiler plugin (nccl_profiler.c, loaded by NCCL) in one library.
+shim (shim.c, loaded by CUDA) and the NCCL profiler plugin (nccl_profiler.c, loaded by NCCL) in one library,
+with the flush-period thread both use (periodic.c).
 
 Cached per source and flags hash like the simulator's stand-ins; called by scripts/install and the tests."""
 from __future__ import annotations
@@ -15,7 +16,9 @@ from rankscope.sim.build import CC, BuildError, cache_root
 
 from . import wheels
 
-SOURCES = tuple(Path(__file__).resolve().parent / name for name in ("shim.c", "nccl_profiler.c"))
+HERE = Path(__file__).resolve().parent
+SOURCES = tuple(HERE / name for name in ("shim.c", "nccl_profiler.c", "periodic.c"))
+HEADERS = (HERE / "periodic.h",)
 LIBRARY = "librankscope_cupti.so"
 # -z nodelete: NCCL dlcloses its plugin with its last communicator while the plugin's watcher thread runs.
 CFLAGS = ("-O2", "-fPIC", "-shared", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
@@ -37,7 +40,7 @@ def cupti_library() -> Path:
 def build_shim() -> Path:
     """Path of the compiled shim, rebuilt when its source, flags or pinned wheels change."""
     h = hashlib.sha256(repr((CC, CFLAGS, wheels.CUPTI, wheels.RUNTIME, wheels.NVCC)).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes())
     final = cache_root() / f"cupti-shim-{h.hexdigest()[:16]}" / LIBRARY
     if final.is_file():

@@ -30,6 +30,8 @@
 #define _SDT_HAS_SEMAPHORES 1
 #include <sys/sdt.h>
 
+#include "periodic.h"
+
 #define SHIM_API __attribute__((visibility("default")))
 
 // --- NCCL profiler ABI v4 -------------------------------------------------------------------------------
@@ -113,7 +115,6 @@ SHIM_API unsigned short rankscope_nccl_link_semaphore __attribute__((section(".p
 #define LINK_SLOTS 64    // (peer, direction) pairs per communicator: a ring or tree uses 2-6, all-to-all more
 #define STEP_SLOTS 8     // NCCL_STEPS: a proxy op has at most this many steps in flight
 #define MAX_CONTEXTS 64  // communicators of one process
-#define DEFAULT_FLUSH_MS 1000
 
 // Objects behind the handles NCCL holds; each starts with its event type.
 struct context;
@@ -231,29 +232,12 @@ SHIM_API void rankscope_nccl_follow_semaphores(void) {
     pthread_mutex_unlock(&plugin.lock);
 }
 
-static void *watch(void *period) {
-    uint32_t ms = (uint32_t)(uintptr_t)period;
-    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
-    for (;;) {
-        nanosleep(&ts, NULL);
-        rankscope_nccl_follow_semaphores();
-    }
-    return NULL;
-}
-
 // Called with plugin.lock held.
 static void start_watcher(void) {
     if (plugin.watcher_started++)
         return;
-    const char *flush = getenv("RANKSCOPE_SHIM_FLUSH_MS");
-    uint32_t period = flush && *flush ? (uint32_t)strtoul(flush, NULL, 10) : DEFAULT_FLUSH_MS;
-    pthread_t t;
-    if (pthread_create(&t, NULL, watch, (void *)(uintptr_t)(period ? period : DEFAULT_FLUSH_MS)) != 0) {
+    if (rankscope_every_flush_period("rankscope-nccl", rankscope_nccl_follow_semaphores) != 0)
         fprintf(stderr, "rankscope-nccl: no watcher thread; NCCL events stay off\n");
-        return;
-    }
-    pthread_setname_np(t, "rankscope-nccl");
-    pthread_detach(t);
 }
 
 static nccl_result_t init(void **context, int *mask, const char *comm_name, uint64_t comm_hash, int n_nodes,

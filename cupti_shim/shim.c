@@ -13,7 +13,6 @@
 // else libcupti.so.12 from the loader's path), so the shim links against nothing CUDA and loads anywhere.
 #define _GNU_SOURCE
 #include <dlfcn.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -26,10 +25,11 @@
 #define _SDT_HAS_SEMAPHORES 1
 #include <sys/sdt.h>
 
+#include "periodic.h"
+
 #define SHIM_API __attribute__((visibility("default")))
 #define BUFFER_BYTES (1u << 20)
 #define DEFAULT_MAX_RATE 50000  // records/s handed to the agent (~1.5 us each while attached); the rest are dropped
-#define DEFAULT_FLUSH_MS 1000    // CUPTI hands over partly filled buffers this often, so windows see fresh records
 
 // The USDT semaphore of rankscope:activity; the kernel increments it while an agent's uprobe is attached.
 SHIM_API unsigned short rankscope_activity_semaphore __attribute__((section(".probes")));
@@ -263,19 +263,6 @@ static void CUPTIAPI ignore_callback(void *ud, CUpti_CallbackDomain d, CUpti_Cal
     (void)ud; (void)d; (void)id; (void)data;
 }
 
-// CUPTI's API record kinds are switched from a thread of the shim's own: never from CUPTI's buffer callback
-// (CUPTI calls made inside its own callbacks are what CUPTI restricts) nor from the job's threads. It wakes
-// once a flush period and does nothing else.
-static void *watch_launch_semaphore(void *period) {
-    uint32_t ms = (uint32_t)(uintptr_t)period;
-    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
-    for (;;) {
-        nanosleep(&ts, NULL);
-        rankscope_shim_follow_launch_semaphore();
-    }
-    return NULL;
-}
-
 // Entry point called by the CUDA driver at cuInit. Returns 1 (the driver ignores the value) whether or not
 // CUPTI could be set up: the job must never fail because of its observer.
 SHIM_API int InitializeInjection(void) {
@@ -310,17 +297,13 @@ SHIM_API int InitializeInjection(void) {
             say("cannot enable activity records; GPU activity is not reported", rc);
             return 1;
         }
-    const char *flush = getenv("RANKSCOPE_SHIM_FLUSH_MS");
-    uint32_t period = flush && *flush ? (uint32_t)strtoul(flush, NULL, 10) : DEFAULT_FLUSH_MS;
-    if ((rc = cupti.flush_period(period)) != CUPTI_SUCCESS)
+    // CUPTI hands over partly filled buffers once a flush period, so windows see fresh records.
+    if ((rc = cupti.flush_period(rankscope_flush_period_ms())) != CUPTI_SUCCESS)
         say("cannot set the flush period; records arrive when buffers fill", rc);
-    pthread_t watcher;
-    if (pthread_create(&watcher, NULL, watch_launch_semaphore, (void *)(uintptr_t)(period ? period : DEFAULT_FLUSH_MS)) == 0) {
-        pthread_setname_np(watcher, "rankscope-cupti");
-        pthread_detach(watcher);
-    } else {
+    // CUPTI's API record kinds are switched from a thread of the shim's own: never from CUPTI's buffer
+    // callback (CUPTI calls made inside its own callbacks are what CUPTI restricts) nor from the job's threads.
+    if (rankscope_every_flush_period("rankscope-cupti", rankscope_shim_follow_launch_semaphore) != 0)
         fprintf(stderr, "rankscope-cupti: no watcher thread; kernels are not joined to their launches\n");
-    }
     atexit(flush_at_exit);
     return 1;
 }
