@@ -244,10 +244,8 @@ static __always_inline int lower_enter(u32 fn, u64 bytes) {
 #define TIMED(sym, bytes_expr)                                            \
     int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, (bytes_expr)); } \
     int return_##sym(struct pt_regs *ctx) { return timed_return(FN_##sym); }
-#define SYNC(sym)                                                         \
-    int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, 0); } \
-    int return_##sym(struct pt_regs *ctx) { return sync_return(FN_##sym); }
-// The same, for the two layers of an API: UPPER_* mark the thread while they run, LOWER_* skip inside them.
+// Timed and sync probes of the two layers of an API: UPPER_* mark the thread while they run, LOWER_* skip
+// inside them.
 #define UPPER_TIMED(sym, bytes_expr)                                      \
     int enter_##sym(struct pt_regs *ctx) { return upper_enter(FN_##sym, (bytes_expr)); } \
     int return_##sym(struct pt_regs *ctx) { upper_exit(FN_##sym); return timed_return(FN_##sym); }
