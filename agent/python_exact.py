@@ -262,21 +262,15 @@ class PythonTimer:
                 w.gc_probes.append(usdt.attach(prog.fd, path, site.address, site.semaphore, pid,
                                                f"rankscope_gc_{pid}_{site.address:x}"))
         except Exception as e:  # bcc raises bare Exception; usdt.UsdtError
-            self._close_gc(w)
+            w.gc_probes = usdt.closed(w.gc_probes)
             raise TimerError(f"cannot probe the GC's USDT sites in {path}: {e}") from e
-
-    @staticmethod
-    def _close_gc(w: _Watched) -> None:
-        for probe in w.gc_probes:
-            probe.close()
-        w.gc_probes = []
 
     def detach(self, pid: int) -> None:
         """Stop timing `pid` (alive or not); what it did since the last read is dropped."""
         w = self._watched.pop(pid, None)
         if w is None:
             return
-        self._close_gc(w)
+        w.gc_probes = usdt.closed(w.gc_probes)
         w.resolver.close()
         bpf = self._bpf
         if bpf is None:  # never probed anything

@@ -168,7 +168,7 @@ class CuptiReader:
                 attached.append(usdt.attach(self._fns[fn].fd, binpath.decode(), addr, self._semaphores[probe],
                                             self.pid, f"rankscope_cupti_{self.pid}_{addr:x}"))
             except usdt.UsdtError as e:
-                _closed(attached)
+                usdt.closed(attached)
                 raise ProbeError(f"cannot attach to the CUPTI shim of pid {self.pid}: {e}") from e
         return attached
 
@@ -183,7 +183,7 @@ class CuptiReader:
         if on and not self._launch_probes and self._semaphores[LAUNCH_PROBE]:
             self._launch_probes = self._attach(LAUNCH_PROBE)
         elif not on:
-            self._launch_probes = _closed(self._launch_probes)
+            self._launch_probes = usdt.closed(self._launch_probes)
         self._bpf["join_on"][ctypes.c_int(0)] = ctypes.c_uint32(int(self.launches_on))
 
     def set_raw(self, on: bool) -> None:
@@ -243,15 +243,9 @@ class CuptiReader:
 
     def close(self) -> None:
         """Detach: closing the probes' perf events lowers the process's semaphores (the kernel does it)."""
-        self._launch_probes = _closed(self._launch_probes)
-        self._probes = _closed(self._probes)
+        self._launch_probes = usdt.closed(self._launch_probes)
+        self._probes = usdt.closed(self._probes)
         self._bpf.cleanup()
-
-
-def _closed(probes: list[usdt.GuardedProbe]) -> list[usdt.GuardedProbe]:
-    for probe in probes:
-        probe.close()
-    return []
 
 
 _MANGLED_PART = re.compile(r"(\d+)")
