@@ -63,7 +63,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     pids = parse_pids(args.pid)
     session = make_session(args, DEEP)  # one bounded look, asked for: full detail
     try:
-        doc = observe(session, pids, args.duration, args.hang_timeout)
+        doc = observe(session, pids, args.duration, args.hang_timeout,
+                      watching=lambda line: print(line, file=sys.stderr, flush=True))
         print(json.dumps(doc) if args.json else render(doc), flush=True)
     finally:
         session.close()

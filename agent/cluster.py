@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.cluster import LostRanks, diagnose_cluster
+from rankscope.analyzer.stability import Confirmer
 from rankscope.analyzer.patterns import (
     MAX_PAYLOAD_BYTES,
     PatternDecodeError,
@@ -104,6 +105,7 @@ class Cluster:
         self.limit = asyncio.Semaphore(concurrency)
         self.hang_timeout_s = hang_timeout_s
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows over all nodes
+        self.confirmer = Confirmer()  # a finding is reported once it held in consecutive windows
         self.forget_after_s = FORGET_AFTER_WINDOWS * window_s
         self.status: dict[str, AgentStatus] = {}
         self.served: dict[str, dict[str, _Served]] = {}  # agent -> job -> what it last served
@@ -183,6 +185,7 @@ class Cluster:
                                         diagnoses=diagnose_cluster(patterns, lost, self.hang_timeout_s,
                                                                    self.baselines))
         self.baselines = {job: b for job, b in self.baselines.items() if job in self.snapshot.diagnoses}
+        self.confirmer.confirm(self.snapshot.diagnoses)
         return self.snapshot
 
     def _unlisted(self, listed: set[str], now: float) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPattern
+from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
 
 from . import histograms
 from .bpf_program import ProbeProgram
@@ -19,7 +19,7 @@ from .python_exact import PythonTimer
 from .python_profile import summarize
 from .python_sampler import PythonSampler
 from .stacks import where
-from .targets import Identity, Target, major_faults
+from .targets import Identity, Target, major_faults, thread_group
 
 STALLED_SAMPLES = 5  # /proc reads of a stalled rank: its state by majority
 # A rank whose last collective completed this long before the window's end is stalled (so far): where it
@@ -73,6 +73,8 @@ class Collector:
             rings.setdefault(key.pid, []).append((rec.seq, rec.enter_ns, rec.done_ns, rec.bytes, rec.fn))
         comms = communicators(bpf)
         pending = {k.value: v.pending_last for k, v in bpf["watched"].items() if v.pending_last}
+        stalled = {t.pid for t in targets if self._stalled(t, now)}
+        blocked_in = self._blocked_in(stalled) if stalled else {}
         threads = sched.threads(bpf)
         stacks = self.python.read()
         timed = self.timer.read()
@@ -105,8 +107,7 @@ class Collector:
                 since=t.attached_at,
                 python=summarize(stacks.get(t.pid, {}), self.python.frequency, self.detail.top_python),
                 python_timed=timed.get(t.pid, []),
-                where=self._where(t.pid, ring, pending.get(t.pid),
-                                  stalled=now - (cursor.last_progress or t.attached_at) >= STALLED_AFTER_S),
+                where=self._where(t.pid, ring, pending.get(t.pid), blocked_in.get(t.pid), stalled=self._stalled(t, now)),
             ))
             cursor.major_faults = faults
         return patterns
@@ -141,14 +142,34 @@ class Collector:
             )
         return out
 
-    def _where(self, pid: int, ring: list, pending_seq: int | None, stalled: bool) -> str:
-        """Where a stalled rank is stuck ("" for a rank making progress):
-        waiting for a collective it enqueued, or the state of its main thread."""
+    def _stalled(self, t: Target, now: float) -> bool:
+        cursor = self._cursors.get(t.pid)
+        return now - ((cursor.last_progress if cursor else None) or t.attached_at) >= STALLED_AFTER_S
+
+    def _where(self, pid: int, ring: list, pending_seq: int | None, blocked_in: str | None, stalled: bool) -> str:
+        """Where a stalled rank is stuck ("" for a rank making progress): waiting for a collective it enqueued
+        (NCCL) or is inside of (gloo), or else the state of its main thread."""
         if not stalled:
             return ""
         state = where(pid, samples=STALLED_SAMPLES)
-        op = next((self.program.symbol_of.get(fn) for seq, _e, _d, _b, fn in ring if seq == pending_seq), None)
+        op = next((self.program.symbol_of.get(fn) for seq, _e, _d, _b, fn in ring if seq == pending_seq), blocked_in)
         return f"waiting for {op} ({state})" if op else state
+
+    def _blocked_in(self, pids: set[int]) -> dict[int, str]:
+        """pid -> the collective one of its threads is inside of, for the stalled processes: blocking
+        collectives (gloo's run on the process group's worker threads) are in flight from entry to return.
+        Read only when a rank stalls; the in-flight map is keyed by thread, so each entry's process is looked
+        up in /proc."""
+        out = {}
+        for key, _val in self.program.bpf["inflight"].items():
+            symbol = self.program.symbol_of.get(key.fn)
+            probe = self.program.probe_of.get(symbol) if symbol else None
+            if probe is None or probe.role != Role.COMM:
+                continue
+            pid = thread_group(key.tid)
+            if pid in pids:
+                out.setdefault(pid, symbol)
+        return out
 
     def _collectives(self, cursor: _ProcessCursor, ring: list, mono_to_unix: float) -> list[CollectiveRecord]:
         done = sorted(r for r in ring if r[0] > cursor.last_coll_seq and r[2])

@@ -8,6 +8,7 @@ import time
 
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline
 from rankscope.analyzer.diagnosis import diagnose
+from rankscope.analyzer.stability import Confirmer
 
 from .bpf_program import ProbeError
 from .detail import SlowdownTrigger
@@ -31,6 +32,7 @@ class Agent:
         self.trigger = trigger or SlowdownTrigger()
         self.slowdown_threshold = slowdown_threshold
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows (jobs that ended are dropped)
+        self.confirmer = Confirmer()  # a finding is reported once it held in consecutive windows
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
         self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
@@ -67,6 +69,7 @@ class Agent:
         docs = diagnose(patterns, self.hang_timeout_s, self.baselines, self.slowdown_threshold)
         self.baselines = {job: b for job, b in self.baselines.items() if job in docs}
         self.session.set_detail(self.trigger.update(docs, time.time()))
+        self.confirmer.confirm(docs)
         for doc in docs.values():
             doc["mode"] = self.trigger.mode()
         self.snapshot = Snapshot(

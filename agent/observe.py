@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from rankscope.analyzer.diagnosis import diagnose
 
@@ -10,8 +11,10 @@ from .session import Session
 from .targets import TargetError
 
 
-def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: float) -> dict:
+def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: float,
+            watching: Callable[[str], None] = lambda _: None) -> dict:
     """The diagnosis document of the job `pids` belong to, after `duration` seconds (Ctrl-C ends early).
+    `watching` is told (in a line for people) once every process is watched and the window opens.
 
     The caller closes the session, after showing the result: removing probes takes the kernel a while.
     """
@@ -21,6 +24,8 @@ def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: 
     if len(jobs) > 1:
         raise TargetError(f"the processes belong to different jobs ({', '.join(sorted(jobs))}): "
                           "diagnose one job at a time")
+    watching(f"rankscope: watching {len(pids)} {'process' if len(pids) == 1 else 'processes'} of job "
+             f"{next(iter(jobs), '?')} for {duration:g} s")
     try:
         time.sleep(duration)  # the observation window itself
     except KeyboardInterrupt:

@@ -119,6 +119,18 @@ def parent_pid(pid: int) -> int:
         raise TargetError(f"cannot read /proc/{pid}/stat") from None
 
 
+def thread_group(tid: int) -> int | None:
+    """The process a thread belongs to (its Tgid), None once it exited."""
+    try:
+        with open(f"/proc/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def read_cmdline(pid: int) -> str:
     return _read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
 

@@ -22,6 +22,7 @@ from .hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
 from .links import link_findings
 from .metrics import RankTable, rank_table
 from .patterns import RankPattern
+from .peers import peer_groups
 
 NOT_ANALYZED = frozenset({"exited"})  # listed in `ranks`, left out of the comparison
 # Windows with these findings stay out of the job's baseline: a hung job has no steps, and a regressed one
@@ -53,19 +54,25 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     hung = hang(table.patterns, hang_timeout_s)
     if hung:  # a stalled job has no steps to compare: the hang is the whole story
         return hung
-    alignment = align_collectives(table.patterns, table.job_step_s)
-    throttled = gpu_throttle(table, alignment)
-    explained = {r for f in throttled for r in f.ranks}
-    # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
-    stragglers = [f for f in compute_straggler(table, alignment)
-                  if not (f.component == "gpu" and set(f.ranks) <= explained)] + cpu_contention(table, alignment)
-    found = stragglers + throttled + node_fault(table, alignment) + launch_bound(table)
+    groups = peer_groups(table.patterns)
+    found: list[Finding] = []
+    timed: list[Finding] = []
+    for rows in groups:  # ranks are compared with the ranks of their own role only (pipeline stages)
+        peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows])
+        alignment = align_collectives(peers.patterns, peers.job_step_s)
+        throttled = gpu_throttle(peers, alignment)
+        explained = {r for f in throttled for r in f.ranks}
+        # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
+        stragglers = [f for f in compute_straggler(peers, alignment)
+                      if not (f.component == "gpu" and set(f.ranks) <= explained)] + cpu_contention(peers, alignment)
+        found += stragglers + throttled + node_fault(peers, alignment)
+        timed += slow_link(peers, alignment, {r for f in found for r in f.ranks})
+    found += launch_bound(table)
     # The link matrix (NCCL profiler plugin) names the precise link or node; the timing-based rule, from
     # collective instants, serves jobs without the plugin and adds only what the matrix does not cover.
     measured = link_findings(table.patterns)
     covered = {r for f in measured for r in f.ranks}
-    found += measured + [f for f in slow_link(table, alignment, {r for f in found for r in f.ranks})
-                         if not set(f.ranks) <= covered]
+    found += measured + [f for f in timed if not set(f.ranks) <= covered]
     if not found:  # no rank differs from its peers: has the whole job changed?
         found = regression(table, reference, slowdown_threshold)
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))

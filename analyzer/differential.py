@@ -70,20 +70,46 @@ def peer_deviation(x: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]
 class Alignment:
     """Per-rank medians over the collective instances that every compared rank saw (NaN: not compared).
 
-    Lateness is the rank's own instant minus the earliest rank's instant of the same instance.
+    Lateness is the rank's own instant minus the earliest rank's instant of the same instance; arrival
+    lateness is taken per step (see _late_per_step), finish lateness per instance.
     """
 
-    arrival_late_s: np.ndarray  # enter lateness: a rank that arrives last holds everybody up
+    arrival_late_s: np.ndarray  # enter lateness per step: a rank that arrives last holds everybody up
     finish_late_s: np.ndarray  # done lateness: a rank that finishes last has the slow transfer
     transfer_s: np.ndarray  # done - last arrival: the transfer as this rank saw it
     bytes: np.ndarray  # payload per collective
     instances: int  # how many collective instances were lined up
     op: str | None  # the most frequent collective among them
+    late_share: np.ndarray  # share of steps it arrived later than the other ranks (by LATE_MARGIN of a step)
 
     @classmethod
     def empty(cls, n: int) -> Alignment:
         nan = np.full(n, np.nan)
-        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None)
+        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy())
+
+
+STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
+LATE_MARGIN = 0.05  # later than the other ranks by this share of a step: that step, the rank was late
+
+
+def _late_per_step(enter: np.ndarray, step_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank (row): how late it arrives per step, the median over stretches of one step (STEP_SPAN) of its
+    largest lateness among the instances (columns) that start there; and the share of those stretches in
+    which it arrived later than the median of the other ranks by LATE_MARGIN of a step. A straggler is late
+    where its extra work ends, at one collective of the step: at every one of DDP's buckets, but only at the
+    first of back-to-back per-parameter all-reduces, where the median over instances would hide it. And it
+    is late every step, where a rank on a busy CPU is late in some steps only."""
+    order = np.argsort(enter.min(axis=0), kind="stable")  # instances by time (completion order may differ)
+    enter = enter[:, order]
+    first = enter.min(axis=0)
+    late = enter - first
+    ends = np.searchsorted(first, first + STEP_SPAN * step_s, side="left")
+    starts = np.flatnonzero(ends - np.arange(first.size) >= 1)
+    stretches = np.stack([late[:, j:ends[j]].max(axis=1) for j in starts], axis=1)
+    rows = np.arange(late.shape[0])
+    others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in rows]) if rows.size > 1 \
+        else np.zeros_like(stretches)
+    return np.median(stretches, axis=1), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1)
 
 
 def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = None) -> Alignment:
@@ -156,11 +182,11 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     Ek, Dk, Bk = E[compared][:, kept], D[compared][:, kept], B[compared][:, kept]
 
     out = Alignment.empty(n)
-    out.arrival_late_s[compared] = np.median(Ek - Ek.min(axis=0), axis=1)
+    out.arrival_late_s[compared], out.late_share[compared] = _late_per_step(Ek, step_s)
     out.finish_late_s[compared] = np.median(Dk - Dk.min(axis=0), axis=1)
     out.transfer_s[compared] = np.median(Dk - Ek.max(axis=0), axis=1)
     out.bytes[compared] = np.median(Bk, axis=1)
     names = {i: name for name, i in op_ids.items()}
     top_op = Counter(ref_op[kept].tolist()).most_common(1)[0][0]
     return Alignment(out.arrival_late_s, out.finish_late_s, out.transfer_s, out.bytes,
-                     int(np.count_nonzero(kept)), names[top_op])
+                     int(np.count_nonzero(kept)), names[top_op], out.late_share)

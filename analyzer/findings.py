@@ -17,12 +17,14 @@ from .differential import Alignment, peer_deviation, peers_median
 from .metrics import RankTable
 from .patterns import Role
 
-MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable from timing alone...
-CONTENTION_MIN_RANKS = 2  # ...but the run queue tells which of two waits for a CPU
+MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable from per-rank totals alone...
+PAIR_RANKS = 2  # ...but the collective instants tell which of two arrives last (C4's rule: the other waits
+# for it), and the run queue which of two waits for a CPU
 Z_MIN = 4.0  # robust z-score for an outlier
 Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 then needs >= 2% of the step,
 # so on quiet jobs the excess bars below decide, on noisy ones the z-score
 STRAGGLER_MIN_EXCESS = 0.05  # extra work per step, as a fraction of the step time
+LATE_STEPS = 0.75  # a straggler arrives late in at least this share of the steps lined up
 LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
@@ -91,11 +93,15 @@ def _decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
     return valid if ok else None
 
 
-def _straggling(t: RankTable, min_ranks: int = MIN_RANKS
+def _straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float] | None:
     """Rows whose own work per step (step - COMM) is a robust outlier while they wait less in collectives
-    than their peers (they arrive last; the others wait for them): (rows, z, excess, work, comm median)."""
-    valid = _decidable(t, min_ranks)
+    than their peers: (rows, z, excess, work, comm median). With `a` (the collectives lined up), the rank must
+    also arrive last, later than its peers by at least STRAGGLER_MIN_EXCESS of the step (C4's rule: the
+    others wait for it). That decides two ranks, and it keeps collectives that overlap the rank's own work
+    (DDP's buckets all-reduced on gloo's threads during backward: COMM then spans most of the step on every
+    rank, and step - COMM is noise) from naming a rank that is in fact the first to arrive."""
+    valid = _decidable(t, PAIR_RANKS if a is not None else min_ranks)
     if valid is None:
         return None
     step = t.job_step_s
@@ -103,8 +109,20 @@ def _straggling(t: RankTable, min_ranks: int = MIN_RANKS
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
     with np.errstate(invalid="ignore"):
-        flagged = np.flatnonzero(valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & (t.comm_s < comm_med))
-    return flagged, z, excess, work, comm_med
+        flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & (t.comm_s < comm_med)
+        if a is not None:
+            flagged &= _arrives_last(a, valid, step)
+    return np.flatnonzero(flagged), z, excess, work, comm_med
+
+
+def _arrives_last(a: Alignment, valid: np.ndarray, step: float) -> np.ndarray:
+    """Per row: whether it arrives at the collectives later than its peers (their median) by at least
+    STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps (LATE_STEPS: a rank of a busy
+    CPU is late in some; False where not compared)."""
+    late = np.where(valid, a.arrival_late_s, np.nan)
+    with np.errstate(invalid="ignore"):
+        later = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0) >= STRAGGLER_MIN_EXCESS * step
+        return later & (np.nan_to_num(a.late_share, nan=0.0) >= LATE_STEPS)
 
 
 def _runq_excess(t: RankTable) -> np.ndarray:
@@ -142,7 +160,9 @@ def _delay(a: Alignment | None, i: int, excess: float) -> float:
     """How long the other ranks wait for rank row i each step: its arrival lateness at the collectives
     when ranks could be lined up (the direct measure), else its extra work per step."""
     if a is not None and np.isfinite(a.arrival_late_s[i]):
-        return max(float(a.arrival_late_s[i] - np.nanmedian(a.arrival_late_s)), 0.0)
+        others = np.delete(a.arrival_late_s, i)  # its peers (of two ranks, the median of both halves it)
+        if np.isfinite(others).any():
+            return max(float(a.arrival_late_s[i] - np.nanmedian(others)), 0.0)
     return excess
 
 
@@ -159,7 +179,7 @@ def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
 def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
     that only waits longer for a CPU is cpu_contention's)."""
-    found = _straggling(t)
+    found = _straggling(t, a=a)
     if found is None:
         return []
     rows, z, excess, work, comm_med = found
@@ -167,7 +187,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     if flagged.size == 0:
         return []
     step = t.job_step_s
-    valid = _decidable(t)
+    valid = np.isfinite(t.step_s)
 
     # Where the excess lies: the function (or host time outside probes) furthest above its peers' median.
     cols = [j for j, r in enumerate(t.fn_roles) if r != Role.COMM]
@@ -236,7 +256,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
 def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Straggling ranks whose extra time is waiting for a CPU (runnable, not running): the scheduler gave
     their CPU to other tasks, named from the kernel's view of who ran while they waited."""
-    found = _straggling(t, CONTENTION_MIN_RANKS)
+    found = _straggling(t, PAIR_RANKS)
     if found is None:
         return []
     rows, z, excess, _work, _comm_med = found

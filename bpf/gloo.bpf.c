@@ -27,6 +27,10 @@ COLLECTIVE(gloo_allreduce, gloo_payload(PT_REGS_PARM1(ctx), 80), true)
 COLLECTIVE(gloo_broadcast, gloo_payload(PT_REGS_PARM1(ctx), 32), true)
 // gloo::allgather(AllgatherOptions&): the size lives in the buffers, behind pointers: 0 bytes.
 COLLECTIVE(gloo_allgather, 0, true)
+// c10d::ProcessGroupGloo::{Send,Recv}Work::wait(timeout): a point-to-point transfer, waited for on the
+// calling thread; complete when it returns. The size lives in the tensor: 0 bytes.
+COLLECTIVE(gloo_send, 0, true)
+COLLECTIVE(gloo_recv, 0, true)
 
 // c10d::ProcessGroupGloo::<op>(...) (this, tensors, options): the enqueue, counted. The tensors' sizes are
 // deep inside at::Tensor: 0 bytes (the gloo level above has the payload).

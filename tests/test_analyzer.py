@@ -19,7 +19,7 @@ from rankscope.analyzer.patterns import (
     RankPattern,
     Role,
 )
-from rankscope.analyzer.steps import smallest_period, step_time, step_times
+from rankscope.analyzer.steps import step_time, step_times
 
 T0 = 1_700_000_000.0
 WINDOW = 2.0
@@ -98,14 +98,6 @@ def findings(patterns: list[RankPattern]) -> list[dict]:
 
 # --- steps ---------------------------------------------------------------------------------------------
 
-def test_smallest_period():
-    assert smallest_period("abababab") == 2
-    assert smallest_period("aaaa") == 1
-    assert smallest_period("abcabcab") == 3
-    assert smallest_period("abcd") is None  # never repeats
-    assert smallest_period("abcab") is None  # seen fewer than twice
-
-
 def _pattern(collectives, functions=None, window=WINDOW) -> RankPattern:
     return RankPattern(job="j", rank=0, world_size=1, pid=1, host="h", window_start=T0, window_end=T0 + window,
                        functions=functions or {}, collectives=collectives)
@@ -128,6 +120,50 @@ def test_step_time_period_of_ops():
         recs += [CollectiveRecord("ncclReduceScatter", 50_000_000 + i, s, s + 0.004),  # sizes vary
                  CollectiveRecord("ncclAllGather", 50_000_000 - i, s + 0.02, s + 0.03)]
     assert step_time(_pattern(recs)) == pytest.approx(0.06, abs=1e-6)
+
+
+def _bursts(steps: int, sizes: list[int], gaps: list[float], step: float, jitter: float = 0.0, seed: int = 0,
+            swap: float = 0.0) -> list[CollectiveRecord]:
+    """Per step, all-reduces of `sizes` entered `gaps` apart from the step's start (DDP's buckets during
+    backward); `swap`: the chance that two neighbours complete out of order (two gloo worker threads)."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    start = T0
+    for _ in range(steps):
+        at = start + np.cumsum(gaps)
+        step_recs = [CollectiveRecord("gloo_allreduce", b, t, t + 0.001) for b, t in zip(sizes, at)]
+        for i in range(len(step_recs) - 1):
+            if rng.random() < swap:
+                step_recs[i], step_recs[i + 1] = step_recs[i + 1], step_recs[i]
+        recs += step_recs
+        start += step * (1 + rng.normal(0, jitter))
+    return recs
+
+
+def test_step_time_of_equal_buckets_is_the_step_not_the_gap_between_buckets():
+    # 9 buckets of one size, 2 ms apart in a 48 ms step: names and sizes repeat every collective.
+    recs = _bursts(5, [1_000_000] * 9, [0.02] + [0.002] * 8, 0.048)
+    assert step_time(_pattern(recs[:48])) == pytest.approx(0.048, rel=0.01)
+
+
+def test_step_time_holds_with_reordered_buckets_and_a_noisy_cpu_starved_step():
+    recs = _bursts(8, [4_000_000, 1_000_000, 2_500_000, 1_000_000, 3_000_000, 500_000], [0.01, 0.004, 0.003, 0.006,
+                   0.002, 0.005], 0.05, jitter=0.15, seed=3, swap=0.15)
+    assert step_time(_pattern(recs[-48:])) == pytest.approx(0.05, rel=0.1)
+
+
+def test_one_collective_per_step_with_a_skewed_step_is_one_step_not_a_multiple():
+    # Every k is a period of a one-key sequence, and spans of many steps gather tighter than single steps do.
+    rng = np.random.default_rng(5)
+    starts = T0 + np.cumsum(0.013 + rng.exponential(0.003, 48))  # median below mean: a CPU-shared job
+    recs = [CollectiveRecord("gloo_allreduce", 1_000_000, t, t + 0.002) for t in starts]
+    assert step_time(_pattern(recs)) == pytest.approx(float(np.mean(np.diff(starts))), rel=0.05)
+
+
+def test_ranks_of_one_job_agree_on_the_step():
+    good = _bursts(6, [1_000_000] * 4, [0.02, 0.003, 0.003, 0.003], 0.04)
+    ps = [_pattern(good), _pattern(good[:5]), _pattern(good[3:])]  # one saw too few to repeat its step
+    assert step_times(ps) == pytest.approx([0.04] * 3, rel=0.01)
 
 
 def test_step_time_fallback_and_none():
@@ -221,8 +257,19 @@ def test_few_ranks_sharing_a_fault_make_one_finding():
     assert f["summary"].startswith("ranks 3, 9 compute")
 
 
-def test_two_ranks_are_undecidable():
-    assert findings(simulate(2, sync_extra={1: 0.03}, seed=9)) == []
+def test_of_two_ranks_the_one_that_arrives_last_is_the_straggler():
+    f, = findings(simulate(2, sync_extra={1: 0.03}, seed=9))
+    assert (f["kind"], f["ranks"], f["component"]) == ("compute_straggler", [1], "gpu")
+    assert f["cost"] == pytest.approx(0.03 / f["evidence"]["step_time_s"], abs=0.05)
+    assert findings(simulate(2, seed=9)) == []
+
+
+def test_two_ranks_without_collective_instants_or_with_a_slow_link_are_undecidable():
+    ps = simulate(2, sync_extra={1: 0.03}, seed=9)
+    for p in ps:  # totals alone: which of two is "the peers"?
+        p.collectives = []
+    assert findings(ps) == []
+    # A slow link between two ranks slows both alike: neither arrives last.
     assert findings(simulate(2, link_extra={1: 0.02}, seed=9)) == []
 
 

@@ -36,3 +36,20 @@ def test_never_progressed_since_attach_counts_from_attach():
     pats = [rank(r, "futex (futex_wait)", last_progress=None) for r in range(3)]
     assert kinds(pats, timeout=50.0) == [("comm_hang", [0, 1, 2])]
     assert kinds(pats, timeout=70.0) == []
+
+
+def test_of_two_ranks_the_one_not_inside_the_collective_never_reached_it():
+    """gloo: the waiting rank has a thread inside gloo_allreduce (seen entering, never returning)."""
+    pats = [rank(0, "waiting for gloo_allreduce (futex (futex_wait_queue))"),
+            rank(1, "clock_nanosleep (hrtimer_nanosleep)")]
+    assert kinds(pats) == [("noncomm_hang", [1])]
+    pats = [rank(0, "waiting for gloo_allreduce (futex (futex_wait_queue))"),
+            rank(1, "waiting for gloo_allreduce (futex (futex_wait_queue))")]
+    assert kinds(pats) == [("comm_hang", [0, 1])]
+
+
+def test_a_stopped_rank_never_reached_the_collective():
+    pats = [rank(0, "waiting for gloo_allreduce (futex (futex_wait_queue))"), rank(1, "futex (do_signal_stop)")]
+    assert kinds(pats) == [("noncomm_hang", [1])]
+    pats = [rank(0, "futex (futex_wait_queue)"), rank(1, "futex (do_signal_stop)")]
+    assert kinds(pats) == [("noncomm_hang", [1])]

@@ -73,12 +73,20 @@ _C10D = (
     ("alltoall_base", "RN2at6TensorES3_RSt6vectorIlSaIlEES7_RKNS_15AllToAllOptionsE"),
 )
 
+# Point-to-point (torch.distributed send/recv, isend/irecv): c10d's ProcessGroupGloo::{Send,Recv}Work::wait on
+# the thread that waits for the transfer (the training thread, for dist.send/recv): blocking communication,
+# timed (gloo_send, gloo_recv). A pipeline stage waiting for its neighbour stage waits here, not computes.
+_MILLISECONDS = "NSt6chrono8durationIlSt5ratioILl1ELl1000EEEE"  # wait(std::chrono::milliseconds)
+_P2P = (("gloo_send", "SendWork"), ("gloo_recv", "RecvWork"))
+
 GLOO = ProbeKind(
     name="gloo",
     library=re.compile(r"^libtorch_cpu\.so$"),
     source="gloo.bpf.c",
     probes=(
         *(_probe(("gloo", op), params, Role.COMM, returns=True) for op, params in _GLOO),
+        *(MangledProbe(symbol=prefix + _MILLISECONDS, role=Role.COMM, returns=True, name=name, prefix=prefix)
+          for name, work in _P2P if (prefix := mangled_prefix("c10d", "ProcessGroupGloo", work, "wait"))),
         *(_probe(("c10d", "ProcessGroupGloo", op), params, Role.COMM, returns=False) for op, params in _C10D),
     ),
 )

@@ -1,0 +1,41 @@
+"""Stable verdicts for services that diagnose window after window (the agent, the cluster analyzer).
+
+One window of a busy machine can make any rank look late once; a real fault persists. So a finding is
+reported only when the same kind named the same ranks in the window before too (hysteresis), and it is
+withheld while it has been seen once; the document lists it under `unconfirmed`, so nothing is hidden.
+Hangs and node loss are reported at once: they are decided over their own timeout, not over one window.
+A regression is compared with the job's baseline over several windows already.
+`rankscope diagnose` looks once, over a longer window, and reports what it saw.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .hangs import HANGS
+
+AT_ONCE = HANGS | {"node_unreachable", "regression"}
+CONFIRM_WINDOWS = 2  # consecutive windows a finding must hold in before it is reported
+
+
+def _key(f: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
+    return f["kind"], tuple(f["ranks"])
+
+
+class Confirmer:
+    """Per job, the findings of its recent windows; `confirm` moves those not yet held long enough from
+    `findings` to `unconfirmed` in each document (in place)."""
+
+    def __init__(self, windows: int = CONFIRM_WINDOWS):
+        self.windows = windows
+        self._streak: dict[str, dict[tuple[str, tuple[int, ...]], int]] = {}  # job -> finding -> windows in a row
+
+    def confirm(self, docs: dict[str, dict[str, Any]]) -> None:
+        self._streak = {job: s for job, s in self._streak.items() if job in docs}  # jobs that ended
+        for job, doc in docs.items():
+            before = self._streak.get(job, {})
+            now = {_key(f): before.get(_key(f), 0) + 1 for f in doc["findings"]}
+            self._streak[job] = now
+            held = [f for f in doc["findings"] if f["kind"] in AT_ONCE or now[_key(f)] >= self.windows]
+            doc["unconfirmed"] = [{"kind": f["kind"], "ranks": f["ranks"], "windows": now[_key(f)]}
+                                  for f in doc["findings"] if f not in held]
+            doc["findings"] = held

@@ -1,0 +1,323 @@
+"""The accuracy matrix: does rankscope name the right rank and cause on real PyTorch jobs of many shapes?
+
+    scripts/bench accuracy [--repeats N] [--shapes A,B] [--faults X,Y] [--json PATH]   (root)
+
+Each case is a fresh torchrun job of one shape (tests/jobs/: user-style training code, faults injected from
+outside the job's code by tests/jobs/inject/sitecustomize.py), warmed up, then diagnosed the way a user does:
+`rankscope diagnose --pid <ranks> --duration 10 --json`, or watched by `rankscope agent` for the cases that
+need time (a whole-job regression, a healthy job over many windows). Every figure is checked against the
+job's own truth: its step log (every optimizer step's end) and the injected fault.
+
+Per case: runs, right verdicts (the top finding's kind and ranks; for a healthy job, no finding), false
+findings (any other finding), step-time error (the document's step time against the job's own median over
+the same window), cost error (the finding's cost against the what-if share 1 - healthy step / faulty step,
+the healthy step measured on the same shape in the same run), and, for agent cases, time to the finding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "jobs"))
+import launch  # noqa: E402  (tests/jobs/launch.py: torchrun jobs with injected faults)
+
+from rankscope.sim.harness import wait_until  # noqa: E402
+
+RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
+WARMUP_S = 8.0
+DURATION_S = 10.0
+HANG_TIMEOUT_S = 4.0
+AGENT_WINDOW_S = 2.0
+AGENT_HEALTHY_WINDOWS = 10
+REGRESSION_TIMEOUT_S = 40.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One job shape: a script of tests/jobs/ with its arguments and rank count."""
+
+    name: str
+    script: str
+    ranks: int
+    args: tuple[str, ...] = ()
+    base: str = ""  # faults on every rank that belong to the shape (storage latency: a host with idle CPU)
+    workers: int = 0  # DataLoader worker processes: a slow loader must fall behind all of them
+    victim: int = -1  # the rank faults hit (default: the last)
+    note: str = ""
+
+    @property
+    def victim_rank(self) -> int:
+        return self.victim if self.victim >= 0 else self.ranks - 1
+
+
+SHAPES = [
+    Shape("mlp-2", "mlp_regression.py", 2, note="2 ranks, 1 bucket, in-process loader, CPU-bound"),
+    Shape("mlp-3-io", "mlp_regression.py", 3, base="loader:*:0.008", note="3 ranks, storage latency: idle CPU"),
+    Shape("mlp-4", "mlp_regression.py", 4, note="4 CPU-bound ranks on 2 cores"),
+    Shape("cnn-3", "cnn_classifier.py", 3, workers=2, note="many buckets, 2 loader workers per rank, Adam"),
+    Shape("lm-2", "lm_accum.py", 2, note="transformer, AdamW, 4 micro-batches accumulated (no_sync)"),
+    Shape("pipe-4", "pipeline_stages.py", 4, note="2 stages x 2 replicas, send/recv, new_group all-reduce"),
+]
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    expect: str | None  # the finding kind that names it (None: healthy, no finding)
+    mode: str = "diagnose"  # or "agent"
+    pinned: bool = False  # each rank pinned to CPU rank % 2 (a hog needs a CPU to take)
+    max_ranks: int = 64
+
+
+FAULTS = [
+    Fault("healthy", None),
+    Fault("compute", "compute_straggler"),
+    Fault("loader", "input_straggler"),
+    Fault("gc", "python_gc"),
+    Fault("hang", "noncomm_hang"),
+    Fault("sigstop", "noncomm_hang"),
+    Fault("hog", "cpu_contention", pinned=True, max_ranks=2),
+    Fault("healthy-agent", None, mode="agent"),
+    Fault("regression", "regression", mode="agent"),
+]
+
+
+@dataclass
+class Run:
+    shape: str
+    fault: str
+    right: bool
+    false: list[str]  # "kind[ranks]" of findings other than the expected one
+    findings: list[str]
+    step_s: float | None = None  # the document's
+    truth_step_s: float | None = None  # the job's own
+    cost: float | None = None
+    truth_cost: float | None = None
+    to_finding_s: float | None = None
+    error: str = ""
+
+    @property
+    def step_err(self) -> float | None:
+        if self.step_s is None or not self.truth_step_s:
+            return None
+        return self.step_s / self.truth_step_s - 1
+
+    @property
+    def cost_err(self) -> float | None:
+        if self.cost is None or not self.truth_cost:
+            return None
+        return self.cost / self.truth_cost - 1
+
+
+def log(msg: str) -> None:
+    print(f"[accuracy {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
+    """$RANKSCOPE_FAULT for the case: delays scaled to the shape's healthy step time."""
+    v = shape.victim_rank
+    extra = min(max(0.02, 0.5 * healthy_step), 0.3)  # seconds a faulty rank adds per step
+    spec = {
+        "compute": f"compute:{v}:{extra:.4f}",
+        # A batch fetch must outlast every worker's share of the step to make the rank wait for it.
+        "loader": f"loader:{v}:{extra + shape.workers * (healthy_step + extra):.4f}",
+        "gc": f"gc:{v}:0.3",
+        "hang": f"hang:{v}:0@go",
+        "regression": f"compute:*:{extra:.4f}@go",
+    }.get(fault.name, "")
+    return ",".join(filter(None, [shape.base, spec]))
+
+
+def hog_on(cpu: int) -> subprocess.Popen:
+    """A busy process pinned to `cpu` at a higher priority than the job (nice -5): a noisy neighbour."""
+    return subprocess.Popen(["taskset", "-c", str(cpu), "nice", "-n", "-5", sys.executable, "-c", "while True: pass"],
+                            start_new_session=True)
+
+
+def label(f: dict) -> str:
+    return f"{f['kind']}{f['ranks']}"
+
+
+def score(shape: Shape, fault: Fault, findings: list[dict]) -> tuple[bool, list[str]]:
+    expect = None if fault.expect is None else (fault.expect, [shape.victim_rank])
+    if fault.expect == "regression":
+        expect = ("regression", None)
+    hits = [f for f in findings if expect and f["kind"] == expect[0] and (expect[1] is None or f["ranks"] == expect[1])]
+    right = (not findings) if expect is None else bool(findings) and findings[0] in hits
+    return right, [label(f) for f in findings if f not in hits]
+
+
+def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_step: float | None) -> Run:
+    pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
+    hog = hog_on(shape.victim_rank % 2) if fault.name == "hog" else None
+    try:
+        extra = ["--hang-timeout", str(HANG_TIMEOUT_S)] if fault.expect == "noncomm_hang" else []
+        proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", pids, "--duration", str(DURATION_S), "--json", *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc.stderr.readline()  # "rankscope: watching N processes ...": every rank is watched from here on
+        if fault.name == "hang":
+            job.go()
+        elif fault.name == "sigstop":
+            os.kill(job.pids[shape.victim_rank], signal.SIGSTOP)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if hog:
+            os.killpg(hog.pid, signal.SIGKILL)
+            hog.wait()
+    if proc.returncode:
+        raise RuntimeError(f"diagnose exited {proc.returncode}: {err.strip()[-500:]}")
+    doc = json.loads(out)
+    right, false = score(shape, fault, doc["findings"])
+    run = Run(shape.name, fault.name, right, false, [label(f) for f in doc["findings"]], step_s=doc["step_time_s"])
+    if fault.expect not in ("noncomm_hang",):
+        w = doc["window"]
+        job.wait_written(w["end"])
+        run.truth_step_s = job.step_time(w["start"], w["end"])
+        if doc["findings"] and right and fault.expect and healthy_step and run.truth_step_s:
+            run.cost = doc["findings"][0]["cost"]
+            run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
+    return run
+
+
+def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, tmp: Path) -> Run:
+    port = launch.free_port()
+    pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
+    with open(tmp / f"agent-{job.run_id}.log", "wb") as agent_log:
+        agent = subprocess.Popen([*RANKSCOPE, "agent", "--pid", pids, "--listen", f"127.0.0.1:{port}",
+                                  "--window", str(AGENT_WINDOW_S)], stdout=agent_log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1/diagnosis?job={job.run_id}"
+
+    def window() -> dict | None:  # the next window's document
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                doc = json.loads(r.read())
+        except OSError:
+            return None
+        return doc if doc.get("job") == job.run_id and (doc["window"]["end"] or 0) > seen[-1] else None
+
+    seen = [0.0]
+    docs = []
+    try:
+        windows = AGENT_HEALTHY_WINDOWS if fault.expect is None else 4
+        for _ in range(windows):
+            doc = wait_until(window, 30, "the agent's next window", interval=0.2)
+            seen.append(doc["window"]["end"])
+            docs.append(doc)
+        findings = [f for d in docs for f in d["findings"]]
+        if fault.expect is None:
+            right, false = score(shape, fault, findings)
+            return Run(shape.name, fault.name, right, false, [label(f) for f in findings],
+                       step_s=statistics.median(d["step_time_s"] for d in docs if d["step_time_s"]))
+        onset = job.go()
+        found = None
+        while time.time() - onset < REGRESSION_TIMEOUT_S and found is None:
+            doc = wait_until(window, 30, "the agent's next window", interval=0.2)
+            seen.append(doc["window"]["end"])
+            docs.append(doc)
+            findings += doc["findings"]
+            found = next((f for f in doc["findings"] if f["kind"] == "regression"), None)
+        right, false = score(shape, fault, [found] if found else [])
+        false += [label(f) for f in findings if f is not found and f["kind"] != "regression"]
+        return Run(shape.name, fault.name, right, false, [label(f) for f in findings],
+                   to_finding_s=time.time() - onset if found else None)
+    finally:
+        agent.send_signal(signal.SIGINT)
+        try:
+            agent.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+
+
+def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None) -> Run:
+    spec = fault_spec(shape, fault, healthy_step or 0.05)
+    job = launch.start(shape.script, shape.ranks, list(shape.args), tmp, fault=spec)
+    try:
+        if fault.pinned:
+            launch.pin(job, {r: r % 2 for r in range(shape.ranks)})
+        launch.settle(job, WARMUP_S)
+        if fault.mode == "agent":
+            return agent_case(shape, fault, job, tmp)
+        return diagnose_case(shape, fault, job, healthy_step)
+    finally:
+        job.kill()
+
+
+def summarize(runs: list[Run]) -> list[dict[str, Any]]:
+    rows = []
+    for key in dict.fromkeys((r.shape, r.fault) for r in runs):
+        rs = [r for r in runs if (r.shape, r.fault) == key]
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        step = [abs(r.step_err) for r in rs if r.step_err is not None]
+        cost = [r.cost_err for r in rs if r.cost_err is not None]
+        ttf = [r.to_finding_s for r in rs if r.to_finding_s is not None]
+        rows.append({"shape": key[0], "fault": key[1], "runs": len(rs), "right": sum(r.right for r in rs),
+                     "false": sum(len(r.false) for r in rs), "errors": sum(bool(r.error) for r in rs),
+                     "step_err": med(step), "cost_err": med(cost), "to_finding_s": med(ttf),
+                     "seen": sorted({", ".join(r.findings) or "-" for r in rs})})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
+    lines = ["| shape | fault | right | false findings | step-time error | cost error | time to finding | seen |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ttf = "-" if r["to_finding_s"] is None else f"{r['to_finding_s']:.1f} s"
+        lines.append(f"| {r['shape']} | {r['fault']} | {r['right']}/{r['runs']} | {r['false']} | "
+                     f"{pct(r['step_err'])} | {pct(r['cost_err'])} | {ttf} | {'; '.join(r['seen'])[:80]} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    ap.add_argument("--faults", default=",".join(f.name for f in FAULTS))
+    ap.add_argument("--json", default="accuracy-results.json")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench_accuracy: needs root (eBPF)", file=sys.stderr)
+        return 2
+    shapes = [s for s in SHAPES if s.name in args.shapes.split(",")]
+    faults = [f for f in FAULTS if f.name in args.faults.split(",")]
+    runs: list[Run] = []
+    healthy: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="rankscope-accuracy-") as tmp:
+        for repeat in range(args.repeats):
+            for shape in shapes:
+                # The healthy run comes first: its step time scales the faults and is the cost's reference.
+                for fault in sorted((f for f in faults if shape.ranks <= f.max_ranks), key=lambda f: f.name != "healthy"):
+                    ref = statistics.median(healthy[shape.name]) if healthy.get(shape.name) else None
+                    try:
+                        run = run_case(shape, fault, Path(tmp), ref)
+                    except Exception as e:  # noqa: BLE001  (a case that could not run is reported, not fatal)
+                        run = Run(shape.name, fault.name, False, [], [], error=f"{type(e).__name__}: {e}"[:300])
+                    if fault.name == "healthy" and run.truth_step_s:
+                        healthy.setdefault(shape.name, []).append(run.truth_step_s)
+                    runs.append(run)
+                    log(f"{repeat + 1}/{args.repeats} {shape.name} {fault.name}: {'right' if run.right else 'WRONG'} "
+                        f"{run.findings or '-'} step {run.step_s} vs {run.truth_step_s} cost {run.cost} vs "
+                        f"{run.truth_cost} {run.error}")
+    rows = summarize(runs)
+    print(table(rows))
+    Path(args.json).write_text(json.dumps({"shapes": [asdict(s) for s in shapes], "rows": rows,
+                                           "runs": [asdict(r) | {"step_err": r.step_err, "cost_err": r.cost_err}
+                                                    for r in runs]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

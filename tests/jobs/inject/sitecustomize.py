@@ -1,0 +1,164 @@
+"""Fault injection and step truth for the test jobs in tests/jobs/, without touching the jobs' own code.
+
+Python imports this module at start-up when its folder is on PYTHONPATH (every rank torchrun starts, and
+DataLoader workers, inherit it). It acts only in a training rank (RANK set) and hooks torch.optim globally
+once torch.optim.optimizer is imported:
+
+- Truth: every optimizer step's end (unix s) is written to $RANKSCOPE_TRUTH_DIR/r<RANK>.json (the last
+  KEEP_STEPS, rewritten every REPORT_EVERY_S): the job's own step log, which rankscope's figures are
+  checked against.
+- Faults: $RANKSCOPE_FAULT = KIND:RANK:VALUE[@ONSET][,...], RANK `*` for every rank; ONSET is seconds
+  from the rank's first step, or `go`: from when the file $RANKSCOPE_TRUTH_DIR/go exists (a test starts the
+  fault once rankscope is attached):
+    compute:R:S   the rank computes S seconds longer each step (spins on its CPU before optimizer.step)
+    loader:R:S    every batch fetch sleeps S seconds (in the main process or in the DataLoader's workers)
+    gc:R:M        the rank keeps M million objects alive and runs a full garbage collection each step
+    hang:R:0      the rank blocks for good before its next collective (in optimizer.step)
+  SIGSTOP, a CPU hog and a slow link are injected from outside (scripts/bench_accuracy.py).
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+
+KEEP_STEPS = 4096
+REPORT_EVERY_S = 0.5
+
+
+def _faults_here(rank: int) -> dict[str, tuple[float, str]]:
+    """kind -> (value, onset_s) of the faults of $RANKSCOPE_FAULT (comma-separated) that apply to this rank."""
+    out = {}
+    for spec in filter(None, os.environ.get("RANKSCOPE_FAULT", "").split(",")):
+        spec, _, onset = spec.partition("@")
+        kind, who, value = spec.split(":")
+        if who == "*" or int(who) == rank:
+            out[kind] = (float(value), onset or "0")
+    return out
+
+
+class _Rank:
+    """One training rank's hooks: the step log and the fault, applied from its onset on."""
+
+    def __init__(self, rank: int, faults: dict[str, tuple[float, str]]):
+        self.rank = rank
+        self.faults = faults
+        self.first: float | None = None
+        self.ends: list[float] = []
+        self.count = 0
+        self.written = 0.0
+        self.heap: list = []
+        self.pid = os.getpid()  # a forked DataLoader worker inherits this object: only the rank writes
+        directory = os.environ.get("RANKSCOPE_TRUTH_DIR")
+        self.path = os.path.join(directory, f"r{rank}.json") if directory else None
+        self.go = os.path.join(directory, "go") if directory else None
+
+    def active(self, kind: str) -> float | None:
+        if kind not in self.faults:
+            return None
+        value, onset = self.faults[kind]
+        if onset == "go":
+            return value if self.go is not None and os.path.exists(self.go) else None
+        if float(onset) and (self.first is None or time.time() - self.first < float(onset)):
+            return None
+        return value
+
+    def before_step(self, *_args) -> None:
+        if self.first is None:
+            self.first = time.time()
+        if (spin := self.active("compute")) is not None:
+            end = time.perf_counter() + spin
+            while time.perf_counter() < end:
+                pass
+        if (millions := self.active("gc")) is not None:
+            if not self.heap:  # long-lived objects in reference cycles: each full collection walks them all
+                self.heap = [[i] for i in range(int(millions * 1e6))]
+                for a, b in zip(self.heap[::2], self.heap[1::2]):
+                    a.append(b)
+                    b.append(a)
+            gc.collect()
+        if self.active("hang") is not None:
+            print(f"inject: rank {self.rank} blocks before its next collective", file=sys.stderr, flush=True)
+            self.write()
+            while True:
+                time.sleep(1)
+
+    def after_step(self, *_args) -> None:
+        now = time.time()
+        self.ends.append(now)
+        self.count += 1
+        if len(self.ends) > 2 * KEEP_STEPS:
+            del self.ends[:-KEEP_STEPS]
+        if now - self.written >= REPORT_EVERY_S:
+            self.write()
+
+    def write(self) -> None:
+        if not self.path or os.getpid() != self.pid:
+            return
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"rank": self.rank, "pid": os.getpid(), "steps": self.count, "written": time.time(),
+                       "ends": [round(t, 6) for t in self.ends[-KEEP_STEPS:]]}, f)
+        os.replace(tmp, self.path)  # readers never see half a file
+        self.written = time.time()
+
+    def slow_fetch(self, fetch):
+        """Wraps a DataLoader fetcher's fetch: the batch takes `loader` seconds longer to read."""
+        def fetch_slowly(*args, **kwargs):
+            if (delay := self.active("loader")) is not None:
+                time.sleep(delay)
+            return fetch(*args, **kwargs)
+        return fetch_slowly
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs `then(module)` right after `name` is imported (torch imports its submodules lazily)."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        sys.meta_path.insert(0, self)
+        if spec is None:
+            return None
+        self.inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        sys.meta_path.remove(self)
+        self.then(module)
+
+
+def _install() -> None:
+    if "RANK" not in os.environ:  # torchrun itself, or any other Python
+        return
+    rank = _Rank(int(os.environ["RANK"]), _faults_here(int(os.environ["RANK"])))
+    atexit.register(rank.write)
+
+    def hook_optim(module) -> None:
+        module.register_optimizer_step_pre_hook(lambda *a: rank.before_step(*a))
+        module.register_optimizer_step_post_hook(lambda *a: rank.after_step(*a))
+
+    def hook_fetch(module) -> None:
+        for cls in (module._MapDatasetFetcher, module._IterableDatasetFetcher):
+            cls.fetch = rank.slow_fetch(cls.fetch)
+
+    sys.meta_path.insert(0, _AfterImport("torch.optim.optimizer", hook_optim))
+    sys.meta_path.insert(0, _AfterImport("torch.utils.data._utils.fetch", hook_fetch))
+
+
+_install()

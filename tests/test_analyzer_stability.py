@@ -1,0 +1,39 @@
+"""Stable verdicts: services report a finding only once it held in consecutive windows."""
+from rankscope.analyzer.stability import Confirmer
+
+
+def doc(*findings: tuple[str, list[int]]) -> dict:
+    return {"findings": [{"kind": k, "ranks": r, "cost": 0.1} for k, r in findings]}
+
+
+def test_a_finding_of_one_window_is_withheld_and_listed_as_unconfirmed():
+    c = Confirmer()
+    first = {"j": doc(("slow_link", [1]))}
+    c.confirm(first)
+    assert first["j"]["findings"] == []
+    assert first["j"]["unconfirmed"] == [{"kind": "slow_link", "ranks": [1], "windows": 1}]
+    quiet = {"j": doc()}
+    c.confirm(quiet)  # gone the next window: never reported
+    assert quiet["j"]["findings"] == [] and quiet["j"]["unconfirmed"] == []
+
+
+def test_a_finding_that_holds_is_reported_from_its_second_window():
+    c = Confirmer()
+    for expected in ([], [[2]], [[2]]):
+        d = {"j": doc(("compute_straggler", [2]))}
+        c.confirm(d)
+        assert [f["ranks"] for f in d["j"]["findings"]] == expected
+    moved = {"j": doc(("compute_straggler", [3]))}  # another rank: a new finding
+    c.confirm(moved)
+    assert moved["j"]["findings"] == []
+
+
+def test_hangs_and_regressions_are_reported_at_once_and_jobs_are_kept_apart():
+    c = Confirmer()
+    d = {"a": doc(("noncomm_hang", [1])), "b": doc(("regression", [0, 1]), ("cpu_contention", [0]))}
+    c.confirm(d)
+    assert [f["kind"] for f in d["a"]["findings"]] == ["noncomm_hang"]
+    assert [f["kind"] for f in d["b"]["findings"]] == ["regression"]
+    d = {"a": doc(("cpu_contention", [0]))}
+    c.confirm(d)
+    assert d["a"]["findings"] == []  # job b's streak is not job a's
