@@ -218,8 +218,11 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, tmp: Path) -
         findings = [f for d in docs for f in d["findings"]]
         if fault.expect is None:
             right, false = score(shape, fault, findings)
+            steps = [d["step_time_s"] for d in docs if d["step_time_s"]]
+            start, end = docs[0]["window"]["start"], docs[-1]["window"]["end"]
+            job.wait_written(end)
             return Run(shape.name, fault.name, right, false, [label(f) for f in findings],
-                       step_s=statistics.median(d["step_time_s"] for d in docs if d["step_time_s"]))
+                       step_s=statistics.fmean(steps) if steps else None, truth_step_s=job.step_time(start, end))
         onset = job.go()
         found = None
         while time.time() - onset < REGRESSION_TIMEOUT_S and found is None:

@@ -96,6 +96,9 @@ def test_one_diagnosis_over_all_nodes_and_a_down_agent_is_reported():
 
     async def go():
         async with agents(JOB) as servers, cluster([_url(s) for s in servers.values()] + [dead]) as c:
+            first = await c.window()
+            assert first.diagnoses["job-a"]["findings"] == []  # one window: unconfirmed (hysteresis)
+            assert first.diagnoses["job-a"]["unconfirmed"][0]["ranks"] == [SLOW]
             return await c.window(), [_url(s) for s in servers.values()]
 
     snap, up = asyncio.run(go())
@@ -217,6 +220,7 @@ def test_dns_names_expand_to_every_address():
 def test_cluster_api():
     async def go():
         async with agents(JOB) as servers, cluster([_url(s) for s in servers.values()] + [_free_url()]) as c:
+            await c.window()  # a finding is reported once it held in two windows
             snap = await c.window()
         auth = {"Authorization": f"Bearer {TOKEN}"}
         async with TestClient(TestServer(make_cluster_app(lambda: snap, TOKEN))) as api:
