@@ -58,7 +58,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     found: list[Finding] = []
     timed: list[Finding] = []
     for rows in groups:  # ranks are compared with the ranks of their own role only (pipeline stages)
-        peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows])
+        peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows], table.job_step_s)
         alignment = align_collectives(peers.patterns, peers.job_step_s)
         throttled = gpu_throttle(peers, alignment)
         explained = {r for f in throttled for r in f.ranks}

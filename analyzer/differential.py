@@ -106,9 +106,11 @@ def _late_per_step(enter: np.ndarray, step_s: float) -> tuple[np.ndarray, np.nda
     ends = np.searchsorted(first, first + STEP_SPAN * step_s, side="left")
     starts = np.flatnonzero(ends - np.arange(first.size) >= 1)
     stretches = np.stack([late[:, j:ends[j]].max(axis=1) for j in starts], axis=1)
-    rows = np.arange(late.shape[0])
-    others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in rows]) if rows.size > 1 \
-        else np.zeros_like(stretches)
+    n = stretches.shape[0]
+    if n > LEAVE_ONE_OUT_MAX:  # one rank moves no median of many
+        others = np.median(stretches, axis=0, keepdims=True)
+    else:  # a small job: each rank against the others only (of two ranks, the median of both halves it)
+        others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in range(n)])
     return np.median(stretches, axis=1), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1)
 
 

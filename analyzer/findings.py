@@ -256,7 +256,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
 def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Straggling ranks whose extra time is waiting for a CPU (runnable, not running): the scheduler gave
     their CPU to other tasks, named from the kernel's view of who ran while they waited."""
-    found = _straggling(t, PAIR_RANKS)
+    found = _straggling(t, PAIR_RANKS, a)
     if found is None:
         return []
     rows, z, excess, _work, _comm_med = found

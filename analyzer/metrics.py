@@ -44,10 +44,14 @@ class RankTable:
         return float(np.median(known)) if known.size else float("nan")
 
 
-def rank_table(patterns: Sequence[RankPattern]) -> RankTable:
+def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None) -> RankTable:
+    """The table of `patterns` (one job's ranks, or one peer group of them: then `job_step_s`, the job's step
+    time, is every rank's that completed collectives, as the ranks of one synchronous job share it)."""
     patterns = list(patterns)
     n = len(patterns)
     step = step_times(patterns)
+    if job_step_s is not None and np.isfinite(job_step_s):
+        step[np.fromiter((bool(p.collectives) for p in patterns), bool, n)] = job_step_s
     window = np.fromiter((p.window_s for p in patterns), float, n)
     per_step = step / window  # window totals -> seconds per step
 

@@ -6,12 +6,11 @@ and the same one k places later is the step time. Two things make the period har
 - the collectives of one step may look alike (DDP's gradient buckets of equal size; micro-batch sends), so
   the sequence of names and sizes repeats every 1 collective while the step holds 9;
 - their order varies (gloo runs a step's all-reduces on two worker threads).
-So names and sizes only propose periods (k collectives a step, each (op, bytes) called a whole number of times
-among them), a collective's step runs to the same (op, bytes) call one step later, whatever the order in
-between, and timing decides: k collectives must span one step *every* time, while a part of a step spans a
-short stretch inside the backward pass here and the long gap across the forward pass there. The k whose spans gather most tightly
-around their median (or its smallest divisor that agrees) is the period. The collectives shipped are only
-the window's last ones, so once k is known the step is taken over the whole window from the call counts.
+So names and sizes propose periods (k collectives a step, each (op, bytes) called a whole number of times
+among them, in any order), and a collective's step runs to the same (op, bytes) call one step later. The
+smallest such period with distinct collectives is the step; where all calls look alike, the long gaps between
+them (across the forward pass) mark where steps begin. The collectives shipped are only the window's last
+ones, so once k is known the step is taken over the whole window from the call counts.
 The ranks of one synchronous job share one step time, the median of their own estimates (a rank that saw
 too few collectives, or whose window began later, does not stray). A rank that saw no collective instants
 at all falls back to its call counts.
@@ -26,9 +25,8 @@ import numpy as np
 from .patterns import RankPattern, Role
 
 MIN_REPEATS = 2  # a period must be seen at least twice to be believed
-SPAN_TOLERANCE = 0.3  # a span "is one step" within this fraction of the median span
-CV_SLACK = 2.0  # a divisor's spans may vary this many times more than sums of independent steps would
-CV_FLOOR = 0.01  # ... counting the best k's variation as at least this (a perfectly regular job)
+WHOLE_STEPS = 0.5  # share of the runs of k collectives that must hold a whole step (order varies at the edges)
+LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times the median one is long
 WINDOW_STEPS = 20  # steps in the window for the call counts to give the step (edges cost at most 1/20)
 
 
@@ -47,15 +45,20 @@ class _Candidate:
 
 def _candidates(keys: np.ndarray) -> list[_Candidate]:
     """Periods k whose calls per step make every key's count in the sequence (within the window's cut steps at
-    either end) and add up to k. Order is not required: a step's collectives may complete in any order."""
+    either end), add up to k, and fill most runs of k consecutive collectives exactly. Order within a step is
+    not required: a step's collectives may complete in any order."""
     n = keys.size
-    uniq, counts = np.unique(keys, return_counts=True)
+    uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
     positions = [np.flatnonzero(keys == u) for u in uniq]
+    # Running count of each key: any k consecutive collectives of a period-k sequence hold each key `per` times.
+    running = np.vstack([np.zeros(uniq.size, np.intp), np.cumsum(np.eye(uniq.size, dtype=np.intp)[inverse], axis=0)])
     out = []
     for k in range(1, n // MIN_REPEATS + 1):
         per = np.rint(counts * k / n).astype(int)
         expected = per * n / k
         if per.min() < 1 or per.sum() != k or (np.abs(counts - expected) > np.maximum(1.5, 0.1 * expected)).any():
+            continue
+        if np.mean(((running[k:] - running[:-k]) == per).all(axis=1)) < WHOLE_STEPS:
             continue
         out.append(_Candidate(k, list(zip(positions, per.tolist()))))
     return out
@@ -64,39 +67,45 @@ def _candidates(keys: np.ndarray) -> list[_Candidate]:
 def _periods(enter: np.ndarray, candidates: list[_Candidate]) -> tuple[np.ndarray, np.ndarray]:
     """Per row of `enter` (ranks x collectives, one key sequence): (k, mean span) of the period, k = 0 where
     none. A candidate's spans run from each call to the same key's call one step later (`per` of its calls
-    on). The candidate whose spans gather best around their median wins, reduced to its smallest divisor
-    candidate that is steady enough to add up to it (a multiple of the period gathers better only because
-    relative jitter shrinks over several steps). The mean, not the median: a step time is what a job's
-    steps take on average (its throughput, and what its own log prints as ms/step)."""
+    on). The mean, not the median: a step time is what steps take on average (a job's throughput, and what
+    its own log prints as ms/step).
+    - The smallest candidate holds distinct collectives, each a whole number of times: that is one step by
+      names and sizes (steps may still alternate in length, two loader workers in phase, so that timing
+      alone would call two steps one).
+    - One kind of collective only (DDP's buckets all of one size, or one bucket): the long gaps between calls
+      decide. Bursts of K calls a step leave a long gap (across the forward pass) every K calls, at a fixed
+      spacing; a step of one call leaves long gaps only where a step ran late, at random places."""
     rows = enter.shape[0]
     if not candidates:
         return np.zeros(rows, np.intp), np.full(rows, np.nan)
-    med = np.full((rows, len(candidates)), np.nan)
-    mean, cv = med.copy(), med.copy()
-    gathered = np.zeros((rows, len(candidates)))
-    for j, c in enumerate(candidates):
+    ks = np.ones(rows, np.intp) * candidates[0].k
+    if len(candidates[0].keys) == 1 and enter.shape[1] > 2:
+        ks = _burst(enter, {c.k for c in candidates})
+    step = np.full(rows, np.nan)
+    for k in np.unique(ks):
+        c = next(c for c in candidates if c.k == k)
         parts = [enter[:, pos[per:]] - enter[:, pos[:-per]] for pos, per in c.keys if pos.size > per]
-        if not parts:
-            continue
-        spans = np.concatenate(parts, axis=1)
-        med[:, j], mean[:, j] = np.median(spans, axis=1), spans.mean(axis=1)
-        cv[:, j] = spans.std(axis=1) / np.where(mean[:, j] > 0, mean[:, j], np.nan)
-        gathered[:, j] = np.mean(np.abs(spans - med[:, j:j + 1]) <= SPAN_TOLERANCE * med[:, j:j + 1], axis=1)
-    ks = np.array([c.k for c in candidates])
-    best = np.argmax(gathered, axis=1)  # ties: the smallest k
-    choice = best.copy()
-    with np.errstate(invalid="ignore", divide="ignore"):
-        # A divisor d of the best k is the period when its spans vary no more than steps that add up to the
-        # k-span would: the CV of a sum of k/d steps is the CV of one over sqrt(k/d). Parts of a step (a short
-        # gap inside backward here, the long one across forward there) vary far more than that.
-        best_cv = cv[np.arange(rows), best]
-        for j in range(len(candidates) - 1, -1, -1):  # the smallest consistent divisor is tried last, so it wins
-            divides = (ks[best] % ks[j] == 0) & (ks[j] < ks[best])
-            steady = cv[:, j] <= CV_SLACK * np.maximum(best_cv, CV_FLOOR) * np.sqrt(ks[best] / ks[j])
-            choice = np.where(divides & steady, j, choice)
-    step = mean[np.arange(rows), choice]
+        if parts:
+            mine = ks == k
+            step[mine] = np.concatenate(parts, axis=1)[mine].mean(axis=1)
     ok = np.isfinite(step) & (step > 0)
-    return np.where(ok, ks[choice], 0), np.where(ok, step, np.nan)
+    return np.where(ok, ks, 0), np.where(ok, step, np.nan)
+
+
+def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
+    """Per row of one kind of collective: K when its long gaps (LONG_GAP x the median gap) recur exactly every
+    K calls, at least twice; else 1."""
+    gaps = np.diff(enter, axis=1)
+    long = gaps > LONG_GAP * np.median(gaps, axis=1, keepdims=True)
+    idx = np.arange(gaps.shape[1])
+    first = np.argmax(long, axis=1)[:, None]
+    out = np.ones(enter.shape[0], np.intp)
+    found = np.zeros(enter.shape[0], bool)
+    for k in sorted(allowed - {1}):
+        expected = (idx >= first) & ((idx - first) % k == 0)
+        fits = ~found & (long == expected).all(axis=1) & (long.sum(axis=1) >= 2)
+        out[fits], found[fits] = k, True
+    return out
 
 
 def _period_op(seq: Sequence[tuple[str, int]], k: int) -> tuple[str, int]:

@@ -55,11 +55,15 @@ class Shape:
     base: str = ""  # faults on every rank that belong to the shape (storage latency: a host with idle CPU)
     workers: int = 0  # DataLoader worker processes: a slow loader must fall behind all of them
     victim: int = -1  # the rank faults hit (default: the last)
+    loads: int = -1  # the rank a slow loader hits: one that loads data (default: the victim)
     note: str = ""
 
     @property
     def victim_rank(self) -> int:
         return self.victim if self.victim >= 0 else self.ranks - 1
+
+    def target(self, fault: str) -> int:
+        return self.loads if fault == "loader" and self.loads >= 0 else self.victim_rank
 
 
 SHAPES = [
@@ -68,7 +72,8 @@ SHAPES = [
     Shape("mlp-4", "mlp_regression.py", 4, note="4 CPU-bound ranks on 2 cores"),
     Shape("cnn-3", "cnn_classifier.py", 3, workers=2, note="many buckets, 2 loader workers per rank, Adam"),
     Shape("lm-2", "lm_accum.py", 2, note="transformer, AdamW, 4 micro-batches accumulated (no_sync)"),
-    Shape("pipe-4", "pipeline_stages.py", 4, note="2 stages x 2 replicas, send/recv, new_group all-reduce"),
+    Shape("pipe-4", "pipeline_stages.py", 4, loads=1,
+          note="2 stages x 2 replicas, send/recv, new_group all-reduce; stage 0 (ranks 0, 1) loads the data"),
 ]
 
 
@@ -127,7 +132,7 @@ def log(msg: str) -> None:
 
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     """$RANKSCOPE_FAULT for the case: delays scaled to the shape's healthy step time."""
-    v = shape.victim_rank
+    v = shape.target(fault.name)
     extra = min(max(0.02, 0.5 * healthy_step), 0.3)  # seconds a faulty rank adds per step
     spec = {
         "compute": f"compute:{v}:{extra:.4f}",
@@ -151,7 +156,7 @@ def label(f: dict) -> str:
 
 
 def score(shape: Shape, fault: Fault, findings: list[dict]) -> tuple[bool, list[str]]:
-    expect = None if fault.expect is None else (fault.expect, [shape.victim_rank])
+    expect = None if fault.expect is None else (fault.expect, [shape.target(fault.name)])
     if fault.expect == "regression":
         expect = ("regression", None)
     hits = [f for f in findings if expect and f["kind"] == expect[0] and (expect[1] is None or f["ranks"] == expect[1])]

@@ -160,6 +160,16 @@ def test_one_collective_per_step_with_a_skewed_step_is_one_step_not_a_multiple()
     assert step_time(_pattern(recs)) == pytest.approx(float(np.mean(np.diff(starts))), rel=0.05)
 
 
+def test_steps_that_alternate_in_length_are_still_one_step_each():
+    # Two loader workers in phase: a short step, then a long one; four buckets of distinct sizes each step.
+    recs, starts = [], [T0]
+    for i in range(12):
+        recs += [CollectiveRecord("gloo_allreduce", b, starts[-1] + 0.01 * j, starts[-1] + 0.01 * j + 0.001)
+                 for j, b in enumerate([400, 300, 200, 100])]
+        starts.append(starts[-1] + (0.06 if i % 2 else 0.17))
+    assert step_time(_pattern(recs)) == pytest.approx(float(np.mean(np.diff(starts[:12]))), rel=0.01)
+
+
 def test_ranks_of_one_job_agree_on_the_step():
     good = _bursts(6, [1_000_000] * 4, [0.02, 0.003, 0.003, 0.003], 0.04)
     ps = [_pattern(good), _pattern(good[:5]), _pattern(good[3:])]  # one saw too few to repeat its step
