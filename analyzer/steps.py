@@ -108,11 +108,15 @@ def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     return out
 
 
-def _period_op(seq: Sequence[tuple[str, int]], k: int) -> tuple[str, int]:
-    """The most frequent op of one period and how many times a step calls it."""
-    ops = [op for op, _ in seq[:k]]
-    op = max(set(ops), key=ops.count)
-    return op, ops.count(op)
+def _period_op(seq: Sequence[tuple[str, int]], c: _Candidate) -> tuple[str, int]:
+    """The most frequent op of one period and how many times a step calls it, from the candidate's calls per
+    step of each key (the first k collectives need not be one whole step: order varies)."""
+    per_op: dict[str, int] = {}
+    for pos, per in c.keys:
+        op = seq[pos[0]][0]
+        per_op[op] = per_op.get(op, 0) + per
+    op = max(per_op, key=per_op.__getitem__)
+    return op, per_op[op]
 
 
 def _over_window(p: RankPattern, op: str, per_step: int) -> float:
@@ -150,7 +154,7 @@ def step_times(patterns: Sequence[RankPattern]) -> np.ndarray:
         candidates = _candidates(_key_ids(seq)) or _candidates(_key_ids([op for op, _ in seq]))
         ks, spans = _periods(enter, candidates)
         # The window's call counts cover all of it (the collectives shipped cover only its last steps).
-        ops = {k: _period_op(seq, k) for k in set(ks.tolist()) if k}
+        ops = {c.k: _period_op(seq, c) for c in candidates if c.k in set(ks.tolist())}
         out[rows] = [_over_window(patterns[i], *ops[k]) if k else np.nan for i, k in zip(rows, ks.tolist())]
         out[rows] = np.where(np.isfinite(out[rows]), out[rows], spans)
     known = np.isfinite(out)
