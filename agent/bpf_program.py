@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 
+import numpy as np
+
 from .bcc_compile import compile_bpf
 from .probes import KINDS, Probe, ProbeKind
 from .symbols import SymbolError, functions
@@ -39,6 +41,11 @@ class LibraryProbes:
     hot: list[tuple[Probe, str]] = field(default_factory=list)  # hot probes (and their symbol), deep detail only
     hot_events: list[bytes] = field(default_factory=list)  # of the hot probes, while attached
     users: set[int] = field(default_factory=set)
+
+
+# One completed collective as the kernel streams it (bpf/common.h: struct coll_done_rec); times monotonic ns.
+DONE_RECORD = np.dtype([("pid", "<u4"), ("fn", "<u4"), ("seq", "<u8"), ("enter_ns", "<u8"), ("done_ns", "<u8"),
+                        ("bytes", "<u8")])
 
 
 def function_ids(kinds: tuple[ProbeKind, ...]) -> dict[str, int]:
@@ -67,6 +74,8 @@ class ProbeProgram:
         self.libraries: dict[tuple[int, int], LibraryProbes] = {}  # (st_dev, st_ino) -> probes
         self.watched: set[int] = set()
         self.hot = False  # whether hot probes (Probe.hot) are attached
+        self._done: list[bytes] = []  # completed-collective records since the last drain, raw
+        self._lost = 0  # completed collectives the stream had no room for, so far
 
     @property
     def bpf(self):
@@ -77,7 +86,28 @@ class ProbeProgram:
                 self._bpf = compile_bpf(_source(self.kinds), cflags)
             except Exception as e:  # bcc raises bare Exception for compile and load failures
                 raise ProbeError(f"cannot load the BPF program (root, kernel headers?): {e}") from e
+            self._bpf["coll_done"].open_ring_buffer(self._on_done)
         return self._bpf
+
+    def _on_done(self, _ctx, data, size) -> None:
+        self._done.append(ctypes.string_at(data, size))  # parsed in bulk by completed(): ~1 us a record here
+
+    def completed(self) -> dict[int, np.ndarray]:
+        """pid -> the collectives completed since the last call (DONE_RECORD rows, in order). One read of the
+        kernel's stream; a stream that overflowed since is logged, never fatal."""
+        if self._bpf is None:
+            return {}
+        self._bpf.ring_buffer_consume()
+        lost = self._bpf["done_lost"][ctypes.c_int(0)].value
+        if lost > self._lost:
+            log.warning("%d completed collectives found the kernel's stream full: read it more often",
+                        lost - self._lost)
+            self._lost = lost
+        raw, self._done = b"".join(self._done), []
+        recs = np.frombuffer(raw, DONE_RECORD)
+        recs = recs[np.lexsort((recs["seq"], recs["pid"]))]  # the stream interleaves CPUs
+        pids, starts = np.unique(recs["pid"], return_index=True)
+        return {int(pid): part for pid, part in zip(pids, np.split(recs, starts[1:]))}
 
     def attach(self, target: Target) -> list[LibraryProbes]:
         """Watch `target`: probe each of its libraries not probed yet, and account its calls from now on."""

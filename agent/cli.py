@@ -61,13 +61,19 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.duration <= 0 or args.hang_timeout <= 0:
         raise UsageError("--duration and --hang-timeout must be positive")
     pids = parse_pids(args.pid)
+    try:  # opened before attaching: a path that cannot be written fails before the job is touched
+        save = open(args.save_patterns, "wb") if args.save_patterns else None
+    except OSError as e:
+        raise UsageError(f"--save-patterns: cannot write {args.save_patterns}: {e.strerror}") from None
     session = make_session(args, DEEP)  # one bounded look, asked for: full detail
     try:
         doc = observe(session, pids, args.duration, args.hang_timeout,
-                      watching=lambda line: print(line, file=sys.stderr, flush=True))
+                      watching=lambda line: print(line, file=sys.stderr, flush=True), save=save)
         print(json.dumps(doc) if args.json else render(doc), flush=True)
     finally:
         session.close()
+        if save is not None:
+            save.close()
     return 0
 
 
@@ -157,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", required=True, help="comma-separated PIDs of the ranks on this machine")
     p.add_argument("--duration", type=float, default=10.0, help="seconds to observe (default 10)")
     p.add_argument("--json", action="store_true", help="print the diagnosis document as JSON")
+    p.add_argument("--save-patterns", metavar="FILE",
+                   help="also write the observed patterns to FILE (msgpack, as GET /v1/patterns serves them): "
+                        "the raw data behind the verdict, to analyze again or attach to a report")
     add_hang_timeout(p)
     add_trace_function(p)
     p.set_defaults(func=cmd_diagnose)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
 
 from . import histograms
-from .bpf_program import ProbeProgram
+from .bpf_program import DONE_RECORD, ProbeProgram
 from .detail import LIGHT, Detail
 from .probes import sched
 from .probes.nccl import communicators, world_communicator
@@ -25,6 +27,7 @@ STALLED_SAMPLES = 5  # /proc reads of a stalled rank: its state by majority
 # A rank whose last collective completed this long before the window's end is stalled (so far): where it
 # is, is read. Not "nothing completed this window": a hang that starts mid-window must show too.
 STALLED_AFTER_S = 2.0
+_NONE_DONE = np.zeros(0, DONE_RECORD)
 
 
 @dataclass
@@ -40,7 +43,6 @@ class _ProcessCursor:
 
     def __init__(self, pid: int):
         self.functions: dict[int, _Cumulative] = {}
-        self.last_coll_seq = 0
         self.last_progress: float | None = None  # unix s of the last collective completion seen
         self.sched = sched.SchedReader(pid)
         self.major_faults = major_faults(pid)
@@ -68,13 +70,12 @@ class Collector:
         stats: dict[int, dict[int, tuple]] = {}
         for key, val in bpf["fn_stats"].items():
             stats.setdefault(key.pid, {})[key.fn] = (val.count, val.total_ns, val.max_ns, val.bytes, list(val.hist))
-        rings: dict[int, list] = {}
-        for key, rec in bpf["coll_ring"].items():
-            rings.setdefault(key.pid, []).append((rec.seq, rec.enter_ns, rec.done_ns, rec.bytes, rec.fn))
+        completed = self.program.completed()
         comms = communicators(bpf)
         pending = {k.value: v.pending_last for k, v in bpf["watched"].items() if v.pending_last}
-        stalled = {t.pid for t in targets if self._stalled(t, now)}
+        stalled = {t.pid for t in targets if self._stalled(t, now)}  # before this window's progress: a superset
         blocked_in = self._blocked_in(stalled) if stalled else {}
+        pending_op = self._pending_ops({pid: pending[pid] for pid in stalled if pid in pending})
         threads = sched.threads(bpf)
         stacks = self.python.read()
         timed = self.timer.read()
@@ -87,8 +88,7 @@ class Collector:
                 self._cursors[t.pid] = _ProcessCursor(t.pid)
             cursor = self._cursors[t.pid]
             faults = major_faults(t.pid)
-            ring = rings.get(t.pid, [])
-            collectives = self._collectives(cursor, ring, mono_to_unix)
+            collectives = self._collectives(completed.get(t.pid, _NONE_DONE), mono_to_unix)
             if collectives:
                 cursor.last_progress = collectives[-1].done
             ident = self._identity(t, comms.get(t.pid, []))
@@ -107,7 +107,7 @@ class Collector:
                 since=t.attached_at,
                 python=summarize(stacks.get(t.pid, {}), self.python.frequency, self.detail.top_python),
                 python_timed=timed.get(t.pid, []),
-                where=self._where(t.pid, ring, pending.get(t.pid), blocked_in.get(t.pid), stalled=self._stalled(t, now)),
+                where=self._where(t.pid, pending_op.get(t.pid) or blocked_in.get(t.pid), stalled=self._stalled(t, now)),
             ))
             cursor.major_faults = faults
         return patterns
@@ -146,14 +146,25 @@ class Collector:
         cursor = self._cursors.get(t.pid)
         return now - ((cursor.last_progress if cursor else None) or t.attached_at) >= STALLED_AFTER_S
 
-    def _where(self, pid: int, ring: list, pending_seq: int | None, blocked_in: str | None, stalled: bool) -> str:
-        """Where a stalled rank is stuck ("" for a rank making progress): waiting for a collective it enqueued
-        (NCCL) or is inside of (gloo), or else the state of its main thread."""
+    @staticmethod
+    def _where(pid: int, op: str | None, stalled: bool) -> str:
+        """Where a stalled rank is stuck ("" for a rank making progress): waiting for the collective `op` it
+        enqueued (NCCL) or is inside of (gloo), or else the state of its main thread."""
         if not stalled:
             return ""
         state = where(pid, samples=STALLED_SAMPLES)
-        op = next((self.program.symbol_of.get(fn) for seq, _e, _d, _b, fn in ring if seq == pending_seq), blocked_in)
         return f"waiting for {op} ({state})" if op else state
+
+    def _pending_ops(self, pending: dict[int, int]) -> dict[int, str]:
+        """pid -> the collective it enqueued and has not seen complete (its seq in `pending`), from the
+        kernel's ring of recent collectives; read only when a rank stalls."""
+        if not pending:
+            return {}
+        out = {}
+        for key, rec in self.program.bpf["coll_ring"].items():
+            if pending.get(key.pid) == rec.seq and rec.fn in self.program.symbol_of:
+                out[key.pid] = self.program.symbol_of[rec.fn]
+        return out
 
     def _blocked_in(self, pids: set[int]) -> dict[int, str]:
         """pid -> the collective one of its threads is inside of, for the stalled processes: blocking
@@ -171,12 +182,11 @@ class Collector:
                 out.setdefault(pid, symbol)
         return out
 
-    def _collectives(self, cursor: _ProcessCursor, ring: list, mono_to_unix: float) -> list[CollectiveRecord]:
-        done = sorted(r for r in ring if r[0] > cursor.last_coll_seq and r[2])
-        if done:
-            cursor.last_coll_seq = done[-1][0]
+    def _collectives(self, done: np.ndarray, mono_to_unix: float) -> list[CollectiveRecord]:
+        """The window's completed collectives (bpf_program.DONE_RECORD rows), the latest `max_collectives`."""
+        latest = done[-self.detail.max_collectives:][["fn", "enter_ns", "done_ns", "bytes"]].tolist()
         return [
             CollectiveRecord(op=self.program.symbol_of.get(fn, f"fn{fn}"), bytes=nbytes,
-                             enter=enter / 1e9 + mono_to_unix, done=done_ns / 1e9 + mono_to_unix)
-            for _seq, enter, done_ns, nbytes, fn in done[-self.detail.max_collectives:]
+                             enter=enter_ns / 1e9 + mono_to_unix, done=done_ns / 1e9 + mono_to_unix)
+            for fn, enter_ns, done_ns, nbytes in latest
         ]

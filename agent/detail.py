@@ -21,7 +21,7 @@ COOLDOWN = 4  # x deep_s in light mode after each deep episode: deep mode costs 
 class Detail:
     level: str
     python_hz: int  # frame samples per second per CPU
-    max_collectives: int  # per pattern: collective instants shipped (the kernel ring keeps 64)
+    max_collectives: int  # per pattern: collective instants shipped (the latest of the window)
     top_python: int  # per pattern: Python functions shipped
     # Probes on per-call hot paths: kernel launches counted (~0.6 us each), Python's eval loop, to time
     # forward and data-loader __next__ exactly (~1.3 us per entry), and the CUPTI shim's launch records joined
@@ -29,9 +29,11 @@ class Detail:
     hot_probes: bool
 
 
-# ~1 KB patterns, ~0.2% of a core; 199 Hz is off the timer beat
-LIGHT = Detail("light", DEFAULT_FREQUENCY, max_collectives=12, top_python=5, hot_probes=False)
-DEEP = Detail("deep", 4 * DEFAULT_FREQUENCY + 3, max_collectives=48, top_python=20, hot_probes=True)
+# Light: ~2 KB patterns (64 collectives, ~13 bytes each: a few steps of a job with many buckets, to line
+# ranks up; a cluster of 100k ranks then pulls ~200 MB a window), ~0.2% of a core; 199 Hz is off the timer beat. Deep: a whole window's collectives for all but the most
+# collective-heavy jobs (a pipeline stage's ~20 a step at ~12 steps/s is ~1,500 in 6 s).
+LIGHT = Detail("light", DEFAULT_FREQUENCY, max_collectives=64, top_python=5, hot_probes=False)
+DEEP = Detail("deep", 4 * DEFAULT_FREQUENCY + 3, max_collectives=4096, top_python=20, hot_probes=True)
 
 
 @dataclass

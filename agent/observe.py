@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import BinaryIO
 
 from rankscope.analyzer.diagnosis import diagnose
+from rankscope.analyzer.patterns import encode_patterns
 
 from .server import empty_diagnosis
 from .session import Session
@@ -12,9 +14,10 @@ from .targets import TargetError
 
 
 def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: float,
-            watching: Callable[[str], None] = lambda _: None) -> dict:
+            watching: Callable[[str], None] = lambda _: None, save: BinaryIO | None = None) -> dict:
     """The diagnosis document of the job `pids` belong to, after `duration` seconds (Ctrl-C ends early).
-    `watching` is told (in a line for people) once every process is watched and the window opens.
+    `watching` is told (in a line for people) once every process is watched and the window opens; `save`
+    receives the window's patterns (the wire format of GET /v1/patterns), before they are analyzed.
 
     The caller closes the session, after showing the result: removing probes takes the kernel a while.
     """
@@ -30,5 +33,9 @@ def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: 
         time.sleep(duration)  # the observation window itself
     except KeyboardInterrupt:
         pass
-    docs = diagnose(session.window(), hang_timeout_s)
+    patterns = session.window()
+    if save is not None:
+        save.write(encode_patterns(patterns))
+        save.flush()
+    docs = diagnose(patterns, hang_timeout_s)
     return next(iter(docs.values()), empty_diagnosis())

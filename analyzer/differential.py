@@ -7,6 +7,7 @@ slow link when per-rank totals look alike.
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ from .patterns import RankPattern
 from .steps import step_times
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
+# Point-to-point ops pair two ranks, not the group: the "same" send of two pipeline ranks goes to different
+# neighbours at different times, so lining them up across the group compares unrelated transfers.
+P2P = re.compile(r"send|recv", re.I)
 
 
 def peers_median(x: np.ndarray) -> float:
@@ -117,19 +121,22 @@ def _late_per_step(enter: np.ndarray, step_s: float) -> tuple[np.ndarray, np.nda
 def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = None) -> Alignment:
     """Line up the ranks' collectives instance by instance.
 
-    Each rank's records are matched to a reference rank's by nearest `done` (same op, |delta| < half a
-    step); instances that every compared rank saw are kept. Ranks that matched fewer than half of the
+    Each rank's collectives (point-to-point ops left out) are matched to a reference rank's by nearest
+    `done` (same op, |delta| < half a step); instances that every compared rank saw are kept. Ranks that matched fewer than half of the
     reference's instances (a rank that stopped, or whose window missed them) are not compared, so that one
     of them does not wipe out every instance. Vectorized: O(records log 16), no per-pair work.
     """
     n = len(patterns)
-    counts = np.fromiter((len(p.collectives) for p in patterns), np.intp, n)
+    per_rank = [[c for c in p.collectives if not P2P.search(c.op)] for p in patterns]  # the group's own
+    counts = np.fromiter((len(cs) for cs in per_rank), np.intp, n)
+    if n < 2 or np.count_nonzero(counts) < 2:
+        return Alignment.empty(n)
     if step_s is None:
         step_s = peers_median(step_times(patterns))
-    if n < 2 or not np.isfinite(step_s) or step_s <= 0 or np.count_nonzero(counts) < 2:
+    if not np.isfinite(step_s) or step_s <= 0:
         return Alignment.empty(n)
 
-    recs = [c for p in patterns for c in p.collectives]  # flat, rank after rank
+    recs = [c for cs in per_rank for c in cs]  # flat, rank after rank
     op_ids: dict[str, int] = {}
     op = np.array([op_ids.setdefault(c.op, len(op_ids)) for c in recs], dtype=np.intp)
     enter = np.array([c.enter for c in recs], dtype=float)

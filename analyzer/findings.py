@@ -101,6 +101,8 @@ def _straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = 
     others wait for it). That decides two ranks, and it keeps collectives that overlap the rank's own work
     (DDP's buckets all-reduced on gloo's threads during backward: COMM then spans most of the step on every
     rank, and step - COMM is noise) from naming a rank that is in fact the first to arrive."""
+    if a is not None and a.instances == 0:  # nothing lined up (no collective instants shipped): totals only
+        a = None
     valid = _decidable(t, PAIR_RANKS if a is not None else min_ranks)
     if valid is None:
         return None

@@ -4,7 +4,8 @@
 #include <uapi/linux/ptrace.h>
 
 #define HIST_SLOTS 40   // log2(ns) buckets: 1 ns .. ~18 min
-#define RING_SLOTS 64   // last collectives kept per process
+#define RING_SLOTS 64   // last collectives kept per process, for completing asynchronous ones
+#define DONE_PAGES 1024 // completed-collective stream: 4 MiB, ~87k records between two reads
 
 // Per-process state; a process is accounted only while user space keeps it in this map.
 struct proc_state {
@@ -52,6 +53,31 @@ struct coll_rec {
     u32 pad;
 };
 BPF_HASH(coll_ring, struct ring_key, struct coll_rec, 65536);
+
+// Every completed collective, streamed to user space: the ring above keeps too few to line ranks up over a
+// whole window (a pipeline stage makes ~20 collectives a step). Records that find the stream full are
+// counted in done_lost, not silently dropped.
+struct coll_done_rec {
+    u32 pid;
+    u32 fn;
+    u64 seq;
+    u64 enter_ns;
+    u64 done_ns;
+    u64 bytes;
+};
+BPF_RINGBUF_OUTPUT(coll_done, DONE_PAGES);
+BPF_ARRAY(done_lost, u64, 1);
+
+static __always_inline void emit_done(u32 pid, const struct coll_rec *rec) {
+    struct coll_done_rec out = {.pid = pid, .fn = rec->fn, .seq = rec->seq, .enter_ns = rec->enter_ns,
+                                .done_ns = rec->done_ns, .bytes = rec->bytes};
+    if (coll_done.ringbuf_output(&out, sizeof(out), 0)) {
+        int zero = 0;
+        u64 *lost = done_lost.lookup(&zero);
+        if (lost)
+            __sync_fetch_and_add(lost, 1);
+    }
+}
 
 static __always_inline struct proc_state *watched_proc(void) {
     u32 pid = bpf_get_current_pid_tgid() >> 32;
@@ -137,6 +163,8 @@ static __always_inline int collective_return(u32 fn, bool blocking) {
     struct coll_rec rec = {.seq = seq, .enter_ns = call.ts, .done_ns = blocking ? now : 0,
                            .bytes = call.bytes, .fn = fn};
     coll_ring.update(&rk, &rec);
+    if (blocking)
+        emit_done(rk.pid, &rec);
     struct fn_val *v = stats_for(fn);
     if (!v)
         return 0;
@@ -182,6 +210,7 @@ static __always_inline int sync_return(u32 fn) {
         if (!rec || rec->seq != seq || rec->done_ns)
             continue;
         rec->done_ns = now;
+        emit_done(pid, rec);
         struct fn_val *v = stats_for(rec->fn);
         if (!v)
             continue;

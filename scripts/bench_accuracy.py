@@ -1,6 +1,6 @@
 """The accuracy matrix: does rankscope name the right rank and cause on real PyTorch jobs of many shapes?
 
-    scripts/bench accuracy [--repeats N] [--shapes A,B] [--faults X,Y] [--json PATH]   (root)
+    scripts/bench accuracy [--repeats N] [--shapes A,B] [--faults X,Y] [--json PATH] [--misses DIR]   (root)
 
 Each case is a fresh torchrun job of one shape (tests/jobs/: user-style training code, faults injected from
 outside the job's code by tests/jobs/inject/sitecustomize.py), warmed up, then diagnosed the way a user does:
@@ -12,12 +12,15 @@ Per case: runs, right verdicts (the top finding's kind and ranks; for a healthy 
 findings (any other finding), step-time error (the document's step time against the job's own median over
 the same window), cost error (the finding's cost against the what-if share 1 - healthy step / faulty step,
 the healthy step measured on the same shape in the same run), and, for agent cases, time to the finding.
+A wrong diagnose verdict keeps its evidence in --misses: the patterns observed (diagnose --save-patterns) and
+the document, to analyze offline with rankscope.analyzer.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -164,12 +167,15 @@ def score(shape: Shape, fault: Fault, findings: list[dict]) -> tuple[bool, list[
     return right, [label(f) for f in findings if f not in hits]
 
 
-def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_step: float | None) -> Run:
+def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_step: float | None,
+                  misses: Path) -> Run:
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     hog = hog_on(shape.victim_rank % 2) if fault.name == "hog" else None
+    saved = job.truth.parent / f"{job.run_id}.msgpack"
     try:
         extra = ["--hang-timeout", str(HANG_TIMEOUT_S)] if fault.expect == "noncomm_hang" else []
-        proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", pids, "--duration", str(DURATION_S), "--json", *extra],
+        proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", pids, "--duration", str(DURATION_S), "--json",
+                                 "--save-patterns", str(saved), *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         proc.stderr.readline()  # "rankscope: watching N processes ...": every rank is watched from here on
         if fault.name == "hang":
@@ -185,6 +191,11 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_s
         raise RuntimeError(f"diagnose exited {proc.returncode}: {err.strip()[-500:]}")
     doc = json.loads(out)
     right, false = score(shape, fault, doc["findings"])
+    if not right:
+        misses.mkdir(parents=True, exist_ok=True)
+        name = f"{shape.name}-{fault.name}-{job.run_id}"
+        shutil.copyfile(saved, misses / f"{name}.msgpack")
+        (misses / f"{name}.json").write_text(json.dumps(doc, indent=1))
     run = Run(shape.name, fault.name, right, false, [label(f) for f in doc["findings"]], step_s=doc["step_time_s"])
     if fault.expect not in ("noncomm_hang",):
         w = doc["window"]
@@ -249,7 +260,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, tmp: Path) -
             agent.wait()
 
 
-def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None) -> Run:
+def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, misses: Path) -> Run:
     spec = fault_spec(shape, fault, healthy_step or 0.05)
     job = launch.start(shape.script, shape.ranks, list(shape.args), tmp, fault=spec)
     try:
@@ -258,7 +269,7 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None) 
         launch.settle(job, WARMUP_S)
         if fault.mode == "agent":
             return agent_case(shape, fault, job, tmp)
-        return diagnose_case(shape, fault, job, healthy_step)
+        return diagnose_case(shape, fault, job, healthy_step, misses)
     finally:
         job.kill()
 
@@ -295,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     ap.add_argument("--faults", default=",".join(f.name for f in FAULTS))
     ap.add_argument("--json", default="accuracy-results.json")
+    ap.add_argument("--misses", default="accuracy-misses", help="where wrong verdicts keep their patterns and document")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("bench_accuracy: needs root (eBPF)", file=sys.stderr)
@@ -310,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 for fault in sorted((f for f in faults if shape.ranks <= f.max_ranks), key=lambda f: f.name != "healthy"):
                     ref = statistics.median(healthy[shape.name]) if healthy.get(shape.name) else None
                     try:
-                        run = run_case(shape, fault, Path(tmp), ref)
+                        run = run_case(shape, fault, Path(tmp), ref, Path(args.misses))
                     except Exception as e:  # noqa: BLE001  (a case that could not run is reported, not fatal)
                         run = Run(shape.name, fault.name, False, [], [], error=f"{type(e).__name__}: {e}"[:300])
                     if fault.name == "healthy" and run.truth_step_s:

@@ -3,7 +3,6 @@ import os
 import signal
 
 from conftest import wait_until
-from rankscope.agent.detail import LIGHT
 from rankscope.agent.symbols import code_byte
 
 WINDOW_S = 1.5
@@ -48,7 +47,7 @@ def test_sigkill_of_the_agent_leaves_no_probe_and_the_job_running(sim_job, agent
     for pid in job.pids:
         assert code_byte(pid, "libcuda.so.1", "cuStreamSynchronize") == INT3  # probes really armed
     a.proc.kill()
-    a.proc.wait(timeout=10)
+    a.proc.wait(timeout=60)  # the kernel removes each probe as the killed agent's files close (~0.1 s each)
     for pid in job.pids:
         assert code_byte(pid, "libcuda.so.1", "cuStreamSynchronize") != INT3
         assert code_byte(pid, "libnccl.so.2", "ncclAllReduce") != INT3
@@ -107,8 +106,8 @@ def test_slowdown_of_every_rank_is_a_regression_and_raises_the_detail(sim_job, a
     assert slow["step_time_s"] > 1.1 * slow["baseline"]["step_time_s"]
     deep = wait_until(lambda: (d := a.get("/v1/diagnosis"))["mode"]["level"] == "deep" and d, 10, "deep mode")
     assert "above the job's baseline" in deep["mode"]["reason"] and deep["mode"]["job"] == job.job_id
-    # Deep mode ships more of each rank's collectives than the light ~1 KB pattern does.
-    wait_until(lambda: max(len(p["collectives"]) for p in a.get("/v1/patterns")["patterns"]) > LIGHT.max_collectives,
+    # Deep mode attaches the hot probes: kernel launches are counted, which light patterns never carry.
+    wait_until(lambda: any("cuLaunchKernel" in p["functions"] for p in a.get("/v1/patterns")["patterns"]),
                10, "a deep-mode pattern")
     # Bounded: back to light detail after --deep-seconds, though the job stays slow.
     back = wait_until(lambda: (d := a.get("/v1/diagnosis"))["mode"]["level"] == "light" and d, 15, "light mode")

@@ -283,6 +283,26 @@ def test_two_ranks_without_collective_instants_or_with_a_slow_link_are_undecidab
     assert findings(simulate(2, link_extra={1: 0.02}, seed=9)) == []
 
 
+def test_without_collective_instants_many_ranks_are_still_compared_by_totals():
+    ps = simulate(4, sync_extra={2: 0.03}, seed=4)
+    for p in ps:  # light patterns of a job whose collectives were not shipped: per-rank totals decide
+        p.collectives = []
+    assert [(f["kind"], f["ranks"]) for f in findings(ps)] == [("compute_straggler", [2])]
+
+
+def test_point_to_point_ops_are_not_lined_up_across_the_group():
+    """A pipeline stage's sends and receives pair it with its neighbour, not with its data-parallel peers:
+    only the group's collectives are lined up (a rank's send may start any time relative to its peer's)."""
+    ps = simulate(2, sync_extra={1: 0.03}, seed=9)
+    rng = np.random.default_rng(1)
+    for p in ps:
+        sends = [CollectiveRecord("gloo_send", 4096, t, t + 0.001) for t in rng.uniform(T0, T0 + WINDOW, 40)]
+        p.collectives = sorted(p.collectives + sends, key=lambda c: c.done)
+    a = align_collectives(ps)
+    assert a.op == "ncclAllReduce" and a.arrival_late_s[1] == pytest.approx(0.03, abs=0.003)
+    assert a.late_share[1] == 1.0 and a.late_share[0] == 0.0
+
+
 def test_exited_rank_is_listed_not_analyzed():
     ps = simulate(5, sync_extra={4: 0.03}, seed=10)
     ps[4].state = "exited"

@@ -51,6 +51,16 @@ def test_process_without_probed_libraries():
             sleeper.kill()
 
 
+def test_unwritable_patterns_file_fails_before_attaching():
+    with subprocess.Popen(["sleep", "30"]) as sleeper:
+        try:
+            line = one_line_error(run("diagnose", "--pid", str(sleeper.pid), "--duration", "1",
+                                      "--save-patterns", "/nonexistent/dir/w.msgpack"))
+            assert "--save-patterns" in line and "/nonexistent/dir/w.msgpack" in line
+        finally:
+            sleeper.kill()
+
+
 def test_insufficient_privilege():
     with subprocess.Popen(["sleep", "30"]) as sleeper:
         try:

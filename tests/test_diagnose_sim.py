@@ -1,6 +1,8 @@
 """End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
 from conftest import diagnose_json, wait_until
 from rankscope.agent.session import Session
+from rankscope.analyzer.diagnosis import diagnose
+from rankscope.analyzer.patterns import decode_patterns
 
 OBSERVE_S = 4.0
 
@@ -26,6 +28,19 @@ def test_slow_gpu_is_a_compute_straggler(sim_job):
     # forward+backward take ~24 ms of GPU time; twice as slow costs ~24 ms of a ~70 ms step
     assert 0.2 < top["cost"] < 0.5, top
     assert _named(doc, "slow_link") == []
+
+
+def test_saved_patterns_are_the_window_behind_the_verdict(sim_job, tmp_path):
+    """--save-patterns keeps the raw data: read back, it holds every rank and gives the same verdict."""
+    job = sim_job(4, faults=("slow-gpu:1:2",))
+    saved = tmp_path / "window.msgpack"
+    doc = diagnose_json(job.pids, OBSERVE_S, "--save-patterns", str(saved))
+    patterns = decode_patterns(saved.read_bytes())
+    assert sorted(p.pid for p in patterns) == sorted(job.pids)
+    assert all(len(p.collectives) > 48 for p in patterns), [len(p.collectives) for p in patterns]  # the window's
+    again = diagnose(patterns)[doc["job"]]
+    assert [(f["kind"], f["ranks"]) for f in again["findings"]] == [(f["kind"], f["ranks"]) for f in doc["findings"]]
+    assert again["findings"][0]["ranks"] == [1]
 
 
 def test_slow_link_is_named(sim_job):
