@@ -27,13 +27,17 @@ def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: 
     if len(jobs) > 1:
         raise TargetError(f"the processes belong to different jobs ({', '.join(sorted(jobs))}): "
                           "diagnose one job at a time")
+    # The window opens once every process is watched: attaching takes seconds (compiling probes), and a rank
+    # watched longer than the others would be compared over a different, busier stretch (the agent compiling
+    # beside it). A process that already exited stays in the result.
+    gone = [p for p in session.window() if p.state == "exited"]
     watching(f"rankscope: watching {len(pids)} {'process' if len(pids) == 1 else 'processes'} of job "
              f"{next(iter(jobs), '?')} for {duration:g} s")
     try:
         time.sleep(duration)  # the observation window itself
     except KeyboardInterrupt:
         pass
-    patterns = session.window()
+    patterns = gone + session.window()
     if save is not None:
         save.write(encode_patterns(patterns))
         save.flush()

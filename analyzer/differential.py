@@ -121,13 +121,16 @@ def _late_per_step(enter: np.ndarray, step_s: float) -> tuple[np.ndarray, np.nda
 def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = None) -> Alignment:
     """Line up the ranks' collectives instance by instance.
 
-    Each rank's collectives (point-to-point ops left out) are matched to a reference rank's by nearest
+    Each rank's collectives (point-to-point ops left out; over the time all were watched) are matched to a reference rank's by nearest
     `done` (same op, |delta| < half a step); instances that every compared rank saw are kept. Ranks that matched fewer than half of the
     reference's instances (a rank that stopped, or whose window missed them) are not compared, so that one
     of them does not wipe out every instance. Vectorized: O(records log 16), no per-pair work.
     """
     n = len(patterns)
-    per_rank = [[c for c in p.collectives if not P2P.search(c.op)] for p in patterns]  # the group's own
+    # The group's own collectives, over the stretch every rank was watched (one attached later, or whose
+    # window began later, has no records before it: the others' would find no partner there).
+    since = max((p.window_start for p in patterns if p.collectives), default=0.0)
+    per_rank = [[c for c in p.collectives if c.enter >= since and not P2P.search(c.op)] for p in patterns]
     counts = np.fromiter((len(cs) for cs in per_rank), np.intp, n)
     if n < 2 or np.count_nonzero(counts) < 2:
         return Alignment.empty(n)
