@@ -303,6 +303,15 @@ def test_point_to_point_ops_are_not_lined_up_across_the_group():
     assert a.late_share[1] == 1.0 and a.late_share[0] == 0.0
 
 
+def test_a_rank_watched_later_is_lined_up_over_the_stretch_all_were_watched():
+    ps = simulate(3, sync_extra={2: 0.03}, seed=4)
+    late = ps[2]  # attached last: its window, and its records, begin 10 steps into the others'
+    late.window_start = late.collectives[10].enter - 1e-3
+    late.collectives = late.collectives[10:]
+    a = align_collectives(ps)
+    assert np.isfinite(a.arrival_late_s).all() and a.arrival_late_s[2] == pytest.approx(0.03, abs=0.003)
+
+
 def test_exited_rank_is_listed_not_analyzed():
     ps = simulate(5, sync_extra={4: 0.03}, seed=10)
     ps[4].state = "exited"

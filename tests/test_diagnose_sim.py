@@ -1,4 +1,5 @@
 """End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
+import pytest
 from conftest import diagnose_json, wait_until
 from rankscope.agent.session import Session
 from rankscope.analyzer.diagnosis import diagnose
@@ -37,6 +38,9 @@ def test_saved_patterns_are_the_window_behind_the_verdict(sim_job, tmp_path):
     doc = diagnose_json(job.pids, OBSERVE_S, "--save-patterns", str(saved))
     patterns = decode_patterns(saved.read_bytes())
     assert sorted(p.pid for p in patterns) == sorted(job.pids)
+    # One window for all: it opens once every rank is watched (the first attached is not watched longer).
+    assert len({(p.window_start, p.window_end) for p in patterns}) == 1
+    assert doc["window"]["end"] - doc["window"]["start"] == pytest.approx(OBSERVE_S, abs=1.0)
     assert all(len(p.collectives) > 48 for p in patterns), [len(p.collectives) for p in patterns]  # the window's
     again = diagnose(patterns)[doc["job"]]
     assert [(f["kind"], f["ranks"]) for f in again["findings"]] == [(f["kind"], f["ranks"]) for f in doc["findings"]]
