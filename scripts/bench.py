@@ -37,14 +37,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rankscope.sim.harness import maps_library, wait_until
+from rankscope.sim.harness import free_port, http_json, maps_library, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPER_SOURCE = Path(__file__).resolve().parent / "bench_storm.c"
@@ -129,18 +128,6 @@ def expect_armed(pids: list[int], library: str, symbol: str, armed: bool) -> Non
             raise BenchError(f"pid {pid}: {symbol} is {'not ' if armed else ''}probed, expected the opposite "
                              f"(another tracer on the benchmark's private libraries?)")
 
-
-def http_json(url: str, timeout: float = 10) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AgentProc:

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "jobs"))
 import launch  # noqa: E402  (tests/jobs/launch.py: torchrun jobs with injected faults)
 
-from rankscope.sim.harness import wait_until  # noqa: E402
+from rankscope.sim.harness import free_port, wait_until  # noqa: E402
 
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
 WARMUP_S = 8.0
@@ -208,7 +208,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_s
 
 
 def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, tmp: Path) -> Run:
-    port = launch.free_port()
+    port = free_port()
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     with open(tmp / f"agent-{job.run_id}.log", "wb") as agent_log:
         agent = subprocess.Popen([*RANKSCOPE, "agent", "--pid", pids, "--listen", f"127.0.0.1:{port}",

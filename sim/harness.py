@@ -1,8 +1,11 @@
 """What tests and benchmarks need to drive processes from outside: waiting for a condition (never on the
-clock alone) and telling whether a process maps a library."""
+clock alone), telling whether a process maps a library, a free port, an agent's JSON."""
 from __future__ import annotations
 
+import json
+import socket
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -27,3 +30,15 @@ def maps_library(pid: int, name: str) -> bool:
             return name in f.read()
     except OSError:
         return False
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, timeout: float = 10) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())

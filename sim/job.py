@@ -12,7 +12,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 from .bindings import shm_name
 from .build import build_libraries
 from .faults import GRAMMAR, Fault, parse_fault
+from .harness import free_port
 
 __all__ = ["Fault", "SimJob", "parse_fault", "start_job", "add_arguments", "run", "main"]
 
@@ -141,12 +141,6 @@ def _stop_leftover_jobs() -> None:
         job.stop(timeout=2.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_job(ranks: int, faults: list[str | Fault] | tuple[str | Fault, ...] = (), steps: int | None = None,
               hold_file: Path | None = None, python: str = sys.executable, *, log_dir: Path | None = None,
               nccl_id: bytes | None = None, host_cpu_s: float | None = None) -> SimJob:
@@ -179,7 +173,7 @@ def start_job(ranks: int, faults: list[str | Fault] | tuple[str | Fault, ...] = 
     if len(nccl_id) != 128:
         raise ValueError("nccl_id must be 128 bytes")
     job_id = f"sim-{secrets.token_hex(4)}"
-    port = _free_port()
+    port = free_port()
     owns = log_dir is None
     log_dir = Path(tempfile.mkdtemp(prefix=f"rankscope-{job_id}-")) if log_dir is None else Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

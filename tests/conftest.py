@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from rankscope.sim.harness import maps_library, wait_until
+from rankscope.sim.harness import free_port, http_json, maps_library, wait_until
 from rankscope.sim.job import SimJob, start_job
 
 __all__ = ["maps_library", "wait_until"]  # re-exported: the tests' own helpers live in the package
@@ -19,15 +17,6 @@ __all__ = ["maps_library", "wait_until"]  # re-exported: the tests' own helpers 
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,16 +18,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.sim.harness import wait_until
+from rankscope.sim.harness import free_port, wait_until
 
 JOBS = Path(__file__).resolve().parent
 INJECT = JOBS / "inject"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
