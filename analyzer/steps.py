@@ -27,6 +27,8 @@ from .patterns import RankPattern, Role
 MIN_REPEATS = 2  # a period must be seen at least twice to be believed
 WHOLE_STEPS = 0.5  # share of the runs of k collectives that must hold a whole step (order varies at the edges)
 LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times the median one is long
+BURSTS_SEEN = 3  # bursts a one-kind sequence must show to be believed...
+SHORT_SEQUENCE = 64  # ...unless it is this short (a light pattern's collectives): then two
 WINDOW_STEPS = 20  # steps in the window for the call counts to give the step (edges cost at most 1/20)
 
 
@@ -94,16 +96,19 @@ def _periods(enter: np.ndarray, candidates: list[_Candidate]) -> tuple[np.ndarra
 
 def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     """Per row of one kind of collective: K when its long gaps (LONG_GAP x the median gap) recur exactly every
-    K calls, at least twice; else 1."""
+    K calls from within the first K, at least BURSTS_SEEN times (twice in a short sequence); else 1. Any two
+    long gaps recur at some spacing: two hiccups of a one-call step 218 calls apart made a 218-step "burst"
+    (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three."""
     gaps = np.diff(enter, axis=1)
     long = gaps > LONG_GAP * np.median(gaps, axis=1, keepdims=True)
     idx = np.arange(gaps.shape[1])
     first = np.argmax(long, axis=1)[:, None]
+    seen = 2 if enter.shape[1] <= SHORT_SEQUENCE else BURSTS_SEEN
     out = np.ones(enter.shape[0], np.intp)
     found = np.zeros(enter.shape[0], bool)
     for k in sorted(allowed - {1}):
         expected = (idx >= first) & ((idx - first) % k == 0)
-        fits = ~found & (long == expected).all(axis=1) & (long.sum(axis=1) >= 2)
+        fits = ~found & (first[:, 0] < k) & (long == expected).all(axis=1) & (long.sum(axis=1) >= seen)
         out[fits], found[fits] = k, True
     return out
 

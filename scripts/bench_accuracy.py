@@ -12,7 +12,7 @@ Per case: runs, right verdicts (the top finding's kind and ranks; for a healthy 
 findings (any other finding), step-time error (the document's step time against the job's own median over
 the same window), cost error (the finding's cost against the what-if share 1 - healthy step / faulty step,
 the healthy step measured on the same shape in the same run), and, for agent cases, time to the finding.
-A wrong diagnose verdict keeps its evidence in --misses: the patterns observed (diagnose --save-patterns) and
+A wrong diagnose verdict, a false finding or a step time off by more than 10% keeps its evidence in --misses: the patterns observed (diagnose --save-patterns) and
 the document, to analyze offline with rankscope.analyzer.
 """
 from __future__ import annotations
@@ -45,6 +45,7 @@ HANG_TIMEOUT_S = 4.0
 AGENT_WINDOW_S = 2.0
 AGENT_HEALTHY_WINDOWS = 10
 REGRESSION_TIMEOUT_S = 40.0
+STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does
 
 
 @dataclass(frozen=True)
@@ -191,11 +192,6 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_s
         raise RuntimeError(f"diagnose exited {proc.returncode}: {err.strip()[-500:]}")
     doc = json.loads(out)
     right, false = score(shape, fault, doc["findings"])
-    if not right:
-        misses.mkdir(parents=True, exist_ok=True)
-        name = f"{shape.name}-{fault.name}-{job.run_id}"
-        shutil.copyfile(saved, misses / f"{name}.msgpack")
-        (misses / f"{name}.json").write_text(json.dumps(doc, indent=1))
     run = Run(shape.name, fault.name, right, false, [label(f) for f in doc["findings"]], step_s=doc["step_time_s"])
     if fault.expect not in ("noncomm_hang",):
         w = doc["window"]
@@ -204,6 +200,11 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_s
         if doc["findings"] and right and fault.expect and healthy_step and run.truth_step_s:
             run.cost = doc["findings"][0]["cost"]
             run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
+    if not right or false or abs(run.step_err or 0.0) > STEP_KEPT:
+        misses.mkdir(parents=True, exist_ok=True)
+        name = f"{shape.name}-{fault.name}-{job.run_id}"
+        shutil.copyfile(saved, misses / f"{name}.msgpack")
+        (misses / f"{name}.json").write_text(json.dumps({"run": asdict(run), "document": doc}, indent=1))
     return run
 
 

@@ -160,6 +160,19 @@ def test_one_collective_per_step_with_a_skewed_step_is_one_step_not_a_multiple()
     assert step_time(_pattern(recs)) == pytest.approx(float(np.mean(np.diff(starts))), rel=0.05)
 
 
+def test_two_hiccups_of_a_one_collective_step_are_not_a_burst_period():
+    # A whole window of an 18.8 ms one-bucket step (diagnose ships all of it): two steps ran 3x long, 218
+    # calls apart. Any two long gaps recur at some spacing; a burst period must recur three times.
+    gaps = np.full(499, 0.0188)
+    gaps[[200, 418]] = 0.06
+    starts = T0 + np.concatenate(([0.0], np.cumsum(gaps)))
+    recs = [CollectiveRecord("gloo_allreduce", 1_000_000, t, t + 0.002) for t in starts]
+    assert step_time(_pattern(recs, window=float(starts[-1] - T0) + 0.01)) == pytest.approx(0.0188, rel=0.05)
+    # Bursts that do recur (9 buckets a step, 60 steps) are still one step each.
+    many = _bursts(60, [1_000_000] * 9, [0.02] + [0.002] * 8, 0.048)
+    assert step_time(_pattern(many)) == pytest.approx(0.048, rel=0.01)
+
+
 def test_steps_that_alternate_in_length_are_still_one_step_each():
     # Two loader workers in phase: a short step, then a long one; four buckets of distinct sizes each step.
     recs, starts = [], [T0]
