@@ -18,9 +18,11 @@ from .patterns import RankPattern
 from .steps import step_times
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
-# Point-to-point ops pair two ranks, not the group: the "same" send of two pipeline ranks goes to different
-# neighbours at different times, so lining them up across the group compares unrelated transfers.
-P2P = re.compile(r"send|recv", re.I)
+# Ops that do not end together on every rank of the group, so instants are not lined up by them:
+# point-to-point ops pair two ranks (the "same" send of two pipeline ranks goes to different neighbours at
+# different times), and a broadcast ends on a receiver once the root's data arrived, on the root once all
+# received (DDP's per-step buffer broadcast: 10 ms and 150 ms apart), which mismatched the instances.
+NOT_LINED_UP = re.compile(r"send|recv|broadcast", re.I)
 
 
 def peers_median(x: np.ndarray) -> float:
@@ -121,16 +123,18 @@ def _late_per_step(enter: np.ndarray, step_s: float) -> tuple[np.ndarray, np.nda
 def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = None) -> Alignment:
     """Line up the ranks' collectives instance by instance.
 
-    Each rank's collectives (point-to-point ops left out; over the time all were watched) are matched to a reference rank's by nearest
-    `done` (same op, |delta| < half a step); instances that every compared rank saw are kept. Ranks that matched fewer than half of the
-    reference's instances (a rank that stopped, or whose window missed them) are not compared, so that one
-    of them does not wipe out every instance. Vectorized: O(records log 16), no per-pair work.
+    Each rank's collectives (those that end together on every rank, see NOT_LINED_UP; over the time all
+    were watched) are matched to a reference rank's by nearest `done` (same op, |delta| < half a step);
+    instances that every compared rank saw are kept. Ranks that matched fewer than half of the reference's
+    instances (a rank that stopped, or whose window missed them) are not compared, so that one of them
+    does not wipe out every instance. Vectorized: O(records log 16), no per-pair work.
     """
     n = len(patterns)
     # The group's own collectives, over the stretch every rank was watched (one attached later, or whose
     # window began later, has no records before it: the others' would find no partner there).
     since = max((p.window_start for p in patterns if p.collectives), default=0.0)
-    per_rank = [[c for c in p.collectives if c.enter >= since and not P2P.search(c.op)] for p in patterns]
+    per_rank = [[c for c in p.collectives if c.enter >= since and not NOT_LINED_UP.search(c.op)]
+                for p in patterns]
     counts = np.fromiter((len(cs) for cs in per_rank), np.intp, n)
     if n < 2 or np.count_nonzero(counts) < 2:
         return Alignment.empty(n)

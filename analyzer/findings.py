@@ -24,10 +24,11 @@ Z_MIN = 4.0  # robust z-score for an outlier
 Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 then needs >= 2% of the step,
 # so on quiet jobs the excess bars below decide, on noisy ones the z-score
 STRAGGLER_MIN_EXCESS = 0.05  # extra work per step, as a fraction of the step time
-LATE_STEPS = 0.6  # a straggler arrives late in at least this share of the steps lined up...
-LATE_RATIO = 2.0  # ...and at least this many times as often as its peers (median): on a CPU-starved host
-# every rank is late in some steps, a straggler in most (measured under an unpinned hog: 0.66-0.92 against
-# the peer's 0.02-0.12)
+LATE_STEPS = 0.75  # a straggler arrives late in at least this share of the steps lined up...
+LATE_SOME = 0.6  # ...or in this share and LATE_RATIO times as often as its peers (median): on a CPU-starved
+LATE_RATIO = 2.0  # host every rank is late in some steps, a straggler in most (under an unpinned hog: 0.66-0.73
+# against the peer's 0.08-0.12); a peer the straggler holds up in a rooted collective (a broadcast's root
+# waits for every receiver) arrives late at the next collective too, so the ratio alone is not the rule
 LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
 LINK_BANDWIDTH = 0.9  # ...at a bandwidth below this share of the peers' (the transfer as the rank saw it)
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended
@@ -123,14 +124,16 @@ def _straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = 
 
 def _arrives_last(a: Alignment, valid: np.ndarray, step: float) -> np.ndarray:
     """Per row: whether it arrives at the collectives later than its peers (their median) by at least
-    STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps and far more often than its peers
-    (LATE_STEPS, LATE_RATIO: a rank of a busy CPU is late in some; False where not compared)."""
+    STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps, or in many and far more often than
+    its peers (LATE_STEPS; LATE_SOME, LATE_RATIO: a rank of a busy CPU is late in some; False where not
+    compared)."""
     late = np.where(valid, a.arrival_late_s, np.nan)
     with np.errstate(invalid="ignore"):
         later = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0) >= STRAGGLER_MIN_EXCESS * step
         share = np.where(valid, a.late_share, np.nan)
         peers_share = share - peer_deviation(share, 0.0)[1]
-        often = np.nan_to_num(share, nan=0.0) >= np.maximum(LATE_STEPS, LATE_RATIO * np.nan_to_num(peers_share))
+        share = np.nan_to_num(share, nan=0.0)
+        often = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share)))
         return later & often
 
 

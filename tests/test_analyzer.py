@@ -319,6 +319,23 @@ def test_point_to_point_ops_are_not_lined_up_across_the_group():
     assert a.late_share[1] == 1.0 and a.late_share[0] == 0.0
 
 
+def test_broadcasts_are_not_lined_up_by_their_ends():
+    """A broadcast ends on a receiver once the root's data arrived, on the root once every receiver got it
+    (DDP's buffer broadcast at each forward): its ends differ by up to a step across ranks, so matching its
+    instances by their ends pairs unrelated ones. The all-reduces alone line the ranks up."""
+    ps = simulate(3, sync_extra={2: 0.03}, seed=4)
+    for p in ps:
+        reduces = list(p.collectives)
+        for c in reduces:
+            start = c.enter - 0.04
+            end = start + (0.035 if p.rank == 0 else 0.001)  # the root waits for the late receiver
+            p.collectives.append(CollectiveRecord("gloo_broadcast", 1024, start, end))
+        p.collectives.sort(key=lambda c: c.done)
+    a = align_collectives(ps)
+    assert a.op == "ncclAllReduce" and a.arrival_late_s[2] == pytest.approx(0.03, abs=0.003)
+    assert a.arrival_late_s[0] < 0.003
+
+
 def test_a_rank_watched_later_is_lined_up_over_the_stretch_all_were_watched():
     ps = simulate(3, sync_extra={2: 0.03}, seed=4)
     late = ps[2]  # attached last: its window, and its records, begin 10 steps into the others'
