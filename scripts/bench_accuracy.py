@@ -178,7 +178,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_s
         proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", pids, "--duration", str(DURATION_S), "--json",
                                  "--save-patterns", str(saved), *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        proc.stderr.readline()  # "rankscope: watching N processes ...": every rank is watched from here on
+        launch.until_watching(proc)
         if fault.name == "hang":
             job.go()
         elif fault.name == "sigstop":

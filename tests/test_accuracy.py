@@ -43,8 +43,7 @@ def diagnose(job: launch.TorchrunJob, *extra: str, when_watching: Callable[[], o
                              "--duration", str(OBSERVE_S), "--json", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if when_watching:
-        line = proc.stderr.readline()  # "rankscope: watching N processes of job J for D s"
-        assert "watching" in line, line + proc.stderr.read()
+        launch.until_watching(proc)
         when_watching()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err

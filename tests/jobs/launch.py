@@ -135,3 +135,14 @@ def settle(job: TorchrunJob, seconds: float) -> None:
     wait_until(lambda: not job.alive() or time.monotonic() >= deadline, seconds + 5, "the warm-up", interval=0.2)
     if not job.alive():
         raise RuntimeError(f"{job.run_id} exited during warm-up: {job.log.read_text(errors='replace')[-2000:]}")
+
+
+def until_watching(diagnose: subprocess.Popen) -> None:
+    """Reads `rankscope diagnose`'s stderr (text) up to its line "rankscope: watching N processes of job J for
+    D s": every rank is watched and the window is open from here on. Warnings may come before it."""
+    seen = []
+    while line := diagnose.stderr.readline():
+        if "rankscope: watching" in line:
+            return
+        seen.append(line)
+    raise AssertionError("diagnose ended before watching: " + "".join(seen))
