@@ -18,7 +18,7 @@ from importlib import resources
 import numpy as np
 
 from .bcc_compile import compile_bpf
-from .probes import KINDS, Probe, ProbeKind
+from .probes import KINDS, KindUnavailable, Probe, ProbeKind
 from .symbols import SymbolError, functions
 from .targets import Target
 
@@ -64,6 +64,20 @@ def _source(kinds: tuple[ProbeKind, ...]) -> str:
     return "\n".join(parts)
 
 
+def hostable(kinds: tuple[ProbeKind, ...]) -> tuple[tuple[ProbeKind, ...], list[str]]:
+    """The kinds this kernel can host, and the -D defines they need from it. A kind it cannot host is left
+    out with a warning: the rest still trace."""
+    kept, defines = [], []
+    for kind in kinds:
+        try:
+            defines += [f"-D{name}={value}" for name, value in (kind.kernel_defines or dict)().items()]
+        except KindUnavailable as e:
+            log.warning("leaving out the %s probes: %s", kind.name, e)
+            continue
+        kept.append(kind)
+    return tuple(kept), defines
+
+
 class ProbeProgram:
     def __init__(self, kinds: tuple[ProbeKind, ...] = KINDS):
         self.kinds = kinds
@@ -81,7 +95,9 @@ class ProbeProgram:
     def bpf(self):
         """The compiled program, built on first use (about a second of clang)."""
         if self._bpf is None:
-            cflags = [f"-DFN_{sym}={i}" for sym, i in self.ids.items()]
+            # Decided here, not in __init__: a user who may not load BPF hears that first, not a warning.
+            self.kinds, defines = hostable(self.kinds)
+            cflags = [f"-DFN_{sym}={i}" for sym, i in self.ids.items()] + defines
             try:
                 self._bpf = compile_bpf(_source(self.kinds), cflags)
             except Exception as e:  # bcc raises bare Exception for compile and load failures

@@ -15,7 +15,7 @@ from rankscope.analyzer.patterns import CollectiveRecord, FunctionStats, RankPat
 from . import histograms
 from .bpf_program import DONE_RECORD, ProbeProgram
 from .detail import LIGHT, Detail
-from .probes import sched
+from .probes import net, sched
 from .probes.nccl import communicators, world_communicator
 from .python_exact import PythonTimer
 from .python_profile import summarize
@@ -45,6 +45,7 @@ class _ProcessCursor:
         self.functions: dict[int, _Cumulative] = {}
         self.last_progress: float | None = None  # unix s of the last collective completion seen
         self.sched = sched.SchedReader(pid)
+        self.tcp = net.TcpReader(net.jiffies_per_s())
         self.major_faults = major_faults(pid)
 
 
@@ -81,6 +82,7 @@ class Collector:
         timed = self.timer.read()
         gc_usdt = self.timer.read_gc()
         thieves = sched.thieves(bpf)
+        sockets = net.sockets(bpf)
 
         patterns = []
         for t in targets:
@@ -108,6 +110,7 @@ class Collector:
                 python=summarize(stacks.get(t.pid, {}), self.python.frequency, self.detail.top_python),
                 python_timed=timed.get(t.pid, []),
                 where=self._where(t.pid, pending_op.get(t.pid) or blocked_in.get(t.pid), stalled=self._stalled(t, now)),
+                tcp=cursor.tcp.flows(sockets.get(t.pid, {})),
             ))
             cursor.major_faults = faults
         return patterns

@@ -53,8 +53,8 @@ class _BTF:
             type_id = self.types[type_id][2]
         return type_id
 
-    def offset(self, struct_name: str, path: str) -> int:
-        """Byte offset of `path` ("thread.fsbase") in `struct struct_name`."""
+    def bit_offset(self, struct_name: str, path: str) -> int:
+        """Bit offset of `path` ("thread.fsbase") in `struct struct_name`."""
         tid = next((i for i, t in enumerate(self.types) if t[0] == _STRUCT and t[1] == struct_name), None)
         if tid is None:
             raise BTFError(f"no struct {struct_name} in the kernel's BTF")
@@ -66,9 +66,7 @@ class _BTF:
                 where = sname or "an anonymous struct"
                 raise BTFError(f"no field {name} in {where} (looking for {struct_name}.{path})")
             bit, tid = found
-            if bit % 8:
-                raise BTFError(f"{struct_name}.{path} is a bit field")
-            total += bit // 8
+            total += bit
         return total
 
 
@@ -98,6 +96,14 @@ def _vmlinux() -> _BTF:
 
 
 @cache
+def kernel_bit_offset(struct_name: str, path: str) -> int:
+    """Bit offset of a (possibly nested, possibly bit) field in one of the running kernel's structures."""
+    return _vmlinux().bit_offset(struct_name, path)
+
+
 def kernel_offset(struct_name: str, path: str) -> int:
     """Byte offset of a (possibly nested) field in one of the running kernel's structures."""
-    return _vmlinux().offset(struct_name, path)
+    bit = kernel_bit_offset(struct_name, path)
+    if bit % 8:
+        raise BTFError(f"{struct_name}.{path} is a bit field")
+    return bit // 8

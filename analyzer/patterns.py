@@ -174,6 +174,21 @@ class LinkStats:
 
 
 @dataclass
+class TcpFlow:
+    """One TCP connection of the rank during the window, from the kernel's own accounting (tcp_info's
+    counters, bpf/net.bpf.c): how gloo and NCCL's socket transport move tensors between hosts."""
+
+    local: str  # "address:port" of this end
+    remote: str  # "address:port" of the other end: the peer's `local`
+    calls: int  # send and receive calls on it
+    sent: int  # bytes this end sent that the peer acknowledged
+    received: int
+    wire_s: float  # the connection had data to send: busy, or held by its send buffer (jiffy resolution)
+    peer_wait_s: float  # ...but the receiver's window was full: the peer did not read
+    srtt_s: float  # smoothed round-trip time, last seen
+
+
+@dataclass
 class CollectiveGpu:
     """One collective op's GPU-side time on the rank during the window: from its first channel's kernel start
     to its last channel's end, on the GPU's own timer (NCCL profiler plugin)."""
@@ -216,6 +231,7 @@ class RankPattern:
     gpu_health: GpuHealth | None = None  # None: no NVML, or the rank's GPU is unknown
     links: list[LinkStats] = field(default_factory=list)  # NCCL profiler plugin; at most MAX_LINKS
     collectives_gpu: list[CollectiveGpu] = field(default_factory=list)  # NCCL profiler plugin
+    tcp: list[TcpFlow] = field(default_factory=list)  # busiest TCP connections, most bytes first
 
     @property
     def window_s(self) -> float:
@@ -287,6 +303,8 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         **({"lk": [[k.comm, k.rank, k.peer, int(k.send), k.steps, k.bytes, k.wire_s, k.peer_wait_s]
                    for k in p.links]} if p.links else {}),
         **({"cg": [[c.op, c.count, c.total_s, c.p99_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
+        **({"tcp": [[f.local, f.remote, f.calls, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
+                    for f in p.tcp]} if p.tcp else {}),
     }
 
 
@@ -444,6 +462,17 @@ def _links_from_wire(raw: Any) -> list[LinkStats]:
     return out
 
 
+def _tcp_from_wire(raw: Any) -> list[TcpFlow]:
+    out = []
+    for row in _list(raw, "tcp"):
+        local, remote, calls, sent, received, wire_s, wait_s, srtt_s = _list(row, "tcp flow", 8)
+        out.append(TcpFlow(local=_str(local, "tcp local"), remote=_str(remote, "tcp remote"),
+                           calls=_int(calls, "tcp calls"), sent=_int(sent, "tcp sent"),
+                           received=_int(received, "tcp received"), wire_s=_seconds(wire_s, "tcp wire_s"),
+                           peer_wait_s=_seconds(wait_s, "tcp peer_wait_s"), srtt_s=_seconds(srtt_s, "tcp srtt_s")))
+    return out
+
+
 def _health_from_wire(raw: Any) -> GpuHealth | None:
     if raw is None:
         return None
@@ -492,6 +521,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             links=_links_from_wire(d.get("lk", [])),
             collectives_gpu=[CollectiveGpu(*r) for r in _call_totals_from_wire(d.get("cg", []), "cg", "collective gpu",
                                                                                "p99_s")],
+            tcp=_tcp_from_wire(d.get("tcp", [])),
         )
     except PatternDecodeError:
         raise

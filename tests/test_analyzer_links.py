@@ -1,10 +1,11 @@
-"""The link matrix and its slow_link findings on synthetic NCCL profiler plugin rows (analyzer/links.py)."""
+"""The link matrix and its slow_link findings on synthetic NCCL profiler plugin rows and TCP connections
+(analyzer/links.py)."""
 from __future__ import annotations
 
 import pytest
 from rankscope.analyzer.diagnosis import find
-from rankscope.analyzer.links import link_findings, link_matrix
-from rankscope.analyzer.patterns import CollectiveGpu, LinkStats, RankPattern
+from rankscope.analyzer.links import _link_roles, link_findings, link_matrix
+from rankscope.analyzer.patterns import CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, TcpFlow
 from test_analyzer import findings, simulate
 
 COMM = 0x5EED_CAFE
@@ -152,3 +153,89 @@ def test_a_slow_node_and_an_unrelated_slow_link_in_the_diagnosis_document():
     matrix = fs[1]["evidence"]["link_matrix"]
     assert matrix["bandwidth_Bps"][0][1] == pytest.approx(8e9) and matrix["bandwidth_Bps"][1][0] is None
     assert fs[0]["cost"] > fs[1]["cost"] > 0
+
+
+# --- links measured by the kernel's TCP accounting (gloo) ---------------------------------------------
+MBPS = 40e6  # a healthy loopback gloo link on a busy 2-core host
+SENT = 200 << 20
+
+
+def connect(patterns: list[RankPattern], src: int, dst: int, mbps: float = MBPS / 1e6, sent: int = SENT) -> None:
+    """One TCP connection src -> dst carrying `sent` bytes at `mbps` MB/s, as both ends' patterns see it."""
+    by_rank = {p.rank: p for p in patterns}
+    a, b = f"127.0.0.1:{41000 + 100 * src + dst}", f"127.0.0.1:{52000 + 100 * dst + src}"
+    by_rank[src].tcp.append(TcpFlow(local=a, remote=b, calls=800, sent=sent, received=0, wire_s=sent / (mbps * 1e6),
+                                    peer_wait_s=0.01, srtt_s=5e-5))
+    by_rank[dst].tcp.append(TcpFlow(local=b, remote=a, calls=800, sent=0, received=sent, wire_s=0.0,
+                                    peer_wait_s=0.0, srtt_s=5e-5))
+
+
+def tcp_ring(patterns: list[RankPattern], slow_rank: int | None = None, mbps: float = 10.0) -> list[RankPattern]:
+    """gloo's ring all-reduce: each rank sends to the next; both links of `slow_rank` move `mbps` MB/s."""
+    n = len(patterns)
+    for r in range(n):
+        dst = (r + 1) % n
+        connect(patterns, r, dst, mbps if slow_rank in (r, dst) else MBPS / 1e6)
+    return patterns
+
+
+def test_tcp_links_are_placed_by_their_reversed_addresses():
+    m = link_matrix(tcp_ring(job(3)))
+    assert list(zip(m.src.tolist(), m.dst.tolist())) == [(0, 1), (1, 2), (2, 0)]
+    assert m.tcp.all() and m.judged.all() and m.bandwidth_Bps == pytest.approx([MBPS] * 3)
+    assert link_findings(tcp_ring(job(3))) == [] and link_findings(tcp_ring(job(4))) == []
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_slow_rank_in_a_small_tcp_ring_is_the_node(n):
+    # With three ranks two of the three links touch the slow rank: each link is compared with the links
+    # that do not touch the rank, not with a median the slow links make.
+    fs = link_findings(tcp_ring(job(n), slow_rank=n - 1))
+    assert [(f.kind, f.ranks) for f in fs] == [("slow_link", [n - 1])]
+    f = fs[0]
+    assert f.evidence["bandwidth_Bps"] == pytest.approx(10e6) and f.evidence["peers_bandwidth_Bps"] == pytest.approx(MBPS)
+    assert {r["source"] for r in f.evidence["links"]} == {"tcp"}
+    assert f"every link of rank {n - 1}" in f.summary and "10 MB/s vs 40 MB/s" in f.summary
+
+
+def pipeline(stage_of: dict[int, int]) -> list[RankPattern]:
+    """Patterns of two pipeline stages: a stage-1 rank's collectives carry other payloads than stage 0's."""
+    ps = job(len(stage_of))
+    for p in ps:
+        if stage_of[p.rank]:
+            p.collectives = [CollectiveRecord(c.op, c.bytes * 2, c.enter, c.done) for c in p.collectives]
+    return ps
+
+
+def test_links_between_pipeline_stages_are_not_compared_with_those_within():
+    # Activations go stage 0 -> 1 at the pace stage 1 reads them: four times slower than the all-reduces
+    # within each stage, by design. Compared with each other, every link is normal.
+    ps = pipeline({0: 0, 1: 0, 2: 1, 3: 1})
+    for src, dst, mbps in ((0, 1, 40), (1, 0, 40), (2, 3, 40), (3, 2, 40), (0, 2, 10), (1, 3, 10), (2, 0, 10),
+                           (3, 1, 10)):
+        connect(ps, src, dst, mbps)
+    assert len(set(_link_roles(link_matrix(ps), ps).tolist())) == 4
+    assert link_findings(ps) == []
+
+
+def test_nccl_plugin_rows_take_precedence_over_tcp_on_a_pair():
+    ps = tcp_ring(ring(job(3), [0, 1, 2]), slow_rank=2)
+    m = link_matrix(ps)
+    assert len(m) == 3 and not m.tcp.any()
+    assert link_findings(ps) == []  # the plugin's rows say every link runs at 20 GB/s
+
+
+def test_an_address_two_ranks_claim_places_no_link():
+    ps = tcp_ring(job(3))
+    ps[2].tcp.append(TcpFlow(local=ps[0].tcp[0].local, remote="10.1.1.1:1", calls=1, sent=1, received=0,
+                             wire_s=0.0, peer_wait_s=0.0, srtt_s=0.0))
+    m = link_matrix(ps)
+    assert list(zip(m.src.tolist(), m.dst.tolist())) == [(1, 2), (2, 0)]
+
+
+def test_tcp_links_with_a_few_ticks_of_wire_time_are_not_judged():
+    ps = tcp_ring(job(3), slow_rank=2)
+    for p in ps:
+        p.tcp = [TcpFlow(f.local, f.remote, f.calls, f.sent, f.received, min(f.wire_s, 0.04), f.peer_wait_s,
+                         f.srtt_s) for f in p.tcp]
+    assert not link_matrix(ps).judged.any() and link_findings(ps) == []

@@ -22,6 +22,7 @@ from rankscope.analyzer.patterns import (
     PyTimed,
     RankPattern,
     Role,
+    TcpFlow,
     decode_patterns,
     encode_patterns,
     pattern_to_json,
@@ -256,9 +257,37 @@ def test_nccl_plugin_views_round_trip_and_fit_1kb():
 
 def test_patterns_without_nccl_plugin_views_stay_unchanged():
     wire = msgpack.unpackb(encode_patterns([typical()]), raw=False)[0]
-    assert "lk" not in wire and "cg" not in wire
+    assert "lk" not in wire and "cg" not in wire and "tcp" not in wire
     q = decode_patterns(encode_patterns([typical()]))[0]
-    assert q.links == [] and q.collectives_gpu == []
+    assert q.links == [] and q.collectives_gpu == [] and q.tcp == []
+
+
+def with_tcp(p: RankPattern) -> RankPattern:
+    """gloo's connections to two peers, one with the receiver's window full part of the time."""
+    p.tcp = [TcpFlow(local="10.0.0.3:41234", remote="10.0.0.4:52011", calls=3120, sent=812_000_000,
+                     received=0, wire_s=7.432, peer_wait_s=0.112, srtt_s=0.000131),
+             TcpFlow(local="[fd00::3]:41236", remote="[fd00::2]:52020", calls=3101, sent=0, received=809_000_000,
+                     wire_s=0.0, peer_wait_s=0.0, srtt_s=0.000027)]
+    return p
+
+
+def test_tcp_flows_round_trip():
+    p = with_tcp(typical())
+    q = decode_patterns(encode_patterns([p]))[0]
+    assert [(f.local, f.remote, f.calls, f.sent, f.received) for f in q.tcp] == \
+        [(f.local, f.remote, f.calls, f.sent, f.received) for f in p.tcp]
+    assert [f.wire_s for f in q.tcp] == pytest.approx([f.wire_s for f in p.tcp], rel=1e-6)
+    assert q.tcp[0].srtt_s == pytest.approx(0.000131, rel=1e-6)
+
+
+@pytest.mark.parametrize("value", [[["a:1", "b:2", 1, 1, 1, 0.1, 0.0]], [[1, "b:2", 1, 1, 1, 0.1, 0.0, 0.0]],
+                                   [["a:1", "b:2", -1, 1, 1, 0.1, 0.0, 0.0]], [["a:1", "b:2", 1, 1, 1, -0.1, 0.0, 0.0]],
+                                   {}])
+def test_malformed_tcp_flows_raise_decode_error(value):
+    wire = msgpack.unpackb(encode_patterns([with_tcp(typical())]), raw=False)
+    wire[0]["tcp"] = value
+    with pytest.raises(PatternDecodeError):
+        decode_patterns(msgpack.packb(wire))
 
 
 @pytest.mark.parametrize("field,value", [("lk", [[1, 0, 1, 2, 1, 1, 0.1, 0.0]]), ("lk", [[1, 0, 1, 1, 1, 1, 0.1]]),

@@ -4,7 +4,7 @@ A kind without a library (the scheduler) is made of kernel tracepoints, on for e
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from rankscope.analyzer.patterns import Role
@@ -31,6 +31,10 @@ class Probe:
         return self.symbol if self.symbol in functions else None
 
 
+class KindUnavailable(Exception):
+    """The running kernel cannot host this kind (a tracepoint or structure it reads is missing)."""
+
+
 @dataclass(frozen=True)
 class ProbeKind:
     name: str
@@ -40,3 +44,5 @@ class ProbeKind:
     maps: tuple[str, ...] = ()  # its per-process maps (keys with a `pid`), purged when a process is forgotten
     local_symbols: bool = False  # its functions may be static ones, found in .symtab (unstripped builds)
     identifies_job: bool = True  # mapping this library makes a process a training process (not libpython)
+    # -D defines its source needs from the running kernel (structure offsets); raises KindUnavailable.
+    kernel_defines: Callable[[], dict[str, int]] | None = None
