@@ -88,6 +88,7 @@ class Fault:
     mode: str = "diagnose"  # or "agent"
     pinned: bool = False  # each rank pinned to CPU rank % 2 (a hog needs a CPU to take)
     max_ranks: int = 64
+    min_ranks: int = 2
 
 
 FAULTS = [
@@ -98,6 +99,9 @@ FAULTS = [
     Fault("hang", "noncomm_hang"),
     Fault("sigstop", "noncomm_hang"),
     Fault("hog", "cpu_contention", pinned=True, max_ranks=2),
+    # The victim's traffic shaped to 100 Mbit/s each way (tests/jobs/launch.py: SlowLink). Two ranks have one
+    # link each way, both the victim's: nothing to compare it with.
+    Fault("slowlink", "slow_link", min_ranks=3),
     Fault("healthy-agent", None, mode="agent"),
     Fault("regression", "regression", mode="agent"),
 ]
@@ -263,7 +267,8 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, tmp: Path) -
 
 def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, misses: Path) -> Run:
     spec = fault_spec(shape, fault, healthy_step or 0.05)
-    job = launch.start(shape.script, shape.ranks, list(shape.args), tmp, fault=spec)
+    job = launch.start(shape.script, shape.ranks, list(shape.args), tmp, fault=spec,
+                       slow_link=launch.SlowLink(shape.victim_rank) if fault.name == "slowlink" else None)
     try:
         if fault.pinned:
             launch.pin(job, {r: r % 2 for r in range(shape.ranks)})
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for shape in shapes:
                 # The healthy run comes first: its step time scales the faults and is the cost's reference.
-                for fault in sorted((f for f in faults if shape.ranks <= f.max_ranks), key=lambda f: f.name != "healthy"):
+                for fault in sorted((f for f in faults if f.min_ranks <= shape.ranks <= f.max_ranks), key=lambda f: f.name != "healthy"):
                     ref = statistics.median(healthy[shape.name]) if healthy.get(shape.name) else None
                     try:
                         run = run_case(shape, fault, Path(tmp), ref, Path(args.misses))

@@ -27,8 +27,9 @@ STEP_TOLERANCE = 0.10
 def job(tmp_path) -> Iterator[Callable[..., launch.TorchrunJob]]:
     started: list[launch.TorchrunJob] = []
 
-    def start(script: str, ranks: int, fault: str = "", *args: str) -> launch.TorchrunJob:
-        started.append(launch.start(script, ranks, list(args), tmp_path, fault=fault))
+    def start(script: str, ranks: int, fault: str = "", *args: str,
+              slow_link: launch.SlowLink | None = None) -> launch.TorchrunJob:
+        started.append(launch.start(script, ranks, list(args), tmp_path, fault=fault, slow_link=slow_link))
         launch.settle(started[-1], WARMUP_S)
         return started[-1]
 
@@ -104,6 +105,19 @@ def test_pipeline_stages_are_compared_within_their_stage(job):
     slow = job("pipeline_stages.py", 4, "compute:3:0.03")
     doc = diagnose(slow)
     assert verdict(doc) == [("compute_straggler", [3])], doc["findings"]
+
+
+def test_a_rate_limited_link_names_its_rank_from_the_kernels_tcp_accounting(job):
+    """Rank 2 in its own network namespace, its traffic shaped to 100 Mbit/s each way: gloo's ring sends to
+    and from it over the slow link, and the other ranks' link between them is the reference."""
+    j = job("mlp_regression.py", 3, slow_link=launch.SlowLink(2))
+    doc = diagnose(j)
+    assert verdict(doc) == [("slow_link", [2])], doc["findings"]
+    links = doc["findings"][0]["evidence"]["links"]
+    assert len(links) == 2 and all(2 in (r["src"], r["dst"]) for r in links), links  # to and from it, in a ring
+    assert {r["source"] for r in links} == {"tcp"}
+    assert all(r["bandwidth_Bps"] < 13.5e6 for r in links), links  # 100 Mbit/s is 12.5 MB/s
+    assert_step_time(j, doc)
 
 
 def test_a_stopped_rank_of_two_is_a_noncomm_hang(job):

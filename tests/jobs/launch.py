@@ -2,8 +2,11 @@
 own step log: shared by the accuracy tests and scripts/bench_accuracy.py.
 
 The job's code is left as written: inject/sitecustomize.py (on PYTHONPATH) records every optimizer step and
-applies $RANKSCOPE_FAULT. Ranks are found as torchrun's children that map libtorch_cpu.so; each rank's pid
-comes from its own step log.
+applies $RANKSCOPE_FAULT. Each rank's pid comes from its own step log.
+
+A slow link (SlowLink) puts one rank in its own network namespace behind a veth pair whose two ends are
+rate-limited with tc's token bucket (tbf: this project's kernels have no netem). Every rank then runs under
+its own torchrun, as on separate nodes, with gloo bound to the veth's addresses.
 """
 from __future__ import annotations
 
@@ -24,17 +27,61 @@ JOBS = Path(__file__).resolve().parent
 INJECT = JOBS / "inject"
 
 
+@dataclass(frozen=True)
+class SlowLink:
+    """Rank `rank`'s traffic to and from every other rank shaped to `rate` (tc's syntax) each way."""
+
+    rank: int
+    rate: str = "100mbit"
+
+
+@dataclass
+class _Netns:
+    """A network namespace joined to the root one by a veth pair: HOST_ADDR on the root side, NS_ADDR inside."""
+
+    name: str
+    host_if: str
+    ns_if: str
+    host_addr: str
+    ns_addr: str
+
+    @classmethod
+    def create(cls, tag: str, rate: str) -> _Netns:
+        octet = int(tag[:4], 16) % 250 + 1
+        ns = cls(f"rs-{tag}", f"rsh{tag}", f"rsn{tag}", f"10.78.{octet}.1", f"10.78.{octet}.2")
+        try:
+            for cmd in (f"ip netns add {ns.name}",
+                        f"ip link add {ns.host_if} type veth peer name {ns.ns_if} netns {ns.name}",
+                        f"ip addr add {ns.host_addr}/30 dev {ns.host_if}", f"ip link set {ns.host_if} up",
+                        f"ip -n {ns.name} addr add {ns.ns_addr}/30 dev {ns.ns_if}",
+                        f"ip -n {ns.name} link set {ns.ns_if} up", f"ip -n {ns.name} link set lo up",
+                        # Both directions: into the namespace (root side's egress) and out of it. The bucket
+                        # holds 1 ms of a 1 Gbit/s link and queues up to 100 ms before dropping.
+                        f"tc qdisc add dev {ns.host_if} root tbf rate {rate} burst 128kb latency 100ms",
+                        f"tc -n {ns.name} qdisc add dev {ns.ns_if} root tbf rate {rate} burst 128kb latency 100ms"):
+                subprocess.run(cmd.split(), check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as e:
+            ns.delete()
+            raise RuntimeError(f"{e.cmd}: {e.stderr.strip()}") from e
+        return ns
+
+    def delete(self) -> None:
+        """The namespace, and with it the veth pair."""
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
 @dataclass
 class TorchrunJob:
     """A running torchrun job; `truth` holds one step log per rank (inject/sitecustomize.py)."""
 
     script: str
     ranks: int
-    launcher: subprocess.Popen
+    launchers: list[subprocess.Popen]  # one torchrun, or one per rank (a slow link)
     truth: Path
     log: Path
     run_id: str
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
+    netns: _Netns | None = None
 
     def step_log(self, rank: int) -> dict | None:
         try:
@@ -74,11 +121,15 @@ class TorchrunJob:
         return time.time()
 
     def alive(self) -> bool:
-        return self.launcher.poll() is None
+        return all(launcher.poll() is None for launcher in self.launchers)
+
+    def exited(self) -> subprocess.Popen | None:
+        """A torchrun that has exited, if any."""
+        return next((launcher for launcher in self.launchers if launcher.poll() is not None), None)
 
     def kill(self) -> None:
         """SIGKILL torchrun's process group and each rank's (torchrun starts every rank in its own session)."""
-        for pid in (self.launcher.pid, *self.pids.values()):
+        for pid in (*(launcher.pid for launcher in self.launchers), *self.pids.values()):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -87,11 +138,15 @@ class TorchrunJob:
                 os.kill(pid, signal.SIGCONT)  # a stopped rank must run to die of the group's SIGKILL
             except ProcessLookupError:
                 pass
-        self.launcher.wait()
+        for launcher in self.launchers:
+            launcher.wait()
+        if self.netns is not None:
+            self.netns.delete()
 
 
 def start(script: str, ranks: int, args: list[str], workdir: Path, fault: str = "",
-          steady_steps: int = 20, timeout: float = 90, env: dict[str, str] | None = None) -> TorchrunJob:
+          steady_steps: int = 20, timeout: float = 90, env: dict[str, str] | None = None,
+          slow_link: SlowLink | None = None) -> TorchrunJob:
     """Start `script` (a path, or a name in tests/jobs/) with `ranks` ranks under torchrun and wait until every
     rank has logged `steady_steps` steps. `fault`: $RANKSCOPE_FAULT for the ranks."""
     path = Path(script) if os.sep in script else JOBS / script
@@ -102,17 +157,29 @@ def start(script: str, ranks: int, args: list[str], workdir: Path, fault: str = 
     child_env = dict(os.environ, **(env or {}))
     child_env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(INJECT), child_env.get("PYTHONPATH")])),
                      RANKSCOPE_TRUTH_DIR=str(truth), RANKSCOPE_FAULT=fault)
-    with open(log, "wb") as out:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-             "127.0.0.1", "--master-port", str(free_port()), "--rdzv-id", run_id, str(path), *args],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-    job = TorchrunJob(str(path), ranks, launcher, truth, log, run_id)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--rdzv-id", run_id, "--master-port", str(free_port())]
+    job = TorchrunJob(str(path), ranks, [], truth, log, run_id)
+    def launch(argv: list[str], **extra_env: str) -> None:
+        with open(log, "ab") as out:
+            job.launchers.append(subprocess.Popen(
+                [*argv, str(path), *args], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=dict(child_env, **extra_env), start_new_session=True))
+
+    def steady() -> bool:
+        if (gone := job.exited()) is not None:
+            raise RuntimeError(f"torchrun exited {gone.returncode}: {log.read_text(errors='replace')[-2000:]}")
+        return job.steps_done() >= steady_steps
+
     try:
-        def steady() -> bool:
-            if launcher.poll() is not None:
-                raise RuntimeError(f"torchrun exited {launcher.returncode}: {log.read_text(errors='replace')[-2000:]}")
-            return job.steps_done() >= steady_steps
+        if slow_link is None:
+            launch([*torchrun, "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"])
+        else:
+            job.netns = ns = _Netns.create(run_id[-6:], slow_link.rate)
+            for rank in range(ranks):  # a node per rank: static rendezvous, node rank = global rank
+                inside = rank == slow_link.rank
+                launch([*(["nsenter", f"--net=/var/run/netns/{ns.name}"] if inside else []), *torchrun,
+                        "--nnodes", str(ranks), "--node-rank", str(rank), "--nproc-per-node", "1",
+                        "--master-addr", ns.host_addr], GLOO_SOCKET_IFNAME=ns.ns_if if inside else ns.host_if)
         wait_until(steady, timeout, f"every rank of {path.name} to log {steady_steps} steps", interval=0.2)
         job.pids = {r: job.step_log(r)["pid"] for r in range(ranks)}
     except BaseException:
