@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
@@ -74,6 +75,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         session.close()
         if save is not None:
             save.close()
+            if os.path.getsize(args.save_patterns) == 0:  # nothing observed (attaching failed): no empty file
+                os.remove(args.save_patterns)
     return 0
 
 

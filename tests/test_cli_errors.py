@@ -41,12 +41,15 @@ def test_malformed_pid_list(pids):
     assert "process id" in line
 
 
-def test_process_without_probed_libraries():
+def test_process_without_probed_libraries(tmp_path):
+    saved = tmp_path / "w.msgpack"
     with subprocess.Popen(["sleep", "30"]) as sleeper:
         try:
-            line = one_line_error(run("diagnose", "--pid", str(sleeper.pid), "--duration", "1"))
+            line = one_line_error(run("diagnose", "--pid", str(sleeper.pid), "--duration", "1",
+                                      "--save-patterns", str(saved)))
             assert "maps none of the libraries" in line
             assert sleeper.poll() is None  # untouched
+            assert not saved.exists()  # nothing observed, no empty file left behind
         finally:
             sleeper.kill()
 
