@@ -34,6 +34,10 @@ MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (no
 # TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
 # send, over which a transfer's rounding to whole ticks averages out.
 MIN_TCP_WIRE_S = 0.05
+# ...and on bulk transfers: sends of a few KB (a small model's gradients, 1.4 KB a send) are bound by round
+# trips and by when each end gets a CPU, not by bandwidth. Three ranks on two cores moving 1.4 KB a send
+# showed 2-7 MB/s on loopback; gloo moves ~48 KB a send for a 450 KB gradient.
+MIN_TCP_SEND_BYTES = 16 << 10
 EXACT_ROLE_LINKS = 64  # up to this many links in a role, a rank is compared with exactly the links it lacks
 MATRIX_MAX_RANKS = 32  # up to this many ranks, evidence carries the whole dense matrix
 
@@ -44,7 +48,7 @@ class LinkMatrix:
 
     src: np.ndarray  # global rank of the sender
     dst: np.ndarray  # global rank of the receiver
-    steps: np.ndarray
+    steps: np.ndarray  # network steps (NCCL) or send calls (TCP)
     bytes: np.ndarray
     wire_s: np.ndarray
     peer_wait_s: np.ndarray  # the sender waiting for the receiver's credit (0 for receiver-measured links)
@@ -62,8 +66,8 @@ class LinkMatrix:
     @property
     def judged(self) -> np.ndarray:
         """Links with enough traffic in the window to judge their throughput."""
-        return ((self.steps >= MIN_STEPS) & (self.bytes >= MIN_BYTES) & (self.wire_s > 0)
-                & ~(self.tcp & (self.wire_s < MIN_TCP_WIRE_S)))
+        small = (self.wire_s < MIN_TCP_WIRE_S) | (self.bytes < MIN_TCP_SEND_BYTES * self.steps)
+        return (self.steps >= MIN_STEPS) & (self.bytes >= MIN_BYTES) & (self.wire_s > 0) & ~(self.tcp & small)
 
     def row(self, i: int) -> dict[str, Any]:
         """One link as evidence shows it."""
@@ -144,7 +148,7 @@ def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[An
             if dst is None or dst == p.rank or f.sent == 0 or {f.local, f.remote} & twice:
                 continue
             acc = totals.setdefault((p.rank, dst), [0, 0, 0.0, 0.0, True, True])
-            acc[0] += f.calls
+            acc[0] += f.sends
             acc[1] += f.sent
             acc[2] += f.wire_s
             acc[3] += f.peer_wait_s

@@ -180,7 +180,7 @@ class TcpFlow:
 
     local: str  # "address:port" of this end
     remote: str  # "address:port" of the other end: the peer's `local`
-    calls: int  # send and receive calls on it
+    sends: int  # send calls on it
     sent: int  # bytes this end sent that the peer acknowledged
     received: int
     wire_s: float  # the connection had data to send: busy, or held by its send buffer (jiffy resolution)
@@ -303,7 +303,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         **({"lk": [[k.comm, k.rank, k.peer, int(k.send), k.steps, k.bytes, k.wire_s, k.peer_wait_s]
                    for k in p.links]} if p.links else {}),
         **({"cg": [[c.op, c.count, c.total_s, c.p99_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
-        **({"tcp": [[f.local, f.remote, f.calls, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
+        **({"tcp": [[f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
                     for f in p.tcp]} if p.tcp else {}),
     }
 
@@ -465,9 +465,9 @@ def _links_from_wire(raw: Any) -> list[LinkStats]:
 def _tcp_from_wire(raw: Any) -> list[TcpFlow]:
     out = []
     for row in _list(raw, "tcp"):
-        local, remote, calls, sent, received, wire_s, wait_s, srtt_s = _list(row, "tcp flow", 8)
+        local, remote, sends, sent, received, wire_s, wait_s, srtt_s = _list(row, "tcp flow", 8)
         out.append(TcpFlow(local=_str(local, "tcp local"), remote=_str(remote, "tcp remote"),
-                           calls=_int(calls, "tcp calls"), sent=_int(sent, "tcp sent"),
+                           sends=_int(sends, "tcp sends"), sent=_int(sent, "tcp sent"),
                            received=_int(received, "tcp received"), wire_s=_seconds(wire_s, "tcp wire_s"),
                            peer_wait_s=_seconds(wait_s, "tcp peer_wait_s"), srtt_s=_seconds(srtt_s, "tcp srtt_s")))
     return out

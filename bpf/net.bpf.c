@@ -22,7 +22,7 @@ struct tcp_val {
     u16 local_port;
     u16 remote_port;
     u32 srtt_us;    // smoothed round trip, << 3 as the kernel keeps it
-    u64 calls;      // sends and receives seen
+    u64 sends;      // send calls seen
     u64 now[5];     // acked bytes, received bytes, busy, rwnd-limited, sndbuf-limited jiffies: latest
     u64 base[5];    // the same at first sight, so a window counts only what it saw
 };
@@ -63,7 +63,7 @@ static __always_inline void read_counters(void *sk, u64 *out) {
     out[4] = stat[2];
 }
 
-static __always_inline int on_tcp_io(void *sk, u16 family, u16 protocol, int ret) {
+static __always_inline int on_tcp_io(void *sk, u16 family, u16 protocol, int ret, bool send) {
     if (protocol != IPPROTO_TCP_ || ret <= 0)
         return 0;
     if (!watched_proc())
@@ -87,14 +87,15 @@ static __always_inline int on_tcp_io(void *sk, u16 family, u16 protocol, int ret
     // Racing updates from two threads on one socket only ever write values the socket held.
     read_counters(sk, v->now);
     bpf_probe_read_kernel(&v->srtt_us, sizeof(v->srtt_us), sk + TP_SRTT_US);
-    __sync_fetch_and_add(&v->calls, 1);
+    if (send)
+        __sync_fetch_and_add(&v->sends, 1);
     return 0;
 }
 
 TRACEPOINT_PROBE(sock, sock_send_length) {
-    return on_tcp_io(args->sk, args->family, args->protocol, args->ret);
+    return on_tcp_io(args->sk, args->family, args->protocol, args->ret, true);
 }
 
 TRACEPOINT_PROBE(sock, sock_recv_length) {
-    return on_tcp_io(args->sk, args->family, args->protocol, args->ret);
+    return on_tcp_io(args->sk, args->family, args->protocol, args->ret, false);
 }

@@ -164,9 +164,9 @@ def connect(patterns: list[RankPattern], src: int, dst: int, mbps: float = MBPS 
     """One TCP connection src -> dst carrying `sent` bytes at `mbps` MB/s, as both ends' patterns see it."""
     by_rank = {p.rank: p for p in patterns}
     a, b = f"127.0.0.1:{41000 + 100 * src + dst}", f"127.0.0.1:{52000 + 100 * dst + src}"
-    by_rank[src].tcp.append(TcpFlow(local=a, remote=b, calls=800, sent=sent, received=0, wire_s=sent / (mbps * 1e6),
+    by_rank[src].tcp.append(TcpFlow(local=a, remote=b, sends=800, sent=sent, received=0, wire_s=sent / (mbps * 1e6),
                                     peer_wait_s=0.01, srtt_s=5e-5))
-    by_rank[dst].tcp.append(TcpFlow(local=b, remote=a, calls=800, sent=0, received=sent, wire_s=0.0,
+    by_rank[dst].tcp.append(TcpFlow(local=b, remote=a, sends=800, sent=0, received=sent, wire_s=0.0,
                                     peer_wait_s=0.0, srtt_s=5e-5))
 
 
@@ -227,7 +227,7 @@ def test_nccl_plugin_rows_take_precedence_over_tcp_on_a_pair():
 
 def test_an_address_two_ranks_claim_places_no_link():
     ps = tcp_ring(job(3))
-    ps[2].tcp.append(TcpFlow(local=ps[0].tcp[0].local, remote="10.1.1.1:1", calls=1, sent=1, received=0,
+    ps[2].tcp.append(TcpFlow(local=ps[0].tcp[0].local, remote="10.1.1.1:1", sends=1, sent=1, received=0,
                              wire_s=0.0, peer_wait_s=0.0, srtt_s=0.0))
     m = link_matrix(ps)
     assert list(zip(m.src.tolist(), m.dst.tolist())) == [(1, 2), (2, 0)]
@@ -236,6 +236,15 @@ def test_an_address_two_ranks_claim_places_no_link():
 def test_tcp_links_with_a_few_ticks_of_wire_time_are_not_judged():
     ps = tcp_ring(job(3), slow_rank=2)
     for p in ps:
-        p.tcp = [TcpFlow(f.local, f.remote, f.calls, f.sent, f.received, min(f.wire_s, 0.04), f.peer_wait_s,
+        p.tcp = [TcpFlow(f.local, f.remote, f.sends, f.sent, f.received, min(f.wire_s, 0.04), f.peer_wait_s,
                          f.srtt_s) for f in p.tcp]
+    assert not link_matrix(ps).judged.any() and link_findings(ps) == []
+
+
+def test_tcp_links_of_small_sends_are_not_judged():
+    # A small model's gradients, 1.4 KB a send: round trips and CPU starvation, not bandwidth, set the pace.
+    ps = tcp_ring(job(3), slow_rank=2)
+    for p in ps:
+        p.tcp = [TcpFlow(f.local, f.remote, f.sent // 1400, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s)
+                 for f in p.tcp]
     assert not link_matrix(ps).judged.any() and link_findings(ps) == []

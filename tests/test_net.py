@@ -80,7 +80,7 @@ def test_bytes_each_way_are_the_transfer(fast):
     total = 256 << 20
     assert total - 2 <= sender.sent <= total, sender  # the first byte is the agent's first sight
     assert total - 2 <= receiver.received <= total, receiver
-    assert receiver.sent == 1 and sender.calls >= 2
+    assert receiver.sent == 1 and sender.sends >= 2
 
 
 def test_a_fast_transfer_is_time_on_the_wire_within_the_transfer(fast):

@@ -264,9 +264,9 @@ def test_patterns_without_nccl_plugin_views_stay_unchanged():
 
 def with_tcp(p: RankPattern) -> RankPattern:
     """gloo's connections to two peers, one with the receiver's window full part of the time."""
-    p.tcp = [TcpFlow(local="10.0.0.3:41234", remote="10.0.0.4:52011", calls=3120, sent=812_000_000,
+    p.tcp = [TcpFlow(local="10.0.0.3:41234", remote="10.0.0.4:52011", sends=3120, sent=812_000_000,
                      received=0, wire_s=7.432, peer_wait_s=0.112, srtt_s=0.000131),
-             TcpFlow(local="[fd00::3]:41236", remote="[fd00::2]:52020", calls=3101, sent=0, received=809_000_000,
+             TcpFlow(local="[fd00::3]:41236", remote="[fd00::2]:52020", sends=3101, sent=0, received=809_000_000,
                      wire_s=0.0, peer_wait_s=0.0, srtt_s=0.000027)]
     return p
 
@@ -274,8 +274,8 @@ def with_tcp(p: RankPattern) -> RankPattern:
 def test_tcp_flows_round_trip():
     p = with_tcp(typical())
     q = decode_patterns(encode_patterns([p]))[0]
-    assert [(f.local, f.remote, f.calls, f.sent, f.received) for f in q.tcp] == \
-        [(f.local, f.remote, f.calls, f.sent, f.received) for f in p.tcp]
+    assert [(f.local, f.remote, f.sends, f.sent, f.received) for f in q.tcp] == \
+        [(f.local, f.remote, f.sends, f.sent, f.received) for f in p.tcp]
     assert [f.wire_s for f in q.tcp] == pytest.approx([f.wire_s for f in p.tcp], rel=1e-6)
     assert q.tcp[0].srtt_s == pytest.approx(0.000131, rel=1e-6)
 

@@ -56,7 +56,7 @@ class SocketCounters:
 
     local: str  # "address:port"
     remote: str
-    calls: int  # since first seen
+    sends: int  # send calls since first seen
     srtt_s: float
     now: tuple[int, ...]  # acked bytes, received bytes, busy, rwnd-limited, sndbuf-limited jiffies
     base: tuple[int, ...]
@@ -76,7 +76,7 @@ def sockets(bpf) -> dict[int, dict[int, SocketCounters]]:
     out: dict[int, dict[int, SocketCounters]] = {}
     for key, v in table.items():
         out.setdefault(key.pid, {})[key.sk] = SocketCounters(
-            _endpoint(v.local, v.local_port), _endpoint(v.remote, v.remote_port), v.calls,
+            _endpoint(v.local, v.local_port), _endpoint(v.remote, v.remote_port), v.sends,
             v.srtt_us / 8e6, tuple(v.now), tuple(v.base))
     return out
 
@@ -116,16 +116,17 @@ class TcpReader:
 
     def __init__(self, hz: int):
         self.hz = hz
-        self._prev: dict[int, tuple[tuple[int, ...], int]] = {}  # socket -> (counters, calls) last read
+        self._prev: dict[int, tuple[tuple[int, ...], int]] = {}  # socket -> (counters, sends) last read
 
     def flows(self, now: dict[int, SocketCounters]) -> list[TcpFlow]:
         out = []
         for sk, c in now.items():
-            prev, prev_calls = self._prev.get(sk, (c.base, 0))  # the kernel counts calls from first sight
+            prev, prev_sends = self._prev.get(sk, (c.base, 0))  # the kernel counts sends from first sight
             d = [c.now[0] - prev[0], c.now[1] - prev[1], *((x - y) % _WRAP for x, y in zip(c.now[2:], prev[2:]))]
             if max(d[0], d[1]) >= MIN_FLOW_BYTES:
-                out.append(TcpFlow(local=c.local, remote=c.remote, calls=c.calls - prev_calls, sent=d[0], received=d[1],
-                                   wire_s=(d[2] + d[4]) / self.hz, peer_wait_s=d[3] / self.hz, srtt_s=c.srtt_s))
-        self._prev = {sk: (c.now, c.calls) for sk, c in now.items()}
+                out.append(TcpFlow(local=c.local, remote=c.remote, sends=c.sends - prev_sends, sent=d[0],
+                                   received=d[1], wire_s=(d[2] + d[4]) / self.hz, peer_wait_s=d[3] / self.hz,
+                                   srtt_s=c.srtt_s))
+        self._prev = {sk: (c.now, c.sends) for sk, c in now.items()}
         out.sort(key=lambda f: -(f.sent + f.received))
         return out[:MAX_FLOWS]
