@@ -30,6 +30,10 @@ MIN_STEPS = 8  # network steps over a link in the window before its throughput i
 MIN_BYTES = 1 << 20  # ...and bytes: a few small steps measure latency, not bandwidth
 MIN_LINKS = 3  # judged links of a role: with two, which one is "the others"?
 SLOW_FACTOR = 1.5  # a link below the median of its role's links divided by this is slow
+# TCP's throughput also follows who gets a CPU when the host is short of them (loopback copies are CPU work):
+# healthy links of one job ranged 134-333 MB/s beside a rank spinning on a core. A slow TCP link must run at
+# a third of its peers (the rate-limited link of the accuracy matrix: 12 MB/s vs 100-500 MB/s).
+TCP_SLOW_FACTOR = 3.0
 MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (not one link) the suspect
 # TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
 # send, over which a transfer's rounding to whole ticks averages out.
@@ -175,14 +179,19 @@ def _role_medians(judged: np.ndarray, role: np.ndarray, bw: np.ndarray) -> tuple
     return median, count
 
 
+def _slow_factor(m: LinkMatrix) -> np.ndarray:
+    return np.where(m.tcp, TCP_SLOW_FACTOR, SLOW_FACTOR)
+
+
 def _slow_nodes(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndarray) -> dict[int, float]:
     """rank -> the throughput its links fell short of, for each rank with MIN_NODE_LINKS judged links or more,
-    every one slower than SLOW_FACTOR below the median of its role's links that do not touch the rank.
+    every one slower than its slow factor below the median of its role's links that do not touch the rank.
 
     Leaving the rank's own links out matters in small jobs: in a ring of three, two of the three links touch
     the slow rank, and a median over all of them is theirs. In a role of many links one rank's few barely
     move the median, so there the role's median stands in: one pass over 100,000 ranks' links."""
     median, count = _role_medians(judged, role, bw)
+    factor = _slow_factor(m)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
     link = np.tile(np.arange(len(m)), 2)
     reference = median[link]
@@ -191,7 +200,7 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndar
         others = judged & (role == role[link[k]]) & (m.src != r) & (m.dst != r)
         reference[k] = np.median(bw[others]) if others.any() else np.nan
     with np.errstate(invalid="ignore"):
-        slow = judged[link] & (bw[link] < reference / SLOW_FACTOR)  # no reference: not slow
+        slow = judged[link] & (bw[link] < reference / factor[link])  # no reference: not slow
     ends, at = np.unique(end_rank, return_inverse=True)
     n_judged = np.bincount(at, weights=judged[link], minlength=ends.size)
     n_slow = np.bincount(at, weights=slow, minlength=ends.size)
@@ -239,7 +248,7 @@ def link_findings(patterns: Sequence[RankPattern]) -> list[Finding]:
     nodes = _slow_nodes(m, judged, role, bw)
     median, count = _role_medians(judged, role, bw)
     with np.errstate(invalid="ignore"):
-        slow = judged & (count >= MIN_LINKS) & (bw < median / SLOW_FACTOR)
+        slow = judged & (count >= MIN_LINKS) & (bw < median / _slow_factor(m))
     if not slow.any() and not nodes:
         return []
 
