@@ -3,7 +3,8 @@
     scripts/bench accuracy [--repeats N] [--shapes A,B] [--faults X,Y] [--json PATH] [--misses DIR]   (root)
 
 Each case is a fresh torchrun job of one shape (tests/jobs/: user-style training code, faults injected from
-outside the job's code by tests/jobs/inject/sitecustomize.py), warmed up, then diagnosed the way a user does:
+outside the job's code by tests/jobs/inject/sitecustomize.py), or the simulated GPU job (rankscope.sim: its
+GPU-side faults held to the same bar), warmed up, then diagnosed the way a user does:
 `rankscope diagnose --pid <ranks> --duration 10 --json`, or watched by `rankscope agent` for the cases that
 need time (a whole-job regression, a healthy job over many windows). Every figure is checked against the
 job's own truth: its step log (every optimizer step's end) and the injected fault.
@@ -12,8 +13,8 @@ Per case: runs, right verdicts (the top finding's kind and ranks; for a healthy 
 findings (any other finding), step-time error (the document's step time against the job's own median over
 the same window), cost error (the finding's cost against the what-if share 1 - healthy step / faulty step,
 the healthy step measured on the same shape in the same run), and, for agent cases, time to the finding.
-A wrong diagnose verdict, a false finding or a step time off by more than 10% keeps its evidence in --misses: the patterns observed (diagnose --save-patterns) and
-the document, to analyze offline with rankscope.analyzer.
+A wrong diagnose verdict, a false finding or a step time off by more than 10% keeps its evidence in --misses:
+the patterns observed (diagnose --save-patterns) and the document, to analyze offline with rankscope.analyzer.
 """
 from __future__ import annotations
 
@@ -61,10 +62,15 @@ class Shape:
     victim: int = -1  # the rank faults hit (default: the last)
     loads: int = -1  # the rank a slow loader hits: one that loads data (default: the victim)
     note: str = ""
+    sim: bool = False  # the simulated GPU job (script unused): its faults are rankscope.sim.faults specs
+    faults: tuple[str, ...] = ()  # the faults the shape can take (default: all)
 
     @property
     def victim_rank(self) -> int:
         return self.victim if self.victim >= 0 else self.ranks - 1
+
+    def takes(self, fault: Fault) -> bool:
+        return fault.min_ranks <= self.ranks <= fault.max_ranks and (not self.faults or fault.name in self.faults)
 
     def target(self, fault: str) -> int:
         return self.loads if fault == "loader" and self.loads >= 0 else self.victim_rank
@@ -78,6 +84,8 @@ SHAPES = [
     Shape("lm-2", "lm_accum.py", 2, note="transformer, AdamW, 4 micro-batches accumulated (no_sync)"),
     Shape("pipe-4", "pipeline_stages.py", 4, loads=1,
           note="2 stages x 2 replicas, send/recv, new_group all-reduce; stage 0 (ranks 0, 1) loads the data"),
+    Shape("sim-4", "", 4, sim=True,
+          faults=("healthy", "compute", "loader", "gc", "sigstop", "slowlink", "healthy-agent"), note="simulated GPU job: stand-in libcuda/libnccl, NCCL all-reduce; GPU-side faults"),
 ]
 
 
@@ -142,6 +150,9 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     """$RANKSCOPE_FAULT for the case: delays scaled to the shape's healthy step time."""
     v = shape.target(fault.name)
     extra = min(max(0.02, 0.5 * healthy_step), 0.3)  # seconds a faulty rank adds per step
+    if shape.sim:  # GPU-side equivalents: a slower GPU, input stall, a slower link
+        return {"compute": f"slow-gpu:{v}:1.5", "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
+                "slowlink": f"slow-link:{v}:4"}.get(fault.name, "")
     spec = {
         "compute": f"compute:{v}:{extra:.4f}",
         # A batch fetch must outlast every worker's share of the step to make the rank wait for it.
@@ -172,8 +183,8 @@ def score(shape: Shape, fault: Fault, findings: list[dict]) -> tuple[bool, list[
     return right, [label(f) for f in findings if f not in hits]
 
 
-def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_step: float | None,
-                  misses: Path) -> Run:
+def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun,
+                  healthy_step: float | None, misses: Path) -> Run:
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     hog = hog_on(shape.victim_rank % 2) if fault.name == "hog" else None
     saved = job.truth.parent / f"{job.run_id}.msgpack"
@@ -212,7 +223,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, healthy_s
     return run
 
 
-def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, tmp: Path) -> Run:
+def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun, tmp: Path) -> Run:
     port = free_port()
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     with open(tmp / f"agent-{job.run_id}.log", "wb") as agent_log:
@@ -267,8 +278,11 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob, tmp: Path) -
 
 def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, misses: Path) -> Run:
     spec = fault_spec(shape, fault, healthy_step or 0.05)
-    job = launch.start(shape.script, shape.ranks, list(shape.args), tmp, fault=spec,
-                       slow_link=launch.SlowLink(shape.victim_rank) if fault.name == "slowlink" else None)
+    if shape.sim:
+        job = launch.start_sim(shape.ranks, spec.split(",") if spec else [], tmp)
+    else:
+        job = launch.start(shape.script, shape.ranks, list(shape.args), tmp, fault=spec,
+                           slow_link=launch.SlowLink(shape.victim_rank) if fault.name == "slowlink" else None)
     try:
         if fault.pinned:
             launch.pin(job, {r: r % 2 for r in range(shape.ranks)})
@@ -325,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for shape in shapes:
                 # The healthy run comes first: its step time scales the faults and is the cost's reference.
-                for fault in sorted((f for f in faults if f.min_ranks <= shape.ranks <= f.max_ranks), key=lambda f: f.name != "healthy"):
+                for fault in sorted(filter(shape.takes, faults), key=lambda f: f.name != "healthy"):
                     ref = statistics.median(healthy[shape.name]) if healthy.get(shape.name) else None
                     try:
                         run = run_case(shape, fault, Path(tmp), ref, Path(args.misses))

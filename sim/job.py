@@ -143,7 +143,8 @@ def _stop_leftover_jobs() -> None:
 
 def start_job(ranks: int, faults: list[str | Fault] | tuple[str | Fault, ...] = (), steps: int | None = None,
               hold_file: Path | None = None, python: str = sys.executable, *, log_dir: Path | None = None,
-              nccl_id: bytes | None = None, host_cpu_s: float | None = None) -> SimJob:
+              nccl_id: bytes | None = None, host_cpu_s: float | None = None,
+              truth_dir: Path | None = None) -> SimJob:
     """Builds the stand-ins and starts `ranks` rank processes (one process group); returns at once.
 
     faults: SPEC strings (see faults.GRAMMAR) or Fault objects; ValueError if malformed or naming a rank the
@@ -154,6 +155,7 @@ def start_job(ranks: int, faults: list[str | Fault] | tuple[str | Fault, ...] = 
     log_dir: where ranks' stdout/stderr go (default: a temporary folder removed by stop()).
     nccl_id: the 128-byte ncclUniqueId (default: 128 random bytes, as ncclGetUniqueId makes them).
     host_cpu_s: CPU work of every rank's load_batch per step (default 1 ms): a host-heavier job.
+    truth_dir: where each rank keeps its own step log, r<RANK>.json (steplog.py), for tests to check against.
     """
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, not {ranks!r}")
@@ -195,6 +197,9 @@ def start_job(ranks: int, faults: list[str | Fault] | tuple[str | Fault, ...] = 
     else:
         base_env.pop("RANKSCOPE_SIM_HOLD", None)
     base_env.pop("RANKSCOPE_SIM_HOST_CPU_S", None)
+    base_env.pop("RANKSCOPE_TRUTH_DIR", None)
+    if truth_dir is not None:
+        base_env["RANKSCOPE_TRUTH_DIR"] = str(truth_dir)
     if host_cpu_s is not None:
         base_env["RANKSCOPE_SIM_HOST_CPU_S"] = str(host_cpu_s)
 

@@ -28,10 +28,12 @@ try:
     from .bindings import (NCCL_FLOAT32, NCCL_SUM, CUlaunchConfig, NcclUniqueId, load, unique_id_bytes,
                            unique_id_from_bytes)
     from .faults import Fault, parse_fault
+    from .steplog import StepLog
 except ImportError:  # run as a script: the sibling modules are on sys.path[0]
     from bindings import (NCCL_FLOAT32, NCCL_SUM, CUlaunchConfig, NcclUniqueId, load,  # type: ignore
                           unique_id_bytes, unique_id_from_bytes)
     from faults import Fault, parse_fault  # type: ignore
+    from steplog import StepLog  # type: ignore
 
 # The model: kernels as (name, milliseconds of GPU time at factor 1, launched with cuLaunchKernelEx?).
 FORWARD = (("sm90_xmma_gemm_bf16bf16_bf16f32_qkv", 2.0, False), ("layer_norm_fwd_kernel", 0.5, True),
@@ -364,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     durations: deque[float] = deque(maxlen=100_000)
+    truth = StepLog(os.environ.get("RANKSCOPE_TRUTH_DIR"), ident.rank)  # the job's own step log, for tests
     sim = None
     try:
         cuda, nccl = load(_lib_dir())
@@ -386,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             train_step(step)
             durations.append(time.perf_counter() - t)
+            truth.step_ended()
             step += 1
     except Terminated:
         pass
@@ -395,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        truth.write()
         if sim is not None and sim.comm.value:
             sim.nccl.ncclCommDestroy(sim.comm)
             sim.comm = c_void_p()

@@ -38,7 +38,8 @@ def job(tmp_path) -> Iterator[Callable[..., launch.TorchrunJob]]:
         j.kill()
 
 
-def diagnose(job: launch.TorchrunJob, *extra: str, when_watching: Callable[[], object] | None = None) -> dict:
+def diagnose(job: launch.TorchrunJob | launch.SimRun, *extra: str,
+             when_watching: Callable[[], object] | None = None) -> dict:
     """`rankscope diagnose --json` over the job's ranks; `when_watching` runs once it watches every rank."""
     proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", ",".join(str(job.pids[r]) for r in range(job.ranks)),
                              "--duration", str(OBSERVE_S), "--json", *extra],
@@ -55,7 +56,7 @@ def verdict(doc: dict) -> list[tuple[str, list[int]]]:
     return [(f["kind"], f["ranks"]) for f in doc["findings"]]
 
 
-def assert_step_time(job: launch.TorchrunJob, doc: dict) -> None:
+def assert_step_time(job: launch.TorchrunJob | launch.SimRun, doc: dict) -> None:
     """The document's step time is the job's own, over the same window."""
     job.wait_written(doc["window"]["end"])
     own = job.step_time(doc["window"]["start"], doc["window"]["end"])
@@ -118,6 +119,19 @@ def test_a_rate_limited_link_names_its_rank_from_the_kernels_tcp_accounting(job)
     assert {r["source"] for r in links} == {"tcp"}
     assert all(r["bandwidth_Bps"] < 13.5e6 for r in links), links  # 100 Mbit/s is 12.5 MB/s
     assert_step_time(j, doc)
+
+
+def test_the_simulated_gpu_job_is_held_to_its_own_step_log(tmp_path):
+    """The simulated GPU job logs its steps as the torch jobs do (rankscope.sim.steplog): a GPU 1.5x slower
+    on rank 1 is its compute straggler, at the step time its ranks logged."""
+    j = launch.start_sim(3, ["slow-gpu:1:1.5"], tmp_path)
+    try:
+        launch.settle(j, WARMUP_S)
+        doc = diagnose(j)
+        assert verdict(doc)[:1] == [("compute_straggler", [1])], doc["findings"]
+        assert_step_time(j, doc)
+    finally:
+        j.kill()
 
 
 def test_a_stopped_rank_of_two_is_a_noncomm_hang(job):

@@ -1,8 +1,10 @@
-"""Start a test job (tests/jobs/*.py, or any torchrun script) under torchrun with faults injected, and read its
-own step log: shared by the accuracy tests and scripts/bench_accuracy.py.
+"""Start a test job (tests/jobs/*.py, or any torchrun script) under torchrun with faults injected, or the
+simulated GPU job (rankscope.sim), and read its own step log: shared by the accuracy tests and
+scripts/bench_accuracy.py.
 
 The job's code is left as written: inject/sitecustomize.py (on PYTHONPATH) records every optimizer step and
-applies $RANKSCOPE_FAULT. Each rank's pid comes from its own step log.
+applies $RANKSCOPE_FAULT; the simulated ranks log their steps themselves (rankscope.sim.steplog). Each
+rank's pid comes from its own step log.
 
 A slow link (SlowLink) puts one rank in its own network namespace behind a veth pair whose two ends are
 rate-limited with tc's token bucket (tbf: this project's kernels have no netem). Every rank then runs under
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankscope.sim.harness import free_port, wait_until
+from rankscope.sim.job import SimJob, start_job
 
 JOBS = Path(__file__).resolve().parent
 INJECT = JOBS / "inject"
@@ -70,18 +73,11 @@ class _Netns:
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
 
 
-@dataclass
-class TorchrunJob:
-    """A running torchrun job; `truth` holds one step log per rank (inject/sitecustomize.py)."""
+class StepTruth:
+    """A job's own step logs: r<RANK>.json per rank in `truth` (rankscope.sim.steplog), and its `go` file."""
 
-    script: str
-    ranks: int
-    launchers: list[subprocess.Popen]  # one torchrun, or one per rank (a slow link)
     truth: Path
-    log: Path
-    run_id: str
-    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
-    netns: _Netns | None = None
+    ranks: int
 
     def step_log(self, rank: int) -> dict | None:
         try:
@@ -119,6 +115,20 @@ class TorchrunJob:
         """Starts the faults whose onset is `go` (inject/sitecustomize.py); returns when (unix s)."""
         (self.truth / "go").touch()
         return time.time()
+
+
+@dataclass
+class TorchrunJob(StepTruth):
+    """A running torchrun job; `truth` holds one step log per rank (inject/sitecustomize.py)."""
+
+    script: str
+    ranks: int
+    launchers: list[subprocess.Popen]  # one torchrun, or one per rank (a slow link)
+    truth: Path
+    log: Path
+    run_id: str
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
+    netns: _Netns | None = None
 
     def alive(self) -> bool:
         return all(launcher.poll() is None for launcher in self.launchers)
@@ -188,7 +198,60 @@ def start(script: str, ranks: int, args: list[str], workdir: Path, fault: str = 
     return job
 
 
-def pin(job: TorchrunJob, cpu_of_rank: dict[int, int]) -> None:
+@dataclass
+class SimRun(StepTruth):
+    """The simulated GPU job (rankscope.sim) behind TorchrunJob's face: its faults are `--fault` specs."""
+
+    job: SimJob
+    truth: Path
+    run_id: str  # the job id rankscope reports (TORCHELASTIC_RUN_ID)
+    pids: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> int:
+        return self.job.ranks
+
+    @property
+    def log(self) -> Path:
+        """The stderr of the first rank that exited (else rank 0's)."""
+        codes = self.job.returncodes()
+        return self.job.log_dir / f"rank{next((r for r, c in enumerate(codes) if c is not None), 0)}.err"
+
+    def alive(self) -> bool:
+        return all(code is None for code in self.job.returncodes())
+
+    def kill(self) -> None:
+        for pid in self.job.pids:
+            try:
+                os.kill(pid, signal.SIGCONT)  # a stopped rank must run to end
+            except ProcessLookupError:
+                pass
+        self.job.stop()
+
+
+def start_sim(ranks: int, faults: list[str], workdir: Path, steady_steps: int = 20, timeout: float = 90) -> SimRun:
+    """Start the simulated GPU job with `ranks` ranks and `faults` (rankscope.sim.faults specs) and wait until
+    every rank has logged `steady_steps` steps."""
+    truth = workdir / f"sim-truth-{secrets.token_hex(3)}"
+    truth.mkdir(parents=True)
+    job = start_job(ranks, faults, log_dir=workdir / f"{truth.name}-logs", truth_dir=truth)
+    run = SimRun(job, truth, job.job_id)
+
+    def steady() -> bool:
+        if not run.alive():
+            raise RuntimeError(f"a simulated rank exited: {run.log.read_text(errors='replace')[-2000:]}")
+        return run.steps_done() >= steady_steps
+
+    try:
+        wait_until(steady, timeout, f"every simulated rank to log {steady_steps} steps", interval=0.2)
+        run.pids = {r: run.step_log(r)["pid"] for r in range(ranks)}
+    except BaseException:
+        run.kill()
+        raise
+    return run
+
+
+def pin(job: TorchrunJob | SimRun, cpu_of_rank: dict[int, int]) -> None:
     """Pins every thread of each named rank (and its DataLoader workers' threads too: taskset -a on the rank
     only reaches its own threads) to one CPU."""
     for rank, cpu in cpu_of_rank.items():
@@ -196,7 +259,7 @@ def pin(job: TorchrunJob, cpu_of_rank: dict[int, int]) -> None:
                        capture_output=True)
 
 
-def settle(job: TorchrunJob, seconds: float) -> None:
+def settle(job: TorchrunJob | SimRun, seconds: float) -> None:
     """Let the job run `seconds` more (warm-up), failing early if it dies."""
     deadline = time.monotonic() + seconds
     wait_until(lambda: not job.alive() or time.monotonic() >= deadline, seconds + 5, "the warm-up", interval=0.2)

@@ -4,9 +4,8 @@ Python imports this module at start-up when its folder is on PYTHONPATH (every r
 DataLoader workers, inherit it). It acts only in a training rank (RANK set) and hooks torch.optim globally
 once torch.optim.optimizer is imported:
 
-- Truth: every optimizer step's end (unix s) is written to $RANKSCOPE_TRUTH_DIR/r<RANK>.json (the last
-  KEEP_STEPS, rewritten every REPORT_EVERY_S): the job's own step log, which rankscope's figures are
-  checked against.
+- Truth: every optimizer step's end is written to $RANKSCOPE_TRUTH_DIR/r<RANK>.json (rankscope.sim.steplog,
+  shared with the simulated GPU job): the job's own step log, which rankscope's figures are checked against.
 - Faults: $RANKSCOPE_FAULT = KIND:RANK:VALUE[@ONSET][,...], RANK `*` for every rank; ONSET is seconds
   from the rank's first step, or `go`: from when the file $RANKSCOPE_TRUTH_DIR/go exists (a test starts the
   fault once rankscope is attached):
@@ -22,13 +21,11 @@ import atexit
 import gc
 import importlib.abc
 import importlib.util
-import json
 import os
 import sys
 import time
 
-KEEP_STEPS = 4096
-REPORT_EVERY_S = 0.5
+from rankscope.sim.steplog import StepLog
 
 
 def _faults_here(rank: int) -> dict[str, tuple[float, str]]:
@@ -49,13 +46,9 @@ class _Rank:
         self.rank = rank
         self.faults = faults
         self.first: float | None = None
-        self.ends: list[float] = []
-        self.count = 0
-        self.written = 0.0
         self.heap: list = []
-        self.pid = os.getpid()  # a forked DataLoader worker inherits this object: only the rank writes
         directory = os.environ.get("RANKSCOPE_TRUTH_DIR")
-        self.path = os.path.join(directory, f"r{rank}.json") if directory else None
+        self.log = StepLog(directory, rank)
         self.go = os.path.join(directory, "go") if directory else None
 
     def active(self, kind: str) -> float | None:
@@ -84,28 +77,12 @@ class _Rank:
             gc.collect()
         if self.active("hang") is not None:
             print(f"inject: rank {self.rank} blocks before its next collective", file=sys.stderr, flush=True)
-            self.write()
+            self.log.write()
             while True:
                 time.sleep(1)
 
     def after_step(self, *_args) -> None:
-        now = time.time()
-        self.ends.append(now)
-        self.count += 1
-        if len(self.ends) > 2 * KEEP_STEPS:
-            del self.ends[:-KEEP_STEPS]
-        if now - self.written >= REPORT_EVERY_S:
-            self.write()
-
-    def write(self) -> None:
-        if not self.path or os.getpid() != self.pid:
-            return
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"rank": self.rank, "pid": os.getpid(), "steps": self.count, "written": time.time(),
-                       "ends": [round(t, 6) for t in self.ends[-KEEP_STEPS:]]}, f)
-        os.replace(tmp, self.path)  # readers never see half a file
-        self.written = time.time()
+        self.log.step_ended()
 
     def slow_fetch(self, fetch):
         """Wraps a DataLoader fetcher's fetch: the batch takes `loader` seconds longer to read."""
@@ -147,7 +124,7 @@ def _install() -> None:
     if "RANK" not in os.environ:  # torchrun itself, or any other Python
         return
     rank = _Rank(int(os.environ["RANK"]), _faults_here(int(os.environ["RANK"])))
-    atexit.register(rank.write)
+    atexit.register(rank.log.write)
 
     def hook_optim(module) -> None:
         module.register_optimizer_step_pre_hook(lambda *a: rank.before_step(*a))
