@@ -1,18 +1,22 @@
 """The accuracy matrix: does rankscope name the right rank and cause on real PyTorch jobs of many shapes?
 
-    scripts/bench accuracy [--repeats N] [--shapes A,B] [--faults X,Y] [--json PATH] [--misses DIR]   (root)
+    scripts/bench accuracy [--repeats N] [--windows K] [--shapes A,B] [--faults X,Y] [--json PATH]
+                           [--misses DIR]   (root)
 
 Each case is a fresh torchrun job of one shape (tests/jobs/: user-style training code, faults injected from
 outside the job's code by tests/jobs/inject/sitecustomize.py), or the simulated GPU job (rankscope.sim: its
 GPU-side faults held to the same bar), warmed up, then diagnosed the way a user does:
-`rankscope diagnose --pid <ranks> --duration 10 --json`, or watched by `rankscope agent` for the cases that
-need time (a whole-job regression, a healthy job over many windows). Every figure is checked against the
-job's own truth: its step log (every optimizer step's end) and the injected fault.
+`rankscope diagnose --pid <ranks> --duration 10 --json` (K times in a row with --windows K, as a user runs
+it again: K runs from one fresh job, each a new window; a hang is diagnosed once), or watched by
+`rankscope agent` for the cases that need time (a whole-job regression, a healthy job over many windows).
+Every figure is checked against the job's own truth: its step log (every optimizer step's end) and the
+injected fault.
 
-Per case: runs, right verdicts (the top finding's kind and ranks; for a healthy job, no finding), false
-findings (any other finding), step-time error (the document's step time against the job's own median over
-the same window), cost error (the finding's cost against the what-if share 1 - healthy step / faulty step,
-the healthy step measured on the same shape in the same run), and, for agent cases, time to the finding.
+Per case: runs, fresh jobs, right verdicts (the top finding's kind and ranks; for a healthy job, no
+finding), false findings (any other finding), step-time error (the document's step time against the job's own
+median over the same window: median and worst), cost error (the finding's cost against the what-if share
+1 - healthy step / faulty step, the healthy step measured on the same shape in the same run), and, for agent
+cases, time to the finding.
 A wrong diagnose verdict, a false finding or a step time off by more than 10% keeps its evidence in --misses:
 the patterns observed (diagnose --save-patterns) and the document, to analyze offline with rankscope.analyzer.
 """
@@ -85,7 +89,8 @@ SHAPES = [
     Shape("pipe-4", "pipeline_stages.py", 4, loads=1,
           note="2 stages x 2 replicas, send/recv, new_group all-reduce; stage 0 (ranks 0, 1) loads the data"),
     Shape("sim-4", "", 4, sim=True,
-          faults=("healthy", "compute", "loader", "gc", "sigstop", "slowlink", "healthy-agent"), note="simulated GPU job: stand-in libcuda/libnccl, NCCL all-reduce; GPU-side faults"),
+          faults=("healthy", "compute", "loader", "gc", "sigstop", "slowlink", "healthy-agent"),
+          note="simulated GPU job: stand-in libcuda/libnccl, NCCL all-reduce; GPU-side faults"),
 ]
 
 
@@ -128,6 +133,7 @@ class Run:
     truth_cost: float | None = None
     to_finding_s: float | None = None
     error: str = ""
+    job: str = ""  # the job's run id: runs of one job are its consecutive diagnose windows
 
     @property
     def step_err(self) -> float | None:
@@ -184,10 +190,10 @@ def score(shape: Shape, fault: Fault, findings: list[dict]) -> tuple[bool, list[
 
 
 def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun,
-                  healthy_step: float | None, misses: Path) -> Run:
+                  healthy_step: float | None, misses: Path, window: int = 0) -> Run:
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     hog = hog_on(shape.victim_rank % 2) if fault.name == "hog" else None
-    saved = job.truth.parent / f"{job.run_id}.msgpack"
+    saved = job.truth.parent / f"{job.run_id}-{window}.msgpack"
     try:
         extra = ["--hang-timeout", str(HANG_TIMEOUT_S)] if fault.expect == "noncomm_hang" else []
         proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", pids, "--duration", str(DURATION_S), "--json",
@@ -207,7 +213,8 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         raise RuntimeError(f"diagnose exited {proc.returncode}: {err.strip()[-500:]}")
     doc = json.loads(out)
     right, false = score(shape, fault, doc["findings"])
-    run = Run(shape.name, fault.name, right, false, [label(f) for f in doc["findings"]], step_s=doc["step_time_s"])
+    run = Run(shape.name, fault.name, right, false, [label(f) for f in doc["findings"]], step_s=doc["step_time_s"],
+              job=job.run_id)
     if fault.expect not in ("noncomm_hang",):
         w = doc["window"]
         job.wait_written(w["end"])
@@ -217,7 +224,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
             run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
     if not right or false or abs(run.step_err or 0.0) > STEP_KEPT:
         misses.mkdir(parents=True, exist_ok=True)
-        name = f"{shape.name}-{fault.name}-{job.run_id}"
+        name = f"{shape.name}-{fault.name}-{job.run_id}-{window}"
         shutil.copyfile(saved, misses / f"{name}.msgpack")
         (misses / f"{name}.json").write_text(json.dumps({"run": asdict(run), "document": doc}, indent=1))
     return run
@@ -254,7 +261,8 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             start, end = docs[0]["window"]["start"], docs[-1]["window"]["end"]
             job.wait_written(end)
             return Run(shape.name, fault.name, right, false, [label(f) for f in findings],
-                       step_s=statistics.fmean(steps) if steps else None, truth_step_s=job.step_time(start, end))
+                       step_s=statistics.fmean(steps) if steps else None, truth_step_s=job.step_time(start, end),
+                       job=job.run_id)
         onset = job.go()
         found = None
         while time.time() - onset < REGRESSION_TIMEOUT_S and found is None:
@@ -266,7 +274,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
         right, false = score(shape, fault, [found] if found else [])
         false += [label(f) for f in findings if f is not found and f["kind"] != "regression"]
         return Run(shape.name, fault.name, right, false, [label(f) for f in findings],
-                   to_finding_s=time.time() - onset if found else None)
+                   to_finding_s=time.time() - onset if found else None, job=job.run_id)
     finally:
         agent.send_signal(signal.SIGINT)
         try:
@@ -276,7 +284,10 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             agent.wait()
 
 
-def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, misses: Path) -> Run:
+def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, misses: Path,
+             windows: int = 1) -> list[Run]:
+    """One fresh job of the shape with the fault: its agent run, or `windows` diagnose runs in a row (a hang
+    ends the job's steps: diagnosed once)."""
     spec = fault_spec(shape, fault, healthy_step or 0.05)
     if shape.sim:
         job = launch.start_sim(shape.ranks, spec.split(",") if spec else [], tmp)
@@ -288,8 +299,9 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
             launch.pin(job, {r: r % 2 for r in range(shape.ranks)})
         launch.settle(job, WARMUP_S)
         if fault.mode == "agent":
-            return agent_case(shape, fault, job, tmp)
-        return diagnose_case(shape, fault, job, healthy_step, misses)
+            return [agent_case(shape, fault, job, tmp)]
+        once = fault.expect == "noncomm_hang"
+        return [diagnose_case(shape, fault, job, healthy_step, misses, w) for w in range(1 if once else windows)]
     finally:
         job.kill()
 
@@ -302,7 +314,8 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         step = [abs(r.step_err) for r in rs if r.step_err is not None]
         cost = [r.cost_err for r in rs if r.cost_err is not None]
         ttf = [r.to_finding_s for r in rs if r.to_finding_s is not None]
-        rows.append({"shape": key[0], "fault": key[1], "runs": len(rs), "right": sum(r.right for r in rs),
+        rows.append({"shape": key[0], "fault": key[1], "runs": len(rs), "jobs": len({r.job for r in rs}),
+                     "right": sum(r.right for r in rs), "step_err_worst": max(step) if step else None,
                      "false": sum(len(r.false) for r in rs), "errors": sum(bool(r.error) for r in rs),
                      "step_err": med(step), "cost_err": med(cost), "to_finding_s": med(ttf),
                      "seen": sorted({", ".join(r.findings) or "-" for r in rs})})
@@ -311,18 +324,20 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
-    lines = ["| shape | fault | right | false findings | step-time error | cost error | time to finding | seen |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | fault | right | jobs | false findings | step-time error (worst) | cost error | "
+             "time to finding | seen |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ttf = "-" if r["to_finding_s"] is None else f"{r['to_finding_s']:.1f} s"
-        lines.append(f"| {r['shape']} | {r['fault']} | {r['right']}/{r['runs']} | {r['false']} | "
-                     f"{pct(r['step_err'])} | {pct(r['cost_err'])} | {ttf} | {'; '.join(r['seen'])[:80]} |")
+        step = "-" if r["step_err"] is None else f"{r['step_err']:.0%} ({r['step_err_worst']:.0%})"
+        lines.append(f"| {r['shape']} | {r['fault']} | {r['right']}/{r['runs']} | {r['jobs']} | {r['false']} | "
+                     f"{step} | {pct(r['cost_err'])} | {ttf} | {'; '.join(r['seen'])[:80]} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=20, help="fresh jobs per case")
+    ap.add_argument("--windows", type=int, default=1, help="diagnose runs per job (hangs: 1)")
     ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     ap.add_argument("--faults", default=",".join(f.name for f in FAULTS))
     ap.add_argument("--json", default="accuracy-results.json")
@@ -342,15 +357,16 @@ def main(argv: list[str] | None = None) -> int:
                 for fault in sorted(filter(shape.takes, faults), key=lambda f: f.name != "healthy"):
                     ref = statistics.median(healthy[shape.name]) if healthy.get(shape.name) else None
                     try:
-                        run = run_case(shape, fault, Path(tmp), ref, Path(args.misses))
+                        case = run_case(shape, fault, Path(tmp), ref, Path(args.misses), args.windows)
                     except Exception as e:  # noqa: BLE001  (a case that could not run is reported, not fatal)
-                        run = Run(shape.name, fault.name, False, [], [], error=f"{type(e).__name__}: {e}"[:300])
-                    if fault.name == "healthy" and run.truth_step_s:
-                        healthy.setdefault(shape.name, []).append(run.truth_step_s)
-                    runs.append(run)
-                    log(f"{repeat + 1}/{args.repeats} {shape.name} {fault.name}: {'right' if run.right else 'WRONG'} "
-                        f"{run.findings or '-'} step {run.step_s} vs {run.truth_step_s} cost {run.cost} vs "
-                        f"{run.truth_cost} {run.error}")
+                        case = [Run(shape.name, fault.name, False, [], [], error=f"{type(e).__name__}: {e}"[:300])]
+                    for run in case:
+                        if fault.name == "healthy" and run.truth_step_s:
+                            healthy.setdefault(shape.name, []).append(run.truth_step_s)
+                        runs.append(run)
+                        log(f"{repeat + 1}/{args.repeats} {shape.name} {fault.name}: "
+                            f"{'right' if run.right else 'WRONG'} {run.findings or '-'} step {run.step_s} vs "
+                            f"{run.truth_step_s} cost {run.cost} vs {run.truth_cost} {run.error}")
     rows = summarize(runs)
     print(table(rows))
     Path(args.json).write_text(json.dumps({"shapes": [asdict(s) for s in shapes], "rows": rows,
