@@ -620,7 +620,7 @@ def bench_agent(ctx: Context) -> tuple[list[Row], dict]:
 
 def bench_payload(ctx: Context) -> tuple[list[Row], dict]:
     from rankscope.agent.session import Session
-    from rankscope.analyzer.patterns import encode_patterns
+    from rankscope.schema.wire import encode_patterns
 
     ranks = 4
     windows = 2 if ctx.quick else 3
@@ -656,10 +656,10 @@ def bench_payload(ctx: Context) -> tuple[list[Row], dict]:
 def wire_breakdown(pattern) -> dict[str, int]:
     """msgpack bytes of each top-level field of a pattern's wire form (where a payload's bytes go)."""
     import msgpack
-    from rankscope.analyzer import patterns
+    from rankscope.schema import wire as codec
 
     try:
-        wire = patterns._pattern_to_wire(pattern)
+        wire = codec._pattern_to_wire(pattern)
     except AttributeError:  # the wire form's internals changed: the total is still measured
         return {}
     return {k: len(msgpack.packb(v, use_single_float=True)) for k, v in wire.items()}
@@ -778,13 +778,7 @@ def synthetic_patterns(n: int, straggler: int, extra_sync_s: float = 0.03, seed:
     one 2 s window (host work, launches, copy, GPU sync, then the all-reduce that completes when the last rank
     arrived), one compute straggler, and a healthy scheduler view per rank."""
     import numpy as np
-    from rankscope.analyzer.patterns import (
-        CollectiveRecord,
-        FunctionStats,
-        RankPattern,
-        Role,
-        ThreadTimes,
-    )
+    from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role, ThreadTimes
 
     rng = np.random.default_rng(seed)
     noise = 0.02

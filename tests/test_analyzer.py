@@ -16,12 +16,7 @@ from rankscope.analyzer.diagnosis import diagnose, diagnose_job
 from rankscope.analyzer.findings import _arrives_last, slow_link
 from rankscope.analyzer.metrics import rank_table
 from rankscope.analyzer.differential import Alignment, align_collectives, robust_z
-from rankscope.analyzer.patterns import (
-    CollectiveRecord,
-    FunctionStats,
-    RankPattern,
-    Role,
-)
+from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
 from rankscope.analyzer.steps import step_time, step_times
 
 T0 = 1_700_000_000.0

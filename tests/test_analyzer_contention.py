@@ -1,6 +1,6 @@
 """cpu_contention versus compute_straggler on synthetic jobs: where a slow rank's extra time goes decides."""
 import pytest
-from rankscope.analyzer.patterns import Neighbour, ThreadTimes
+from rankscope.schema.patterns import Neighbour, ThreadTimes
 from test_analyzer import WINDOW, findings, simulate
 
 STEP = 0.048

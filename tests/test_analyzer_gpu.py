@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from rankscope.analyzer.patterns import GpuActivity, GpuHealth, GpuKernel
+from rankscope.schema.patterns import GpuActivity, GpuHealth, GpuKernel
 from test_analyzer import WINDOW, findings, simulate
 
 

@@ -1,6 +1,6 @@
 """Hang classification on synthetic ranks: who is stuck where decides comm_hang vs noncomm_hang."""
 from rankscope.analyzer.diagnosis import diagnose_job
-from rankscope.analyzer.patterns import RankPattern
+from rankscope.schema.patterns import RankPattern
 
 T = 1_700_000_000.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rankscope.analyzer.diagnosis import find
 from rankscope.analyzer.links import _link_roles, link_findings, link_matrix
-from rankscope.analyzer.patterns import CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, TcpFlow
+from rankscope.schema.patterns import CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, TcpFlow
 from test_analyzer import findings, simulate
 
 COMM = 0x5EED_CAFE

@@ -1,6 +1,6 @@
 """Python-level root causes on synthetic jobs: the function where a straggler's time goes names the cause."""
 import pytest
-from rankscope.analyzer.patterns import FunctionStats, PyFunction, PyTimed, Role
+from rankscope.schema.patterns import FunctionStats, PyFunction, PyTimed, Role
 from test_analyzer import WINDOW, findings, simulate
 
 STEPS = WINDOW / 0.048

@@ -17,7 +17,7 @@ from rankscope.agent.gpu_health import GpuHealthReader
 from rankscope.agent.histograms import percentile_s
 from rankscope.agent.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
                                           LaunchStats, RawActivity, short_kernel_name)
-from rankscope.analyzer.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel, RankPattern
+from rankscope.schema.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel, RankPattern
 from rankscope.cupti_shim.build import build_shim, cupti_library, include_dirs
 
 from conftest import wait_until

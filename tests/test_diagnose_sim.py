@@ -3,7 +3,7 @@ import pytest
 from conftest import diagnose_json, wait_until
 from rankscope.agent.session import Session
 from rankscope.analyzer.diagnosis import diagnose
-from rankscope.analyzer.patterns import decode_patterns
+from rankscope.schema.wire import decode_patterns
 
 OBSERVE_S = 4.0
 

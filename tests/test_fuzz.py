@@ -15,11 +15,7 @@ from hypothesis import strategies as st
 from rankscope.agent.cluster import AgentStatus, ClusterSnapshot, make_cluster_app
 from rankscope.agent.server import make_app
 from rankscope.analyzer.cluster import diagnose_cluster
-from rankscope.analyzer.patterns import (
-    PatternDecodeError,
-    decode_patterns,
-    encode_patterns,
-)
+from rankscope.schema.wire import PatternDecodeError, decode_patterns, encode_patterns
 from test_analyzer import simulate
 from test_patterns import typical
 from test_server import SNAP

@@ -7,7 +7,7 @@ from pathlib import Path
 import pynvml
 
 from rankscope.agent.gpu_health import GpuHealthReader
-from rankscope.analyzer.patterns import GpuHealth
+from rankscope.schema.patterns import GpuHealth
 
 from nvml_replay import ReplayNvml
 

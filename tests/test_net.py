@@ -12,7 +12,7 @@ import pytest
 from rankscope.agent.bpf_program import ProbeProgram
 from rankscope.agent.probes import KINDS, KindUnavailable, net
 from rankscope.agent.session import Session
-from rankscope.analyzer.patterns import TcpFlow
+from rankscope.schema.patterns import TcpFlow
 from rankscope.sim.build import build_libraries
 
 TARGET = """

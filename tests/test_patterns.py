@@ -6,27 +6,10 @@ import random
 
 import msgpack
 import pytest
-from rankscope.analyzer.patterns import (
-    KERNEL_NAME_CHARS,
-    MAX_LINKS,
-    SCHEMA_VERSION,
-    TOP_KERNELS,
-    CollectiveGpu,
-    CollectiveRecord,
-    FunctionStats,
-    GpuActivity,
-    GpuHealth,
-    GpuKernel,
-    LinkStats,
-    PatternDecodeError,
-    PyTimed,
-    RankPattern,
-    Role,
-    TcpFlow,
-    decode_patterns,
-    encode_patterns,
-    pattern_to_json,
-)
+from rankscope.schema.patterns import (KERNEL_NAME_CHARS, MAX_LINKS, SCHEMA_VERSION, TOP_KERNELS, CollectiveGpu,
+                                       CollectiveRecord, FunctionStats, GpuActivity, GpuHealth, GpuKernel, LinkStats,
+                                       PyTimed, RankPattern, Role, TcpFlow)
+from rankscope.schema.wire import PatternDecodeError, decode_patterns, encode_patterns, pattern_to_json
 
 T0 = 1_700_000_123.456789
 FUNCTIONS = [  # name, role, calls per window, seconds per call

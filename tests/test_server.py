@@ -7,12 +7,8 @@ from conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from rankscope.agent.server import MAX_LINE_BYTES, make_app, start_site
 from rankscope.agent.snapshot import Snapshot, TargetView
-from rankscope.analyzer.patterns import (
-    FunctionStats,
-    RankPattern,
-    Role,
-    decode_patterns,
-)
+from rankscope.schema.patterns import FunctionStats, RankPattern, Role
+from rankscope.schema.wire import decode_patterns
 
 
 def _pattern(rank: int) -> RankPattern:

@@ -1,0 +1,118 @@
+"""An observation session: the processes watched, the probe program and the collector, window by window.
+
+Used the same way by `rankscope diagnose` (one window) and the node agent (a window every few seconds).
+A process that exits is reported once as exited, with what was collected up to its exit, then forgotten.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from rankscope.schema.patterns import RankPattern
+
+from .bpf_program import ProbeProgram
+from .collector import Collector
+from .detail import LIGHT, Detail
+from .gpu import GpuViews
+from .probes import KINDS
+from .python_exact import PythonTimer, TracedFunction
+from .python_sampler import PythonAttachError, PythonSampler
+from .targets import Target, TargetError, inspect_process
+
+log = logging.getLogger(__name__)
+
+LIBRARY_PATTERNS = {kind.name: kind.library for kind in KINDS if kind.library is not None}
+JOB_PATTERNS = {name: pattern for name, pattern in LIBRARY_PATTERNS.items()
+                if next(k for k in KINDS if k.name == name).identifies_job}
+
+
+def host_name() -> str:
+    """The node's name: Kubernetes' NODE_NAME when set (a pod's hostname is the pod's), else the host's."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+class Session:
+    def __init__(self, program: ProbeProgram | None = None, traced: tuple[TracedFunction, ...] = (),
+                 detail: Detail = LIGHT):
+        self.program = program or ProbeProgram()
+        self.python = PythonSampler(frequency=detail.python_hz)
+        self.timer = PythonTimer(traced)
+        self.timer.set_functions(detail.hot_probes)
+        self.program.hot = detail.hot_probes
+        self.collector = Collector(self.program, self.python, self.timer, host_name())
+        self.collector.detail = detail
+        self.targets: dict[int, Target] = {}
+        self.gpu = GpuViews(launches=detail.hot_probes)
+
+    def add(self, pid: int) -> Target:
+        """Inspect and attach to `pid`; TargetError or ProbeError say why not."""
+        if pid in self.targets:
+            return self.targets[pid]
+        target = inspect_process(pid, LIBRARY_PATTERNS, set(JOB_PATTERNS))
+        self.program.attach(target)
+        target.attached_at = time.time()  # accounted from here (the watched map entry is in)
+        if not target.alive():  # exited while we attached: do not keep probes for a reused PID
+            self.program.detach(pid)
+            raise TargetError(f"process {pid} exited while attaching")
+        self.targets[pid] = target
+        self._sample_python(target)
+        self.gpu.attach(pid)
+        return target
+
+    def _sample_python(self, target: Target) -> None:
+        """Python frames are a bonus: a process whose interpreter cannot be read is still watched."""
+        try:
+            target.python = self.python.attach(target.pid)
+        except PythonAttachError as e:
+            target.python_error = str(e)
+            log.warning("pid %d: no Python frames: %s", target.pid, e)
+            return
+        try:
+            self.timer.attach(self.python.interpreter(target.pid))
+        except PythonAttachError as e:
+            log.warning("pid %d: no exact Python timing: %s", target.pid, e)
+
+    def window(self) -> list[RankPattern]:
+        """The patterns of every watched process since the previous window."""
+        exited = {pid for pid, t in self.targets.items() if not t.alive()}
+        for pid in exited:
+            self.program.detach(pid)
+            self.python.detach(pid)
+        patterns = self.collector.collect(list(self.targets.values()), exited)
+        self.gpu.fill(patterns)
+        for pid in exited:
+            log.info("pid %d exited", pid)
+            self._forget(pid)
+        return patterns
+
+    def set_detail(self, detail: Detail) -> None:
+        """What the next windows record (call right after window(): samples are counted at one rate)."""
+        if detail != self.collector.detail:
+            log.info("detail: %s", detail.level)
+            self.python.set_frequency(detail.python_hz)
+            self.timer.set_functions(detail.hot_probes)
+            self.program.set_hot(detail.hot_probes)
+            self.gpu.set_launches(detail.hot_probes)
+            self.collector.detail = detail
+
+    def remove(self, pid: int) -> None:
+        """Stop watching `pid` (its data since the last window is dropped)."""
+        if pid in self.targets:
+            self.program.detach(pid)
+            self.python.detach(pid)
+            self._forget(pid)
+
+    def _forget(self, pid: int) -> None:
+        del self.targets[pid]
+        self.timer.detach(pid)  # after the last read: its uprobes leave with the process anyway
+        self.collector.forget(pid)
+        self.gpu.forget(pid)
+        self.program.purge(pid)
+
+    def close(self) -> None:
+        self.timer.close()
+        self.gpu.close()
+        self.python.close()
+        self.program.close()

@@ -1,0 +1,121 @@
+"""The diagnosis document of the contract, assembled from the rank patterns of one window."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .baseline import SLOWDOWN_THRESHOLD, Baseline, Reference, StepProfile, regression
+from .differential import align_collectives
+from rankscope.schema.finding import Finding, plain
+from rankscope.analyzer.findings import (compute_straggler, cpu_contention, gpu_throttle, launch_bound, node_fault,
+                                         slow_link)
+from .hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
+from .links import link_findings
+from .metrics import RankTable, rank_table
+from rankscope.schema.patterns import RankPattern
+from .peers import peer_groups
+
+NOT_ANALYZED = frozenset({"exited"})  # listed in `ranks`, left out of the comparison
+# Windows with these findings stay out of the job's baseline: a hung job has no steps, and a regressed one
+# would otherwise become its own baseline within a few windows (the job stays "slower than yesterday").
+NOT_BASELINE = HANGS | {"regression"}
+
+
+def diagnose(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+             baselines: dict[str, Baseline] | None = None,
+             slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> dict[str, dict[str, Any]]:
+    """job -> diagnosis document, for patterns of any number of jobs. With `baselines` (job -> its past,
+    kept by the caller across windows), each job is also compared with its own baseline, which this window
+    then joins: `slowdown_threshold` slower is `baseline.slower` in the document, and a `regression`."""
+    by_job: dict[str, list[RankPattern]] = {}
+    for p in patterns:
+        by_job.setdefault(p.job, []).append(p)
+    return {job: diagnose_job(ps, hang_timeout_s, None if baselines is None else baselines.setdefault(job, Baseline()),
+                              slowdown_threshold)
+            for job, ps in by_job.items()}
+
+
+def find(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> list[Finding]:
+    """The findings for the analyzed patterns of one job, largest cost first."""
+    return findings_of(rank_table(patterns), hang_timeout_s)
+
+
+def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+                reference: Reference | None = None, slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
+    hung = hang(table.patterns, hang_timeout_s)
+    if hung:  # a stalled job has no steps to compare: the hang is the whole story
+        return hung
+    groups = peer_groups(table.patterns)
+    found: list[Finding] = []
+    timed: list[Finding] = []
+    for rows in groups:  # ranks are compared with the ranks of their own role only (pipeline stages)
+        peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows], table.job_step_s)
+        alignment = align_collectives(peers.patterns, peers.job_step_s)
+        throttled = gpu_throttle(peers, alignment)
+        explained = {r for f in throttled for r in f.ranks}
+        # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
+        stragglers = [f for f in compute_straggler(peers, alignment)
+                      if not (f.component == "gpu" and set(f.ranks) <= explained)] + cpu_contention(peers, alignment)
+        found += stragglers + throttled + node_fault(peers, alignment)
+        timed += slow_link(peers, alignment, {r for f in found for r in f.ranks})
+    found += launch_bound(table)
+    # The link matrix (NCCL profiler plugin) names the precise link or node; the timing-based rule, from
+    # collective instants, serves jobs without the plugin and adds only what the matrix does not cover.
+    measured = link_findings(table.patterns)
+    covered = {r for f in measured for r in f.ranks}
+    found += measured + [f for f in timed if not set(f.ranks) <= covered]
+    if not found:  # no rank differs from its peers: has the whole job changed?
+        found = regression(table, reference, slowdown_threshold)
+    return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
+
+
+def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+                 baseline: Baseline | None = None,
+                 slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> dict[str, Any]:
+    """The contract's diagnosis document for the patterns of one job (compared with `baseline` when
+    given, which this window then joins unless it is hung or regressed)."""
+    if not patterns:
+        raise ValueError("diagnose_job needs at least one pattern")
+    jobs = {p.job for p in patterns}
+    if len(jobs) > 1:
+        raise ValueError(f"diagnose_job got patterns of several jobs: {sorted(jobs)}")
+    analyzed = [p for p in patterns if p.state not in NOT_ANALYZED]
+    table = rank_table(analyzed)
+    row_of = {id(p): i for i, p in enumerate(analyzed)}
+    # Per-rank columns as plain lists once (100,000 ranks: no per-value conversion calls).
+    columns = {key: _seconds(getattr(table, attr)) for key, attr in
+               (("step_time_s", "step_s"), ("sync_s", "sync_s"), ("comm_s", "comm_s"), ("host_s", "host_s"))}
+
+    def rank_entry(p: RankPattern) -> dict[str, Any]:
+        i = row_of.get(id(p))
+        entry = {"rank": p.rank, "pid": p.pid, "host": p.host, "state": p.state}
+        entry.update((key, col[i] if i is not None else None) for key, col in columns.items())
+        entry["identity_source"] = p.identity_source
+        if p.python_timed:  # exact per-call times of forward, data-loader __next__, --trace-function
+            entry["python_timed"] = plain([f.to_dict() for f in p.python_timed])
+        return entry
+
+    reference = baseline.reference() if baseline is not None else None
+    findings = findings_of(table, hang_timeout_s, reference, slowdown_threshold)
+    profile = StepProfile.of(table) if analyzed else None
+    if baseline is not None and not any(f.kind in NOT_BASELINE for f in findings):
+        baseline.add(profile)
+    return {
+        "job": patterns[0].job,
+        "window": plain({"start": min(p.window_start for p in patterns),
+                         "end": max(p.window_end for p in patterns)}),
+        "step_time_s": plain(profile.step_s if profile else None),
+        "baseline": plain({"step_time_s": reference.profile.step_s, "windows": reference.windows,
+                           "end": reference.profile.end, "noise_s": reference.noise_s,
+                           "slower": bool(profile and reference.slower(profile.step_s, slowdown_threshold))})
+        if reference else None,
+        "ranks": [rank_entry(p) for p in sorted(patterns, key=lambda p: (p.rank, p.pid))],
+        "findings": [f.to_dict() for f in findings],
+    }
+
+
+def _seconds(values: np.ndarray) -> list[float | None]:
+    """Rounded to microseconds; None for unknown (NaN), which JSON cannot carry."""
+    return [None if v != v else v for v in np.round(values, 6).tolist()]

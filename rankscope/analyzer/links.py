@@ -1,0 +1,298 @@
+"""The C4-style src x dst link matrix, and the finding that tells a slow link (one pair of ranks) from a slow
+node (every link of one rank: its NIC or host).
+
+Two sources measure a link's throughput:
+- NCCL's profiler plugin: each rank reports, per (communicator, peer, direction), the bytes its proxy thread
+  moved and the time those network steps took. A directed link src -> dst (global ranks) is judged on the
+  sender's own send row: its time is posted-until-completed on the wire. The receiver's recv row also counts
+  the sender being late, so it stands in only where the sender's pattern lacks the link (a pattern keeps at
+  most MAX_LINKS rows).
+- The kernel's TCP accounting (gloo, NCCL's socket transport): each rank reports its busiest connections,
+  the bytes it sent and how long the connection had data to send. A connection's far end is the pattern
+  whose connection has the two addresses reversed. Plugin rows take precedence over a pair they both cover.
+
+Links are compared within their role: the pair of peer groups (analyzer/peers.py) their ends belong to.
+Pipeline stages pass activations between stages and all-reduce within them, and the two differ by design.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rankscope.schema.finding import Finding
+from rankscope.schema.patterns import LinkStats, RankPattern, Role
+from .peers import peer_groups
+
+MIN_STEPS = 8  # network steps over a link in the window before its throughput is judged...
+MIN_BYTES = 1 << 20  # ...and bytes: a few small steps measure latency, not bandwidth
+MIN_LINKS = 3  # judged links of a role: with two, which one is "the others"?
+SLOW_FACTOR = 1.5  # a link below the median of its role's links divided by this is slow
+# TCP's throughput also follows who gets a CPU when the host is short of them (loopback copies are CPU work):
+# healthy links of one job ranged 134-333 MB/s beside a rank spinning on a core. A slow TCP link must run at
+# a third of its peers (the rate-limited link of the accuracy matrix: 12 MB/s vs 100-500 MB/s).
+TCP_SLOW_FACTOR = 3.0
+MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (not one link) the suspect
+# TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
+# send, over which a transfer's rounding to whole ticks averages out.
+MIN_TCP_WIRE_S = 0.05
+# ...and on bulk transfers: sends of a few KB (a small model's gradients, 1.4 KB a send) are bound by round
+# trips and by when each end gets a CPU, not by bandwidth. Three ranks on two cores moving 1.4 KB a send
+# showed 2-7 MB/s on loopback; gloo moves ~48 KB a send for a 450 KB gradient.
+MIN_TCP_SEND_BYTES = 16 << 10
+EXACT_ROLE_LINKS = 64  # up to this many links in a role, a rank is compared with exactly the links it lacks
+MATRIX_MAX_RANKS = 32  # up to this many ranks, evidence carries the whole dense matrix
+
+
+@dataclass(frozen=True)
+class LinkMatrix:
+    """Directed links between global ranks, one entry per (src, dst), summed over communicators; sorted."""
+
+    src: np.ndarray  # global rank of the sender
+    dst: np.ndarray  # global rank of the receiver
+    steps: np.ndarray  # network steps (NCCL) or send calls (TCP)
+    bytes: np.ndarray
+    wire_s: np.ndarray
+    peer_wait_s: np.ndarray  # the sender waiting for the receiver's credit (0 for receiver-measured links)
+    from_sender: np.ndarray  # bool: measured on the sender's send rows only (False: a recv row stood in)
+    tcp: np.ndarray  # bool: measured by the kernel's TCP accounting (False: NCCL's profiler plugin)
+
+    def __len__(self) -> int:
+        return self.src.size
+
+    @property
+    def bandwidth_Bps(self) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(self.wire_s > 0, self.bytes / self.wire_s, np.nan)
+
+    @property
+    def judged(self) -> np.ndarray:
+        """Links with enough traffic in the window to judge their throughput."""
+        small = (self.wire_s < MIN_TCP_WIRE_S) | (self.bytes < MIN_TCP_SEND_BYTES * self.steps)
+        return (self.steps >= MIN_STEPS) & (self.bytes >= MIN_BYTES) & (self.wire_s > 0) & ~(self.tcp & small)
+
+    def row(self, i: int) -> dict[str, Any]:
+        """One link as evidence shows it."""
+        return {"src": int(self.src[i]), "dst": int(self.dst[i]), "bandwidth_Bps": float(self.bandwidth_Bps[i]),
+                "steps": int(self.steps[i]), "bytes": int(self.bytes[i]), "wire_s": float(self.wire_s[i]),
+                "step_latency_s": float(self.wire_s[i] / self.steps[i]) if self.steps[i] else None,
+                "peer_wait_s": float(self.peer_wait_s[i]),
+                "measured_by": "sender" if self.from_sender[i] else "receiver",
+                "source": "tcp" if self.tcp[i] else "nccl_profiler"}
+
+    def dense(self) -> dict[str, Any]:
+        """The src x dst throughput matrix over the ranks that appear in a judged link (None: no judged link)."""
+        judged = self.judged
+        ranks = np.union1d(self.src[judged], self.dst[judged])
+        matrix = np.full((ranks.size, ranks.size), np.nan)
+        matrix[np.searchsorted(ranks, self.src[judged]), np.searchsorted(ranks, self.dst[judged])] = \
+            self.bandwidth_Bps[judged]
+        return {"ranks": ranks, "bandwidth_Bps": matrix}
+
+
+_Key = tuple[int, int, int]  # (comm, src comm rank, dst comm rank)
+
+
+def link_matrix(patterns: Sequence[RankPattern]) -> LinkMatrix:
+    """The job's link matrix from every pattern's link rows. Comm ranks become global ranks through the
+    patterns themselves: the rank that reports rows as (comm, comm rank) is that comm rank's global rank. A
+    link whose peer reported no row in the communicator (or whose comm rank two patterns claim) is left out."""
+    global_of: dict[tuple[int, int], int] = {}
+    claimed_twice: set[tuple[int, int]] = set()
+    sends: dict[_Key, LinkStats] = {}
+    recvs: dict[_Key, LinkStats] = {}
+    for p in patterns:
+        for k in p.links:
+            if global_of.setdefault((k.comm, k.rank), p.rank) != p.rank:
+                claimed_twice.add((k.comm, k.rank))
+            if k.send:
+                sends[(k.comm, k.rank, k.peer)] = k
+            else:
+                recvs[(k.comm, k.peer, k.rank)] = k
+    chosen = {**{key: (k, False) for key, k in recvs.items()}, **{key: (k, True) for key, k in sends.items()}}
+
+    totals: dict[tuple[int, int], list[Any]] = {}  # (src, dst) -> [steps, bytes, wire, wait, from sender]
+    for (comm, s, d), (k, by_sender) in chosen.items():
+        src, dst = global_of.get((comm, s)), global_of.get((comm, d))
+        if src is None or dst is None or src == dst or {(comm, s), (comm, d)} & claimed_twice:
+            continue
+        acc = totals.setdefault((src, dst), [0, 0, 0.0, 0.0, True, False])
+        acc[0] += k.steps
+        acc[1] += k.bytes
+        acc[2] += k.wire_s
+        acc[3] += k.peer_wait_s if by_sender else 0.0
+        acc[4] &= by_sender
+    for pair, acc in _tcp_links(patterns).items():
+        totals.setdefault(pair, acc)
+    pairs = sorted(totals)
+    cols = list(zip(*(totals[pair] for pair in pairs))) or [()] * 6
+    return LinkMatrix(src=np.array([s for s, _ in pairs], dtype=np.int64),
+                      dst=np.array([d for _, d in pairs], dtype=np.int64),
+                      steps=np.array(cols[0], dtype=np.int64), bytes=np.array(cols[1], dtype=np.int64),
+                      wire_s=np.array(cols[2], dtype=float), peer_wait_s=np.array(cols[3], dtype=float),
+                      from_sender=np.array(cols[4], dtype=bool), tcp=np.array(cols[5], dtype=bool))
+
+
+def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[Any]]:
+    """(src, dst) -> [sends, bytes, wire, peer wait, True, True] from the patterns' TCP connections. A
+    connection's peer is the rank whose connection has its two ends reversed; an address two ranks claim
+    (two hosts behind one NAT) places nothing."""
+    owner: dict[str, int] = {}
+    twice: set[str] = set()
+    for p in patterns:
+        for f in p.tcp:
+            if owner.setdefault(f.local, p.rank) != p.rank:
+                twice.add(f.local)
+    totals: dict[tuple[int, int], list[Any]] = {}
+    for p in patterns:
+        for f in p.tcp:
+            dst = owner.get(f.remote)
+            if dst is None or dst == p.rank or f.sent == 0 or {f.local, f.remote} & twice:
+                continue
+            acc = totals.setdefault((p.rank, dst), [0, 0, 0.0, 0.0, True, True])
+            acc[0] += f.sends
+            acc[1] += f.sent
+            acc[2] += f.wire_s
+            acc[3] += f.peer_wait_s
+    return totals
+
+
+def _link_roles(m: LinkMatrix, patterns: Sequence[RankPattern]) -> np.ndarray:
+    """Per link, a role id: links measured the same way whose ends are in the same peer groups share one."""
+    group_of = {}
+    for g, rows in enumerate(peer_groups(patterns)):
+        group_of.update((patterns[i].rank, g) for i in rows)
+    keys = [(group_of.get(int(s), -1), group_of.get(int(d), -1), bool(t)) for s, d, t in zip(m.src, m.dst, m.tcp)]
+    ids = {key: i for i, key in enumerate(sorted(set(keys)))}
+    return np.array([ids[key] for key in keys], dtype=np.intp)
+
+
+def _role_medians(judged: np.ndarray, role: np.ndarray, bw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per link: the median throughput of its role's judged links (NaN: none), and how many there are."""
+    median, count = np.full(role.size, np.nan), np.zeros(role.size, np.int64)
+    for r in np.unique(role[judged]):
+        of_role = role == r
+        median[of_role] = np.median(bw[judged & of_role])
+        count[of_role] = np.count_nonzero(judged & of_role)
+    return median, count
+
+
+def _slow_factor(m: LinkMatrix) -> np.ndarray:
+    return np.where(m.tcp, TCP_SLOW_FACTOR, SLOW_FACTOR)
+
+
+def _slow_nodes(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndarray) -> dict[int, float]:
+    """rank -> the throughput its links fell short of, for each rank with MIN_NODE_LINKS judged links or more,
+    every one slower than its slow factor below the median of its role's links that do not touch the rank.
+
+    Leaving the rank's own links out matters in small jobs: in a ring of three, two of the three links touch
+    the slow rank, and a median over all of them is theirs. In a role of many links one rank's few barely
+    move the median, so there the role's median stands in: one pass over 100,000 ranks' links."""
+    median, count = _role_medians(judged, role, bw)
+    factor = _slow_factor(m)
+    end_rank = np.concatenate([m.src, m.dst])  # each link once per end
+    link = np.tile(np.arange(len(m)), 2)
+    reference = median[link]
+    for k in np.flatnonzero(judged[link] & (count[link] <= EXACT_ROLE_LINKS)):
+        r = end_rank[k]
+        others = judged & (role == role[link[k]]) & (m.src != r) & (m.dst != r)
+        reference[k] = np.median(bw[others]) if others.any() else np.nan
+    with np.errstate(invalid="ignore"):
+        slow = judged[link] & (bw[link] < reference / factor[link])  # no reference: not slow
+    ends, at = np.unique(end_rank, return_inverse=True)
+    n_judged = np.bincount(at, weights=judged[link], minlength=ends.size)
+    n_slow = np.bincount(at, weights=slow, minlength=ends.size)
+    return {int(ends[e]): float(np.median(reference[(at == e) & slow]))
+            for e in np.flatnonzero((n_judged >= MIN_NODE_LINKS) & (n_slow == n_judged))}
+
+
+def _comm_share(p: RankPattern) -> float:
+    return min(p.time_in(Role.COMM) / p.window_s, 1.0)
+
+
+def _rate(bw: float) -> str:
+    return f"{bw / 1e9:.1f} GB/s" if bw >= 1e9 else f"{bw / 1e6:.0f} MB/s"
+
+
+def _rates(lo: float, hi: float) -> str:
+    """"4.0-6.0 GB/s"; one figure when both round alike."""
+    a, b = _rate(lo), _rate(hi)
+    if a == b:
+        return a
+    return f"{a.split()[0]}-{b}" if a.split()[1] == b.split()[1] else f"{a}-{b}"
+
+
+def _collectives_gpu(by_rank: dict[int, RankPattern], ranks: list[int]) -> list[dict[str, Any]]:
+    """The ranks' per-op GPU time (mean per call) beside the median over every rank reporting the op."""
+    means: dict[str, list[float]] = {}
+    for p in by_rank.values():
+        for c in p.collectives_gpu:
+            if c.count:
+                means.setdefault(c.op, []).append(c.total_s / c.count)
+    return [{"rank": r, "op": c.op, "count": c.count, "mean_s": c.total_s / c.count, "p99_s": c.p99_s,
+             "peers_mean_s": float(np.median(means[c.op]))}
+            for r in ranks for c in by_rank[r].collectives_gpu if c.count]
+
+
+def link_findings(patterns: Sequence[RankPattern]) -> list[Finding]:
+    """`slow_link` findings from the link matrix: a rank all of whose links (two or more) are slow is the
+    suspect (its NIC or host), reported once; any other slow link is reported as exactly that pair."""
+    m = link_matrix(patterns)
+    judged = m.judged
+    if np.count_nonzero(judged) < MIN_LINKS:
+        return []
+    bw = m.bandwidth_Bps
+    role = _link_roles(m, patterns)
+    nodes = _slow_nodes(m, judged, role, bw)
+    median, count = _role_medians(judged, role, bw)
+    with np.errstate(invalid="ignore"):
+        slow = judged & (count >= MIN_LINKS) & (bw < median / _slow_factor(m))
+    if not slow.any() and not nodes:
+        return []
+
+    # Per rank: its judged links that are not slow (a link counts for both of its ends).
+    ends, at = np.unique(np.concatenate([m.src, m.dst]), return_inverse=True)
+    n_judged = np.bincount(at, weights=np.tile(judged, 2), minlength=ends.size)
+    normal_of = dict(zip(ends.tolist(), (n_judged - np.bincount(at, weights=np.tile(slow, 2),
+                                                                 minlength=ends.size)).tolist()))
+    by_node = np.isin(m.src, list(nodes)) | np.isin(m.dst, list(nodes))
+    by_rank = {p.rank: p for p in patterns}
+    matrix = m.dense() if np.count_nonzero(n_judged) <= MATRIX_MAX_RANKS else None
+
+    def finding(ranks: list[int], rows: np.ndarray, reference: float, summary: str,
+                extra: dict[str, Any]) -> Finding:
+        worst = float(bw[rows].min())
+        # A ring or tree collective moves at its slowest link's pace, so at the others' median throughput its
+        # transfer time would shrink by (1 - worst / reference). The ranks' COMM share of the window bounds the
+        # transfer time from above (it also holds waiting for late peers), so the product is an upper bound.
+        share = max(_comm_share(by_rank[r]) for r in ranks)
+        cost = float(np.clip(share * (1.0 - worst / reference), 0.0, 1.0))
+        return Finding(
+            kind="slow_link", ranks=ranks, function=None, component="link", score=reference / worst, cost=cost,
+            summary=f"{summary}; costs {cost:.0%} of step time",
+            evidence={**extra, "bandwidth_Bps": worst, "peers_bandwidth_Bps": reference, "comm_share": share,
+                      "judged_links": int(np.count_nonzero(judged)),
+                      "links": [m.row(i) for i in np.flatnonzero(rows)],
+                      **({"link_matrix": matrix} if matrix is not None else {}),
+                      **({"collectives_gpu": g} if (g := _collectives_gpu(by_rank, ranks)) else {})},
+        )
+
+    out = []
+    for r, reference in sorted(nodes.items()):
+        rows = judged & ((m.src == r) | (m.dst == r))
+        speeds = _rates(float(bw[rows].min()), float(bw[rows].max()))
+        host = by_rank[r].host if r in by_rank else "?"
+        out.append(finding([r], rows, reference, (
+            f"every link of rank {r} (on host {host}) is slow: {np.count_nonzero(rows)} links at {speeds} vs "
+            f"{_rate(reference)} on the others: suspect its NIC or host, not one link"), {"rank": r, "host": host}))
+    for i in np.flatnonzero(slow & ~by_node):
+        src, dst = int(m.src[i]), int(m.dst[i])
+        normal = [r for r in (src, dst) if normal_of[r] > 0]
+        why = {2: "while both ranks' other links are normal", 1: f"while rank {normal[0]}'s other links are normal",
+               0: "(too few other links of these ranks to rule out a slow node)"}[len(normal)]
+        out.append(finding([src, dst], np.arange(len(m)) == i, float(median[i]), (
+            f"link {src} -> {dst} moves {_rate(float(bw[i]))} vs {_rate(float(median[i]))} on the job's other "
+            f"links {why}: a slow link"), {"src": src, "dst": dst}))
+    return out

@@ -1,0 +1,125 @@
+"""Per-rank, per-step metrics as numpy arrays over ranks: the table the rules compare peers on.
+
+Window totals differ with window length and step count, so everything is normalized to one step of the
+rank (total x step / window) before ranks are compared.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rankscope.schema.patterns import RankPattern, Role
+from .steps import step_times
+
+
+@dataclass(frozen=True)
+class RankTable:
+    """Rows are ranks (in the order of `patterns`); every time is seconds per step of that rank."""
+
+    patterns: list[RankPattern]
+    rank: np.ndarray  # global training rank per row
+    step_s: np.ndarray  # NaN where the rank's step time is unknown
+    comm_s: np.ndarray  # waiting for peers + transfer
+    sync_s: np.ndarray  # waiting for its own GPU work
+    host_s: np.ndarray  # outside every probed function: Python, data loading, CPU work
+    work_s: np.ndarray  # step - comm: everything the rank does itself
+    fn_names: list[str]  # columns of fn_s
+    fn_roles: list[Role]
+    fn_s: np.ndarray  # rows x functions; 0 where the rank never called the function
+    runq_s: np.ndarray  # the main thread runnable but not running (waiting for a CPU); NaN: no scheduler view
+    py_names: list[str]  # columns of py_s
+    py_s: np.ndarray  # rows x Python functions: self wall time per step; 0 where not among the rank's top
+    timed_names: list[str]  # columns of timed_s
+    timed_s: np.ndarray  # rows x exactly timed Python functions: time in their calls per step
+
+    def __len__(self) -> int:
+        return len(self.patterns)
+
+    @property
+    def job_step_s(self) -> float:
+        """The job's step time: the median over ranks (ranks of a synchronous job share it)."""
+        known = self.step_s[np.isfinite(self.step_s)]
+        return float(np.median(known)) if known.size else float("nan")
+
+
+def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None) -> RankTable:
+    """The table of `patterns` (one job's ranks, or one peer group of them: then `job_step_s`, the job's step
+    time, is every rank's that completed collectives, as the ranks of one synchronous job share it)."""
+    patterns = list(patterns)
+    n = len(patterns)
+    step = step_times(patterns)
+    if job_step_s is not None and np.isfinite(job_step_s):
+        step[np.fromiter((bool(p.collectives) for p in patterns), bool, n)] = job_step_s
+    window = np.fromiter((p.window_s for p in patterns), float, n)
+    per_step = step / window  # window totals -> seconds per step
+
+    # Ranks of a job probe the same functions in the same order, so the name -> column layout is worked
+    # out once per distinct name tuple; per rank only the totals are read.
+    names: dict[str, int] = {}
+    roles: list[Role] = []
+    layouts: dict[tuple[str, ...], np.ndarray] = {}
+    col_parts: list[np.ndarray] = []
+    totals: list[float] = []
+    for p in patterns:
+        fns = p.functions
+        key = tuple(fns)
+        cols = layouts.get(key)
+        if cols is None:
+            for name, f in fns.items():
+                if name not in names:
+                    names[name] = len(roles)
+                    roles.append(Role(f.role))
+            cols = layouts[key] = np.array([names[name] for name in key], dtype=np.intp)
+        col_parts.append(cols)
+        totals += [f.total_s for f in fns.values()]
+    rows = np.repeat(np.arange(n), [len(c) for c in col_parts])
+    cols = np.concatenate(col_parts) if col_parts else np.zeros(0, dtype=np.intp)
+    fn = np.zeros((n, len(roles)))
+    fn[rows, cols] = totals  # (row, name) is unique: names are dict keys
+    fn_per_step = fn * per_step[:, None]
+
+    role_arr = np.array([r.value for r in roles], dtype=object)
+
+    def in_role(role: Role) -> np.ndarray:
+        total = fn_per_step[:, role_arr == role.value].sum(axis=1) if roles else np.zeros(n)
+        return np.where(np.isfinite(step), total, np.nan)  # unknown step: unknown per-step times
+
+    py_names, py = _named_columns([{f.name: f.self_s for f in p.python} for p in patterns])
+    timed_names, timed = _named_columns([{f.name: f.total_s for f in p.python_timed} for p in patterns])
+
+    comm = in_role(Role.COMM)
+    # Probed calls on other threads may overlap, so the remainder can dip below zero: clip.
+    host = np.clip(step - fn_per_step.sum(axis=1), 0.0, None)
+    return RankTable(
+        patterns=patterns,
+        rank=np.fromiter((p.rank for p in patterns), np.int64, n),
+        step_s=step,
+        comm_s=comm,
+        sync_s=in_role(Role.SYNC),
+        host_s=host,
+        work_s=step - comm,
+        fn_names=list(names),
+        fn_roles=roles,
+        fn_s=fn_per_step,
+        runq_s=np.fromiter((p.sched["main"].runq_s if "main" in p.sched else np.nan for p in patterns), float, n)
+        * per_step,
+        py_names=list(py_names),
+        py_s=py * per_step[:, None],
+        timed_names=timed_names,
+        timed_s=timed * per_step[:, None],
+    )
+
+
+def _named_columns(rows: list[dict[str, float]]) -> tuple[list[str], np.ndarray]:
+    """Per-rank {name: value} as a matrix over the union of names (0 where a rank lacks one)."""
+    names: dict[str, int] = {}
+    for row in rows:
+        for name in row:
+            names.setdefault(name, len(names))
+    out = np.zeros((len(rows), len(names)))
+    for i, row in enumerate(rows):
+        for name, value in row.items():
+            out[i, names[name]] = value
+    return list(names), out

@@ -1,0 +1,171 @@
+"""Iteration (step) time of a rank, found without knowing the training code.
+
+A synchronous training step issues the same sequence of collectives every iteration, so the collective
+sequence is periodic: its period k is the number of collectives per step, and the time between a collective
+and the same one k places later is the step time. Two things make the period hard to see in real jobs:
+- the collectives of one step may look alike (DDP's gradient buckets of equal size; micro-batch sends), so
+  the sequence of names and sizes repeats every 1 collective while the step holds 9;
+- their order varies (gloo runs a step's all-reduces on two worker threads).
+So names and sizes propose periods (k collectives a step, each (op, bytes) called a whole number of times
+among them, in any order), and a collective's step runs to the same (op, bytes) call one step later. The
+smallest such period with distinct collectives is the step; where all calls look alike, the long gaps between
+them (across the forward pass) mark where steps begin. The collectives shipped are only the window's last
+ones, so once k is known the step is taken over the whole window from the call counts.
+The ranks of one synchronous job share one step time, the median of their own estimates (a rank that saw
+too few collectives, or whose window began later, does not stray). A rank that saw no collective instants
+at all falls back to its call counts.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rankscope.schema.patterns import RankPattern, Role
+
+MIN_REPEATS = 2  # a period must be seen at least twice to be believed
+WHOLE_STEPS = 0.5  # share of the runs of k collectives that must hold a whole step (order varies at the edges)
+LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times the median one is long
+BURSTS_SEEN = 3  # bursts a one-kind sequence must show to be believed...
+SHORT_SEQUENCE = 64  # ...unless it is this short (a light pattern's collectives): then two
+WINDOW_STEPS = 20  # steps in the window for the call counts to give the step (edges cost at most 1/20)
+
+
+def _key_ids(keys: Sequence) -> np.ndarray:
+    ids: dict = {}
+    return np.fromiter((ids.setdefault(k, len(ids)) for k in keys), np.intp, len(keys))
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A period the names/sizes allow: k collectives a step, `per` calls of each key among them."""
+
+    k: int
+    keys: list[tuple[np.ndarray, int]]  # (positions of the key in the sequence, its calls per step)
+
+
+def _candidates(keys: np.ndarray) -> list[_Candidate]:
+    """Periods k whose calls per step make every key's count in the sequence (within the window's cut steps at
+    either end), add up to k, and fill most runs of k consecutive collectives exactly. Order within a step is
+    not required: a step's collectives may complete in any order."""
+    n = keys.size
+    uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    positions = [np.flatnonzero(keys == u) for u in uniq]
+    # Running count of each key: any k consecutive collectives of a period-k sequence hold each key `per` times.
+    running = np.vstack([np.zeros(uniq.size, np.intp), np.cumsum(np.eye(uniq.size, dtype=np.intp)[inverse], axis=0)])
+    out = []
+    for k in range(1, n // MIN_REPEATS + 1):
+        per = np.rint(counts * k / n).astype(int)
+        expected = per * n / k
+        if per.min() < 1 or per.sum() != k or (np.abs(counts - expected) > np.maximum(1.5, 0.1 * expected)).any():
+            continue
+        if np.mean(((running[k:] - running[:-k]) == per).all(axis=1)) < WHOLE_STEPS:
+            continue
+        out.append(_Candidate(k, list(zip(positions, per.tolist()))))
+    return out
+
+
+def _periods(enter: np.ndarray, candidates: list[_Candidate]) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `enter` (ranks x collectives, one key sequence): (k, mean span) of the period, k = 0 where
+    none. A candidate's spans run from each call to the same key's call one step later (`per` of its calls
+    on). The mean, not the median: a step time is what steps take on average (a job's throughput, and what
+    its own log prints as ms/step).
+    - The smallest candidate holds distinct collectives, each a whole number of times: that is one step by
+      names and sizes (steps may still alternate in length, two loader workers in phase, so that timing
+      alone would call two steps one).
+    - One kind of collective only (DDP's buckets all of one size, or one bucket): the long gaps between calls
+      decide. Bursts of K calls a step leave a long gap (across the forward pass) every K calls, at a fixed
+      spacing; a step of one call leaves long gaps only where a step ran late, at random places."""
+    rows = enter.shape[0]
+    if not candidates:
+        return np.zeros(rows, np.intp), np.full(rows, np.nan)
+    ks = np.ones(rows, np.intp) * candidates[0].k
+    if len(candidates[0].keys) == 1 and enter.shape[1] > 2:
+        ks = _burst(enter, {c.k for c in candidates})
+    step = np.full(rows, np.nan)
+    for k in np.unique(ks):
+        c = next(c for c in candidates if c.k == k)
+        parts = [enter[:, pos[per:]] - enter[:, pos[:-per]] for pos, per in c.keys if pos.size > per]
+        if parts:
+            mine = ks == k
+            step[mine] = np.concatenate(parts, axis=1)[mine].mean(axis=1)
+    ok = np.isfinite(step) & (step > 0)
+    return np.where(ok, ks, 0), np.where(ok, step, np.nan)
+
+
+def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
+    """Per row of one kind of collective: K when its long gaps (LONG_GAP x the median gap) recur exactly every
+    K calls from within the first K, at least BURSTS_SEEN times (twice in a short sequence); else 1. Any two
+    long gaps recur at some spacing: two hiccups of a one-call step 218 calls apart made a 218-step "burst"
+    (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three."""
+    gaps = np.diff(enter, axis=1)
+    long = gaps > LONG_GAP * np.median(gaps, axis=1, keepdims=True)
+    idx = np.arange(gaps.shape[1])
+    first = np.argmax(long, axis=1)[:, None]
+    seen = 2 if enter.shape[1] <= SHORT_SEQUENCE else BURSTS_SEEN
+    out = np.ones(enter.shape[0], np.intp)
+    found = np.zeros(enter.shape[0], bool)
+    for k in sorted(allowed - {1}):
+        expected = (idx >= first) & ((idx - first) % k == 0)
+        fits = ~found & (first[:, 0] < k) & (long == expected).all(axis=1) & (long.sum(axis=1) >= seen)
+        out[fits], found[fits] = k, True
+    return out
+
+
+def _period_op(seq: Sequence[tuple[str, int]], c: _Candidate) -> tuple[str, int]:
+    """The most frequent op of one period and how many times a step calls it, from the candidate's calls per
+    step of each key (the first k collectives need not be one whole step: order varies)."""
+    per_op: dict[str, int] = {}
+    for pos, per in c.keys:
+        op = seq[pos[0]][0]
+        per_op[op] = per_op.get(op, 0) + per
+    op = max(per_op, key=per_op.__getitem__)
+    return op, per_op[op]
+
+
+def _over_window(p: RankPattern, op: str, per_step: int) -> float:
+    """The step over the whole window from call counts: window / (op's calls / per_step); NaN with too few
+    steps in the window to beat the edges (a step cut by the window's start or end) or no count."""
+    steps = (p.functions[op].count if op in p.functions else 0) / per_step
+    return p.window_s / steps if steps >= WINDOW_STEPS else np.nan
+
+
+def _fallback(p: RankPattern) -> float:
+    """Window / calls of the most frequent collective: one call per step in plain data parallelism."""
+    calls = max((f.count for f in p.functions.values() if f.role == Role.COMM), default=0)
+    return p.window_s / calls if calls > 0 else np.nan
+
+
+def step_time(p: RankPattern) -> float | None:
+    """The rank's own step time in seconds, or None when it shows no collectives at all."""
+    t = float(step_times([p])[0])
+    return t if np.isfinite(t) else None
+
+
+def step_times(patterns: Sequence[RankPattern]) -> np.ndarray:
+    """The step time of every pattern of one job (NaN: unknown). Vectorized: ranks of a job share their
+    collective sequence, so periods are proposed once per distinct sequence and spans are taken per group."""
+    out = np.full(len(patterns), np.nan)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(patterns):
+        groups.setdefault(tuple((c.op, c.bytes) for c in p.collectives), []).append(i)
+    for seq, rows in groups.items():
+        if not seq:
+            continue
+        enter = np.array([[c.enter for c in patterns[i].collectives] for i in rows], dtype=float)
+        # Sizes first (two buckets of different sizes are two collectives of one step); names alone when
+        # sizes vary from step to step.
+        candidates = _candidates(_key_ids(seq)) or _candidates(_key_ids([op for op, _ in seq]))
+        ks, spans = _periods(enter, candidates)
+        # The window's call counts cover all of it (the collectives shipped cover only its last steps).
+        ops = {c.k: _period_op(seq, c) for c in candidates if c.k in set(ks.tolist())}
+        out[rows] = [_over_window(patterns[i], *ops[k]) if k else np.nan for i, k in zip(rows, ks.tolist())]
+        out[rows] = np.where(np.isfinite(out[rows]), out[rows], spans)
+    known = np.isfinite(out)
+    seen = np.fromiter((bool(p.collectives) for p in patterns), bool, len(patterns))
+    if known.any():  # one synchronous job, one step time: the median of the ranks' own
+        out[seen] = float(np.median(out[known]))
+    for i in np.flatnonzero(np.isnan(out)):
+        out[i] = _fallback(patterns[i])
+    return out

@@ -1,0 +1,331 @@
+"""The wire format of behavior patterns: msgpack of plain lists and maps (no pickling, no classes), decoded
+defensively (a pattern comes over the network from an agent: anything malformed is a PatternDecodeError).
+
+A pattern must stay near 1 KB (12 functions, 12 collectives, 5 Python functions), so nothing repeats on the
+wire: functions are positional lists with the role as a small integer, collective op names travel once in a
+table, and collective instants are integer microseconds, each relative to the previous one (small ints pack
+small; float32 is too coarse for unix time).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import msgpack
+
+from .patterns import (SCHEMA_VERSION, CollectiveGpu, CollectiveRecord, FunctionStats, GpuActivity, GpuHealth, GpuKernel,
+                       LinkStats, Neighbour, PyFunction, PyTimed, RankPattern, Role, TcpFlow, ThreadTimes)
+
+_ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5, Role.GC: 6}
+_ROLE_OF_CODE = {code: role for role, code in _ROLE_CODE.items()}
+_FN_FIELDS = ("role", "count", "total_s", "max_s", "p50_s", "p99_s", "bytes")
+_HEALTH_FIELDS = ("index", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "power_w", "temperature_c",
+                  "util_gpu_pct", "mem_used_mib", "pcie_tx_mbps", "pcie_rx_mbps", "nvlink_errors", "ecc_dbe", "xids")
+_SCHED_FIELDS = ("threads", "on_cpu_s", "runq_s", "sleep_s", "io_s", "reclaim_s", "preempted", "runq_p99_s")
+
+
+def _us(t: float) -> int:
+    return round(t * 1e6)
+
+
+def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
+    end_us = _us(p.window_end)
+    ops: list[str] = []
+    op_index: dict[str, int] = {}
+    coll: list[list[int]] = []
+    prev_us = end_us  # first enter is relative to the window end, later ones to the previous enter
+    for c in p.collectives:
+        if c.op not in op_index:
+            op_index[c.op] = len(ops)
+            ops.append(c.op)
+        enter_us, done_us = _us(c.enter), _us(c.done)
+        coll.append([op_index[c.op], c.bytes, enter_us - prev_us, done_us - enter_us])
+        prev_us = enter_us
+    return {
+        "v": SCHEMA_VERSION,
+        "job": p.job,
+        "rank": p.rank,
+        "world": p.world_size,
+        "pid": p.pid,
+        "host": p.host,
+        "start": _us(p.window_start),
+        "end": end_us,
+        "state": p.state,
+        "id": p.identity_source,
+        "fn": {
+            name: [_ROLE_CODE[Role(f.role)], f.count, f.total_s, f.max_s, f.p50_s, f.p99_s, f.bytes]
+            for name, f in p.functions.items()
+        },
+        "ops": ops,
+        "coll": coll,
+        "sch": {role: [t.threads, t.on_cpu_s, t.runq_s, t.sleep_s, t.io_s, t.reclaim_s, t.preempted, t.runq_p99_s]
+                for role, t in p.sched.items()},
+        "nb": [[n.name, n.pid, n.cgroup, n.waited_s] for n in p.neighbours],
+        "mf": p.major_faults,
+        "lp": None if p.last_progress is None else _us(p.last_progress),
+        "wh": p.where,
+        "since": None if p.since is None else _us(p.since),
+        "py": [[f.name, f.self_s, f.total_s, f.cpu_s] for f in p.python],
+        "pyt": [[f.name, f.count, f.total_s, f.max_s] for f in p.python_timed],
+        "gpu": None if p.gpu is None else _gpu_to_wire(p.gpu),
+        "gh": None if p.gpu_health is None else [getattr(p.gpu_health, f) for f in _HEALTH_FIELDS],
+        # Optional keys (absent without the NCCL profiler plugin), so other patterns stay byte-identical.
+        **({"lk": [[k.comm, k.rank, k.peer, int(k.send), k.steps, k.bytes, k.wire_s, k.peer_wait_s]
+                   for k in p.links]} if p.links else {}),
+        **({"cg": [[c.op, c.count, c.total_s, c.p99_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
+        **({"tcp": [[f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
+                    for f in p.tcp]} if p.tcp else {}),
+    }
+
+
+def _gpu_to_wire(g: GpuActivity) -> list:
+    row = [g.busy_s, g.kernel_s, g.copy_s, g.kernels, [[k.name, k.count, k.total_s] for k in g.top]]
+    return row if g.launches is None else [*row, g.launches, g.queue_p50_s, g.queue_p99_s]
+
+
+class PatternDecodeError(ValueError):
+    """Raised for bytes that are not a well-formed pattern payload."""
+
+
+# Strict field readers: a payload from the network is untrusted, so a wrong type is an error, not coerced.
+def _str(x: Any, what: str) -> str:
+    if not isinstance(x, str):
+        raise PatternDecodeError(f"{what}: expected a string, got {type(x).__name__}")
+    return x
+
+
+def _int(x: Any, what: str, minimum: int | None = 0) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise PatternDecodeError(f"{what}: expected an integer, got {type(x).__name__}")
+    if minimum is not None and x < minimum:
+        raise PatternDecodeError(f"{what}: {x} is below {minimum}")
+    return x
+
+
+def _seconds(x: Any, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise PatternDecodeError(f"{what}: expected a number, got {type(x).__name__}")
+    if not math.isfinite(x) or x < 0:
+        raise PatternDecodeError(f"{what}: {x!r} is not a finite non-negative duration")
+    return float(x)
+
+
+def _list(x: Any, what: str, length: int | None = None) -> list:
+    if not isinstance(x, list):
+        raise PatternDecodeError(f"{what}: expected a list, got {type(x).__name__}")
+    if length is not None and len(x) != length:
+        raise PatternDecodeError(f"{what}: expected {length} fields, got {len(x)}")
+    return x
+
+
+def _function_from_wire(name: Any, row: Any) -> FunctionStats:
+    name = _str(name, "function name")
+    code, count, total, mx, p50, p99, nbytes = _list(row, f"function {name}", len(_FN_FIELDS))
+    if _int(code, f"{name}.role") not in _ROLE_OF_CODE:
+        raise PatternDecodeError(f"{name}: unknown role code {code}")
+    return FunctionStats(
+        name=name,
+        role=_ROLE_OF_CODE[code],
+        count=_int(count, f"{name}.count"),
+        total_s=_seconds(total, f"{name}.total_s"),
+        max_s=_seconds(mx, f"{name}.max_s"),
+        p50_s=_seconds(p50, f"{name}.p50_s"),
+        p99_s=_seconds(p99, f"{name}.p99_s"),
+        bytes=_int(nbytes, f"{name}.bytes"),
+    )
+
+
+def _collectives_from_wire(ops_raw: Any, rows: Any, end_us: int) -> list[CollectiveRecord]:
+    ops = [_str(op, "collective op") for op in _list(ops_raw, "ops")]
+    out = []
+    prev_us = end_us
+    for row in _list(rows, "coll"):
+        op_i, nbytes, d_enter, dur = _list(row, "collective", 4)
+        if _int(op_i, "collective op index") >= len(ops):
+            raise PatternDecodeError(f"collective op index {op_i} outside the table of {len(ops)}")
+        enter_us = prev_us + _int(d_enter, "collective enter", minimum=None)
+        done_us = enter_us + _int(dur, "collective duration", minimum=None)
+        out.append(CollectiveRecord(op=ops[op_i], bytes=_int(nbytes, "collective bytes"),
+                                    enter=enter_us / 1e6, done=done_us / 1e6))
+        prev_us = enter_us
+    return out
+
+
+def _sched_from_wire(raw: Any) -> dict[str, ThreadTimes]:
+    if not isinstance(raw, dict):
+        raise PatternDecodeError("sch: expected a map")
+    out = {}
+    for role, row in raw.items():
+        role = _str(role, "thread role")
+        threads, on, runq, sleep, io, reclaim, preempted, p99 = _list(row, f"sched {role}", len(_SCHED_FIELDS))
+        out[role] = ThreadTimes(
+            role=role, threads=_int(threads, f"{role}.threads"), on_cpu_s=_seconds(on, f"{role}.on_cpu_s"),
+            runq_s=_seconds(runq, f"{role}.runq_s"), sleep_s=_seconds(sleep, f"{role}.sleep_s"),
+            io_s=_seconds(io, f"{role}.io_s"), reclaim_s=_seconds(reclaim, f"{role}.reclaim_s"),
+            preempted=_int(preempted, f"{role}.preempted"), runq_p99_s=_seconds(p99, f"{role}.runq_p99_s"),
+        )
+    return out
+
+
+def _neighbours_from_wire(raw: Any) -> list[Neighbour]:
+    out = []
+    for row in _list(raw, "nb"):
+        name, pid, cgroup, waited = _list(row, "neighbour", 4)
+        out.append(Neighbour(name=_str(name, "neighbour name"), pid=_int(pid, "neighbour pid"),
+                             cgroup=_str(cgroup, "neighbour cgroup"), waited_s=_seconds(waited, "neighbour waited")))
+    return out
+
+
+def _python_from_wire(raw: Any) -> list[PyFunction]:
+    out = []
+    for row in _list(raw, "py"):
+        name, self_s, total_s, cpu_s = _list(row, "python function", 4)
+        name = _str(name, "python function name")
+        out.append(PyFunction(name=name, self_s=_seconds(self_s, f"{name}.self_s"),
+                              total_s=_seconds(total_s, f"{name}.total_s"), cpu_s=_seconds(cpu_s, f"{name}.cpu_s")))
+    return out
+
+
+def _call_totals_from_wire(raw: Any, key: str, what: str, last: str) -> list[tuple[str, int, float, float]]:
+    """Rows of [name, calls, total seconds, one more duration named `last`]: timed Python functions (max_s)
+    and collectives' GPU time (p99_s) travel alike."""
+    out = []
+    for row in _list(raw, key):
+        name, count, total_s, other = _list(row, what, 4)
+        name = _str(name, f"{what} name")
+        out.append((name, _int(count, f"{name}.count"), _seconds(total_s, f"{name}.total_s"),
+                    _seconds(other, f"{name}.{last}")))
+    return out
+
+
+def _gpu_from_wire(raw: Any) -> GpuActivity | None:
+    if raw is None:
+        return None
+    row = _list(raw, "gpu")
+    if len(row) not in (5, 8):  # 8: with launches joined to their kernels (deep mode)
+        raise PatternDecodeError(f"gpu: expected 5 or 8 fields, got {len(row)}")
+    busy, kernel_s, copy_s, kernels, top = row[:5]
+    kernels_top = []
+    for k in _list(top, "gpu kernels"):
+        name, count, total = _list(k, "gpu kernel", 3)
+        name = _str(name, "gpu kernel name")
+        kernels_top.append(GpuKernel(name=name, count=_int(count, f"{name}.count"),
+                                     total_s=_seconds(total, f"{name}.total_s")))
+    gpu = GpuActivity(busy_s=_seconds(busy, "gpu busy"), kernel_s=_seconds(kernel_s, "gpu kernel time"),
+                      copy_s=_seconds(copy_s, "gpu copy time"), kernels=_int(kernels, "gpu kernels"),
+                      top=kernels_top)
+    if len(row) == 8:
+        gpu.launches = _int(row[5], "gpu launches")
+        gpu.queue_p50_s, gpu.queue_p99_s = _seconds(row[6], "gpu queue p50"), _seconds(row[7], "gpu queue p99")
+    return gpu
+
+
+def _links_from_wire(raw: Any) -> list[LinkStats]:
+    out = []
+    for row in _list(raw, "lk"):
+        comm, rank, peer, send, steps, nbytes, wire_s, wait_s = _list(row, "link", 8)
+        if _int(send, "link send") > 1:
+            raise PatternDecodeError(f"link send: expected 0 or 1, got {send}")
+        out.append(LinkStats(comm=_int(comm, "link comm"), rank=_int(rank, "link rank"), peer=_int(peer, "link peer"),
+                             send=bool(send), steps=_int(steps, "link steps"), bytes=_int(nbytes, "link bytes"),
+                             wire_s=_seconds(wire_s, "link wire_s"), peer_wait_s=_seconds(wait_s, "link peer_wait_s")))
+    return out
+
+
+def _tcp_from_wire(raw: Any) -> list[TcpFlow]:
+    out = []
+    for row in _list(raw, "tcp"):
+        local, remote, sends, sent, received, wire_s, wait_s, srtt_s = _list(row, "tcp flow", 8)
+        out.append(TcpFlow(local=_str(local, "tcp local"), remote=_str(remote, "tcp remote"),
+                           sends=_int(sends, "tcp sends"), sent=_int(sent, "tcp sent"),
+                           received=_int(received, "tcp received"), wire_s=_seconds(wire_s, "tcp wire_s"),
+                           peer_wait_s=_seconds(wait_s, "tcp peer_wait_s"), srtt_s=_seconds(srtt_s, "tcp srtt_s")))
+    return out
+
+
+def _health_from_wire(raw: Any) -> GpuHealth | None:
+    if raw is None:
+        return None
+    row = dict(zip(_HEALTH_FIELDS, _list(raw, "gh", len(_HEALTH_FIELDS))))
+    values: dict[str, Any] = {f: _int(row[f], f"gpu health {f}") for f in _HEALTH_FIELDS if f != "xids"}
+    values["xids"] = [_int(x, "xid") for x in _list(row["xids"], "xids")]
+    return GpuHealth(**values)
+
+
+def _pattern_from_wire(d: Any) -> RankPattern:
+    if not isinstance(d, dict):
+        raise PatternDecodeError(f"pattern: expected a map, got {type(d).__name__}")
+    try:
+        if d["v"] != SCHEMA_VERSION:
+            raise PatternDecodeError(f"unsupported pattern schema version {d['v']!r}")
+        start_us = _int(d["start"], "start")
+        end_us = _int(d["end"], "end")
+        if end_us < start_us:
+            raise PatternDecodeError("window ends before it starts")
+        fn = d["fn"]
+        if not isinstance(fn, dict):
+            raise PatternDecodeError("fn: expected a map")
+        return RankPattern(
+            job=_str(d["job"], "job"),
+            rank=_int(d["rank"], "rank"),
+            world_size=_int(d["world"], "world"),
+            pid=_int(d["pid"], "pid"),
+            host=_str(d["host"], "host"),
+            window_start=start_us / 1e6,
+            window_end=end_us / 1e6,
+            state=_str(d["state"], "state"),
+            identity_source=_str(d["id"], "id"),
+            functions={f.name: f for f in (_function_from_wire(k, v) for k, v in fn.items())},
+            collectives=_collectives_from_wire(d["ops"], d["coll"], end_us),
+            sched=_sched_from_wire(d["sch"]),
+            neighbours=_neighbours_from_wire(d["nb"]),
+            major_faults=_int(d["mf"], "major faults"),
+            last_progress=None if d["lp"] is None else _int(d["lp"], "last progress") / 1e6,
+            where=_str(d["wh"], "where"),
+            since=None if d["since"] is None else _int(d["since"], "since") / 1e6,
+            python=_python_from_wire(d["py"]),
+            python_timed=[PyTimed(*r) for r in _call_totals_from_wire(d.get("pyt", []), "pyt", "timed python function",
+                                                                      "max_s")],
+            gpu=_gpu_from_wire(d.get("gpu")),  # optional: patterns from agents without GPU views lack them
+            gpu_health=_health_from_wire(d.get("gh")),
+            links=_links_from_wire(d.get("lk", [])),
+            collectives_gpu=[CollectiveGpu(*r) for r in _call_totals_from_wire(d.get("cg", []), "cg", "collective gpu",
+                                                                               "p99_s")],
+            tcp=_tcp_from_wire(d.get("tcp", [])),
+        )
+    except PatternDecodeError:
+        raise
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # missing keys, unpackable rows
+        raise PatternDecodeError(f"malformed pattern: {e!r}") from e
+
+
+MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+
+
+def encode_patterns(patterns: list[RankPattern]) -> bytes:
+    # Durations need ~7 significant digits, not 17: float32 halves the payload.
+    return msgpack.packb([_pattern_to_wire(p) for p in patterns], use_single_float=True)
+
+
+def decode_patterns(data: bytes) -> list[RankPattern]:
+    """Decode a payload of `encode_patterns`; raises PatternDecodeError (only) for anything malformed."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PatternDecodeError(f"payload must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise PatternDecodeError(f"payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError, TypeError) as e:  # TypeError: unhashable map key
+        raise PatternDecodeError(f"not msgpack: {e!r}") from e
+    if not isinstance(raw, list):
+        raise PatternDecodeError("payload is not a list of patterns")
+    return [_pattern_from_wire(d) for d in raw]
+
+
+def pattern_to_json(p: RankPattern) -> dict[str, Any]:
+    """The JSON view served by /v1/patterns: field names spelled out for people and scripts."""
+    d = asdict(p)
+    for f in d["functions"].values():
+        f["role"] = f["role"].value if isinstance(f["role"], Role) else f["role"]
+    return d
