@@ -114,7 +114,7 @@ def log(msg: str) -> None:
 
 def probe_armed(pid: int, library: str, symbol: str) -> bool:
     """Whether a uprobe is armed on `symbol` in `pid`: its first instruction byte reads 0xCC (int3)."""
-    from rankscope.agent.symbols import SymbolError, code_byte
+    from rankscope.agent.host.symbols import SymbolError, code_byte
 
     try:
         return code_byte(pid, library, symbol) == INT3
@@ -480,6 +480,7 @@ SCHED_STATES = ("none", "noop_tp", "noop_raw", "loaded", "watched")
 
 def bench_sched(ctx: Context) -> tuple[list[Row], dict]:
     from bcc import BPF
+
     from rankscope.agent.session import Session
 
     n = 5_000 if ctx.quick else 200_000
@@ -656,6 +657,7 @@ def bench_payload(ctx: Context) -> tuple[list[Row], dict]:
 def wire_breakdown(pattern) -> dict[str, int]:
     """msgpack bytes of each top-level field of a pattern's wire form (where a payload's bytes go)."""
     import msgpack
+
     from rankscope.schema import wire as codec
 
     try:
@@ -778,6 +780,7 @@ def synthetic_patterns(n: int, straggler: int, extra_sync_s: float = 0.03, seed:
     one 2 s window (host work, launches, copy, GPU sync, then the all-reduce that completes when the last rank
     arrived), one compute straggler, and a healthy scheduler view per rank."""
     import numpy as np
+
     from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role, ThreadTimes
 
     rng = np.random.default_rng(seed)

@@ -16,11 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "system"))
+
+from test_python_sampler import INTERPRETERS  # noqa: E402
 
 from rankscope.agent.interpreters.cpython import inspect  # noqa: E402
-from rankscope.agent.python_exact import PythonTimer, TracedFunction  # noqa: E402
-from test_python_sampler import INTERPRETERS  # noqa: E402
+from rankscope.agent.sources.python_exact import PythonTimer, TracedFunction
 
 LOOP = r'''
 import sys, time

@@ -26,10 +26,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "system"))
 
-from rankscope.agent.python_sampler import PythonSampler  # noqa: E402
 from test_python_sampler import INTERPRETERS  # noqa: E402
+
+from rankscope.agent.sources.python_sampler import PythonSampler
 
 C_PAIR = r'''
 #include <stdio.h>

@@ -20,10 +20,11 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "system"))
 
-from rankscope.agent.python_sampler import PythonSampler  # noqa: E402
 from test_python_sampler import INTERPRETERS, TARGET  # noqa: E402
+
+from rankscope.agent.sources.python_sampler import PythonSampler
 
 COUNTER = r'''
 import sys, time

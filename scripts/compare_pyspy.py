@@ -16,7 +16,7 @@ import textwrap
 import threading
 from pathlib import Path
 
-from rankscope.agent.python_sampler import PythonSampler
+from rankscope.agent.sources.python_sampler import PythonSampler
 
 WORKLOAD = textwrap.dedent("""
     import sys, time

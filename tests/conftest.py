@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
 from rankscope.sim.harness import free_port, http_json, maps_library, wait_until
 from rankscope.sim.job import SimJob, start_job
 
@@ -17,6 +18,19 @@ __all__ = ["maps_library", "wait_until"]  # re-exported: the tests' own helpers 
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
 
 
+def run(*args: str, user: int | None = None) -> subprocess.CompletedProcess:
+    cmd = [*RANKSCOPE, *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--inh-caps=-all", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("rankscope: error: ")
+    return lines[0]
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pynvml
 
+READINGS = Path(__file__).with_name("data") / "nvml_readings.json"  # NVML's shapes, not recorded on a GPU
+
 
 class ReplayNvml:
     def __init__(self, path: Path):

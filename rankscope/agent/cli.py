@@ -8,18 +8,17 @@ import logging
 import os
 import sys
 
+from rankscope.agent.detail import DEEP, DEEP_SECONDS, LEVELS, LIGHT, Detail, SlowdownTrigger
+from rankscope.agent.host.targets import TargetError
+from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.observe import observe
+from rankscope.agent.report import render
+from rankscope.agent.service.auth import TOKEN_ENV, TokenError, check_bind, load_token
+from rankscope.agent.service.http import ListenError
+from rankscope.agent.session import Session
+from rankscope.agent.sources.python_exact import TracedFunction
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
 from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
-
-from .auth import TOKEN_ENV, TokenError, check_bind, load_token
-from .bpf_program import ProbeError
-from .detail import DEEP, DEEP_SECONDS, LEVELS, LIGHT, Detail, SlowdownTrigger
-from .observe import observe
-from .python_exact import TracedFunction
-from .report import render
-from .server import ListenError
-from .session import Session
-from .targets import TargetError
 
 
 class UsageError(Exception):
@@ -81,7 +80,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from .daemon import Agent, serve
+    from rankscope.agent.daemon import Agent, serve
 
     host, port = parse_listen(args.listen)
     if args.window <= 0 or args.hang_timeout <= 0 or args.slowdown_threshold <= 0:
@@ -104,7 +103,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from .cluster import AgentListError, Cluster, parse_agents, serve_cluster
+    from rankscope.agent.service.cluster_analyzer import AgentListError, Cluster, parse_agents, serve_cluster
 
     host, port = parse_listen(args.listen)
     if args.window <= 0 or args.timeout <= 0 or args.hang_timeout <= 0 or args.concurrency < 1:
@@ -136,7 +135,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from rankscope.agent.demo import run_demo
 
     return run_demo(args.fault, args.duration)
 

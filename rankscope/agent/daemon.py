@@ -6,17 +6,16 @@ import logging
 import os
 import time
 
+from rankscope.agent.detail import SlowdownTrigger
+from rankscope.agent.host.discovery import training_processes
+from rankscope.agent.host.targets import TargetError
+from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.service.http import make_app, serve_windows
+from rankscope.agent.service.snapshot import Snapshot, TargetView, targets_of
+from rankscope.agent.session import JOB_PATTERNS, Session
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline
 from rankscope.analyzer.diagnosis import diagnose
 from rankscope.analyzer.stability import Confirmer
-
-from .bpf_program import ProbeError
-from .detail import SlowdownTrigger
-from .discovery import training_processes
-from .server import make_app, serve_windows
-from .session import JOB_PATTERNS, Session
-from .snapshot import Snapshot, TargetView, targets_of
-from .targets import TargetError
 
 log = logging.getLogger(__name__)
 

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import time
 
+from rankscope.agent.detail import DEEP
+from rankscope.agent.observe import observe
+from rankscope.agent.report import render
+from rankscope.agent.session import Session
 from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
 from rankscope.sim.job import start_job
-
-from .detail import DEEP
-from .observe import observe
-from .report import render
-from .session import Session
 
 RANKS = 4
 WARMUP_S = 1.0  # let the ranks pass communicator set-up and settle into steps before observing

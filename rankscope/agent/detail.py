@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .python_sampler import DEFAULT_FREQUENCY
+from rankscope.agent.sources.python_sampler import DEFAULT_FREQUENCY
 
 DEEP_SECONDS = 60.0
 COOLDOWN = 4  # x deep_s in light mode after each deep episode: deep mode costs at most 1/5 of the time

@@ -5,12 +5,11 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
+from rankscope.agent.host.targets import TargetError
+from rankscope.agent.service.http import empty_diagnosis
+from rankscope.agent.session import Session
 from rankscope.analyzer.diagnosis import diagnose
 from rankscope.schema.wire import encode_patterns
-
-from .server import empty_diagnosis
-from .session import Session
-from .targets import TargetError
 
 
 def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: float,

@@ -10,16 +10,15 @@ import os
 import socket
 import time
 
+from rankscope.agent.detail import LIGHT, Detail
+from rankscope.agent.host.targets import Target, TargetError, inspect_process
+from rankscope.agent.loader.program import ProbeProgram
+from rankscope.agent.sources.collector import Collector
+from rankscope.agent.sources.gpu import GpuViews
+from rankscope.agent.sources.probes import KINDS
+from rankscope.agent.sources.python_exact import PythonTimer, TracedFunction
+from rankscope.agent.sources.python_sampler import PythonAttachError, PythonSampler
 from rankscope.schema.patterns import RankPattern
-
-from .bpf_program import ProbeProgram
-from .collector import Collector
-from .detail import LIGHT, Detail
-from .gpu import GpuViews
-from .probes import KINDS
-from .python_exact import PythonTimer, TracedFunction
-from .python_sampler import PythonAttachError, PythonSampler
-from .targets import Target, TargetError, inspect_process
 
 log = logging.getLogger(__name__)
 

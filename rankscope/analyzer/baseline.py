@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .differential import MAD_TO_SIGMA
+from rankscope.analyzer.differential import MAD_TO_SIGMA
 from rankscope.analyzer.findings import DATA_LOADING, PYTHON_SHARE, Z_FLOOR, Z_MIN, ms
+from rankscope.analyzer.metrics import RankTable
 from rankscope.schema.finding import Finding
-from .metrics import RankTable
 
 KEEP_WINDOWS = 720  # an hour of 5 s windows: "recent"
 MIN_WINDOWS = 3  # fewer windows are no baseline

@@ -11,10 +11,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .baseline import Baseline
-from .diagnosis import diagnose_job
+from rankscope.analyzer.baseline import Baseline
+from rankscope.analyzer.diagnosis import diagnose_job
+from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
 from rankscope.schema.finding import Finding, plain
-from .hangs import DEFAULT_HANG_TIMEOUT_S
 from rankscope.schema.patterns import RankPattern
 
 

@@ -6,16 +6,16 @@ from typing import Any
 
 import numpy as np
 
-from .baseline import SLOWDOWN_THRESHOLD, Baseline, Reference, StepProfile, regression
-from .differential import align_collectives
-from rankscope.schema.finding import Finding, plain
+from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline, Reference, StepProfile, regression
+from rankscope.analyzer.differential import align_collectives
 from rankscope.analyzer.findings import (compute_straggler, cpu_contention, gpu_throttle, launch_bound, node_fault,
                                          slow_link)
-from .hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
-from .links import link_findings
-from .metrics import RankTable, rank_table
+from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
+from rankscope.analyzer.links import link_findings
+from rankscope.analyzer.metrics import RankTable, rank_table
+from rankscope.analyzer.peers import peer_groups
+from rankscope.schema.finding import Finding, plain
 from rankscope.schema.patterns import RankPattern
-from .peers import peer_groups
 
 NOT_ANALYZED = frozenset({"exited"})  # listed in `ranks`, left out of the comparison
 # Windows with these findings stay out of the job's baseline: a hung job has no steps, and a regressed one

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rankscope.analyzer.steps import step_times
 from rankscope.schema.patterns import RankPattern
-from .steps import step_times
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
 # Ops that do not end together on every rank of the group, so instants are not lined up by them:

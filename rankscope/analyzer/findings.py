@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .differential import Alignment, peer_deviation, peers_median
-from .metrics import RankTable
+from rankscope.analyzer.differential import Alignment, peer_deviation, peers_median
+from rankscope.analyzer.metrics import RankTable
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import Role
 

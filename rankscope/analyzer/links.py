@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from rankscope.analyzer.peers import peer_groups
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import LinkStats, RankPattern, Role
-from .peers import peer_groups
 
 MIN_STEPS = 8  # network steps over a link in the window before its throughput is judged...
 MIN_BYTES = 1 << 20  # ...and bytes: a few small steps measure latency, not bandwidth

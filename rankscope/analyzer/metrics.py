@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rankscope.analyzer.steps import step_times
 from rankscope.schema.patterns import RankPattern, Role
-from .steps import step_times
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,1 @@
-"""BPF C sources; loaded by rankscope.agent.bpf_program."""
+"""BPF C sources; loaded by rankscope.agent.loader.program."""

@@ -2,7 +2,7 @@
 // c10d::ProcessGroupGloo::<op> enqueues a collective on the training thread and returns a Work at once:
 // counted. One of the process group's worker threads then runs gloo::<op>, which returns only when every
 // rank has taken part: a blocking collective, timed, complete when it returns.
-// Probe names are C identifiers; agent/probes/gloo.py maps them to the mangled C++ symbols.
+// Probe names are C identifiers; agent/sources/probes/gloo.py maps them to the mangled C++ symbols.
 
 // Payload of a gloo options object: its element count and element size (two adjacent size_t) at
 // `offset`. The layouts (x86-64, libstdc++) of gloo as bundled with torch 2.13:

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rankscope.cupti_shim import wheels
 from rankscope.native import CC, BuildError, cached_build, fingerprint, run_compiler
-
-from . import wheels
 
 HERE = Path(__file__).resolve().parent
 SOURCES = tuple(HERE / name for name in ("shim.c", "nccl_profiler.c", "periodic.c"))

@@ -122,7 +122,7 @@ class PyTimed:
 class GpuKernel:
     """One kernel's GPU time on the rank during the window (CUPTI shim)."""
 
-    name: str  # short name (agent/probes/cupti.py short_kernel_name), at most KERNEL_NAME_CHARS
+    name: str  # short name (agent/sources/probes/cupti.py short_kernel_name), at most KERNEL_NAME_CHARS
     count: int
     total_s: float
 
@@ -146,7 +146,7 @@ class GpuActivity:
 
 @dataclass
 class GpuHealth:
-    """NVML readings of the rank's GPU over the window; names follow DCGM's fields (see agent/gpu_health.py).
+    """NVML readings of the rank's GPU over the window; names follow DCGM's fields (see agent/sources/nvml.py).
     Whole units, so they pack as small integers (the pattern must stay near 1 KB)."""
 
     index: int  # NVML device index

@@ -9,6 +9,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from rankscope.agent.host import procfs
+
 
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Polls `condition` until it returns something truthy (returned); TimeoutError naming `what` after
@@ -26,8 +28,7 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
 def maps_library(pid: int, name: str) -> bool:
     """Whether `pid` maps a file whose path contains `name` (False once it exited)."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            return name in f.read()
+        return any(name in m.path for m in procfs.maps(pid))
     except OSError:
         return False
 

@@ -20,10 +20,10 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bindings import shm_name
-from .build import build_libraries
-from .faults import GRAMMAR, Fault, parse_fault
-from .harness import free_port
+from rankscope.sim.bindings import shm_name
+from rankscope.sim.build import build_libraries
+from rankscope.sim.faults import GRAMMAR, Fault, parse_fault
+from rankscope.sim.harness import free_port
 
 __all__ = ["Fault", "SimJob", "parse_fault", "start_job", "add_arguments", "run", "main"]
 

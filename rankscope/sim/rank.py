@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 try:
-    from .bindings import (NCCL_FLOAT32, NCCL_SUM, CUlaunchConfig, NcclUniqueId, load, unique_id_bytes,
-                           unique_id_from_bytes)
-    from .faults import Fault, parse_fault
-    from .steplog import StepLog
+    from rankscope.sim.bindings import (NCCL_FLOAT32, NCCL_SUM, CUlaunchConfig, NcclUniqueId, load, unique_id_bytes,
+                                        unique_id_from_bytes)
+    from rankscope.sim.faults import Fault, parse_fault
+    from rankscope.sim.steplog import StepLog
 except ImportError:  # run as a script: the sibling modules are on sys.path[0]
-    from bindings import (NCCL_FLOAT32, NCCL_SUM, CUlaunchConfig, NcclUniqueId, load,  # type: ignore
-                          unique_id_bytes, unique_id_from_bytes)
+    from bindings import (NCCL_FLOAT32, NCCL_SUM, CUlaunchConfig, NcclUniqueId, load, unique_id_bytes,  # type: ignore
+                          unique_id_from_bytes)
     from faults import Fault, parse_fault  # type: ignore
     from steplog import StepLog  # type: ignore
 
@@ -282,7 +282,7 @@ def _lib_dir() -> Path:
     if env:
         return Path(env)
     try:
-        from .build import build_libraries
+        from rankscope.sim.build import build_libraries
     except ImportError:
         from build import build_libraries  # type: ignore
     return build_libraries()

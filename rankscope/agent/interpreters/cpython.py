@@ -32,8 +32,10 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
-from ..symbols import loaded_offset
-from . import UNKNOWN_CODE, Frame
+from rankscope.agent.host import procfs
+from rankscope.agent.host.procfs import Mapping, ProcessMemory
+from rankscope.agent.host.symbols import loaded_offset
+from rankscope.agent.interpreters import UNKNOWN_CODE, Frame
 
 log = logging.getLogger(__name__)
 
@@ -335,61 +337,22 @@ def layout_from_debug_offsets(d: dict[str, int], minor: int) -> Layout:
 # The target process: its mapped ELF files and its memory.
 
 
-class ProcessMemory:
-    """Reads another process's memory through /proc/PID/mem (root)."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        try:
-            self.fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise PythonAttachError(f"no such process: {pid}") from None
-        except PermissionError:
-            raise PythonAttachError(f"not permitted to read the memory of pid {pid}: run as root") from None
-
-    def read(self, addr: int, size: int) -> bytes:
-        """Exactly `size` bytes at `addr`; OSError if any of them cannot be read."""
-        if addr <= 0 or addr >= 1 << 47:
-            raise OSError(f"bad address {addr:#x}")
-        data = os.pread(self.fd, size, addr)
-        if len(data) != size:
-            raise OSError(f"short read at {addr:#x}")
-        return data
-
-    def u64(self, addr: int) -> int:
-        return struct.unpack("<Q", self.read(addr, 8))[0]
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-@dataclass(frozen=True)
-class Mapping:
-    start: int
-    end: int
-    offset: int
-    inode: int
-    path: str
+def open_memory(pid: int) -> ProcessMemory:
+    try:
+        return ProcessMemory(pid)
+    except FileNotFoundError:
+        raise PythonAttachError(f"no such process: {pid}") from None
+    except PermissionError:
+        raise PythonAttachError(f"not permitted to read the memory of pid {pid}: run as root") from None
 
 
 def read_maps(pid: int) -> list[Mapping]:
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
+        return procfs.maps(pid)
+    except (FileNotFoundError, ProcessLookupError):
         raise PythonAttachError(f"no such process: {pid}") from None
     except PermissionError:
         raise PythonAttachError(f"not permitted to read /proc/{pid}/maps: run as root") from None
-    out = []
-    for line in lines:
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/"):
-            continue
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        out.append(Mapping(lo, hi, int(parts[2], 16), int(parts[4]), parts[5]))
-    return out
 
 
 @dataclass(frozen=True)
@@ -557,7 +520,7 @@ def inspect(pid: int) -> Interpreter:
     except OSError as e:
         raise PythonAttachError(f"cannot read the pid namespace of pid {pid}: {e.strerror}") from e
 
-    mem = ProcessMemory(pid)
+    mem = open_memory(pid)
     try:
         if minor >= 13:
             try:
@@ -697,7 +660,7 @@ class CodeResolver:
     def __init__(self, interp: Interpreter):
         self.interp = interp
         self.layout = interp.layout
-        self.mem = ProcessMemory(interp.pid)
+        self.mem = open_memory(interp.pid)
         self._hdr = self.layout.code_header_size()
         self._frames: dict[int, tuple[bytes, Frame]] = {}
         self._type_names: dict[int, str | None] = {}

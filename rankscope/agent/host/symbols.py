@@ -1,0 +1,111 @@
+"""Functions a shared library defines, read with pyelftools (no target process involved)."""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
+
+from rankscope.agent.host import procfs
+
+
+class SymbolError(OSError):
+    """The library cannot be read as an ELF file."""
+
+
+def exported_functions(path: str) -> dict[str, int]:
+    """Defined function symbols of `path`'s dynamic symbol table, name -> address."""
+    return functions(path, local=False)
+
+
+def functions(path: str, local: bool) -> dict[str, int]:
+    """Defined functions of `path`, name -> address: exported ones, and with `local` also the static ones
+    of `.symtab` (present in unstripped builds, e.g. CPython's gc_collect_main).
+
+    Cached per file identity (device, inode, mtime), so many ranks mapping one library cost one read.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
+    return _functions(path, local, st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=64)
+def _functions(path: str, local: bool, _dev: int, _ino: int, _mtime: int) -> dict[str, int]:
+    found: dict[str, int] = {}
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            for section in (".symtab", ".dynsym") if local else (".dynsym",):
+                table = elf.get_section_by_name(section)
+                if isinstance(table, SymbolTableSection):
+                    found.update(
+                        (sym.name, sym["st_value"]) for sym in table.iter_symbols()
+                        if sym["st_info"]["type"] in ("STT_FUNC", "STT_GNU_IFUNC") and sym["st_shndx"] != "SHN_UNDEF")
+    except (OSError, ELFError) as e:
+        raise SymbolError(f"cannot read symbols of {path}: {e}") from e
+    return found
+
+
+def loaded_offset(elf: ELFFile, vaddr: int, size: int = 1) -> int | None:
+    """File offset of the `size` bytes at link-time address `vaddr`, where a loaded segment holds them
+    from the file (None: in no PT_LOAD, or in its zero-filled tail)."""
+    for seg in elf.iter_segments():
+        if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr and vaddr + size <= seg["p_vaddr"] + seg["p_filesz"]:
+            return seg["p_offset"] + vaddr - seg["p_vaddr"]
+    return None
+
+
+@dataclass(frozen=True)
+class SdtProbe:
+    """A USDT (SystemTap SDT) probe site: where to put a uprobe, and the semaphore that arms the site."""
+
+    address: int  # of the probe's instruction, as a link-time address of the file (bcc's `addr`)
+    semaphore: int  # link-time address of its unsigned short counter; 0 when the site is always live
+
+
+def sdt_probes(path: str) -> dict[tuple[str, str], SdtProbe]:
+    """(provider, name) -> SdtProbe of every SDT note of `path` (e.g. CPython's python:gc__start)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
+    return _sdt_probes(path, st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _sdt_probes(path: str, _dev: int, _ino: int, _mtime: int) -> dict[tuple[str, str], SdtProbe]:
+    out: dict[tuple[str, str], SdtProbe] = {}
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            notes, base = elf.get_section_by_name(".note.stapsdt"), elf.get_section_by_name(".stapsdt.base")
+            if notes is None:
+                return out
+            for note in notes.iter_notes():
+                desc = note["n_desc"]
+                if note["n_name"] != "stapsdt" or not isinstance(desc, bytes) or len(desc) < 26:
+                    continue
+                pc, note_base, sem = struct.unpack_from("<QQQ", desc)
+                provider, name = desc[24:].split(b"\0")[:2]
+                # A prelinked file moved .stapsdt.base: the note's addresses move with it.
+                shift = base["sh_addr"] - note_base if base is not None and note_base else 0
+                out[(provider.decode(), name.decode())] = SdtProbe(pc + shift, sem + shift if sem else 0)
+    except (OSError, ELFError, ValueError) as e:
+        raise SymbolError(f"cannot read the SDT notes of {path}: {e}") from e
+    return out
+
+
+def code_byte(pid: int, library: str, symbol: str) -> int:
+    """The first instruction byte of `symbol` as mapped in `pid` (0xCC while a uprobe is armed there):
+    lets tests and benchmarks check that probes really are, or are no longer, in a process."""
+    first = next((m for m in procfs.maps(pid) if m.path.endswith(library) and m.offset == 0), None)
+    if first is None:
+        raise SymbolError(f"{library} is not mapped in pid {pid}")
+    with procfs.ProcessMemory(pid) as mem:
+        return mem.read(first.start + exported_functions(procfs.host_path(pid, first.path))[symbol], 1)[0]

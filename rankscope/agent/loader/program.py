@@ -1,0 +1,255 @@
+"""The one BPF program of an agent: composed from every probe kind's source, attached per library file.
+
+Uprobes live on a file (inode), not a process: the program attaches each probed library once, whatever
+number of ranks map it, and every handler first checks the `watched` map, so only watched processes are
+accounted. Attaching is cheap; removing a uprobe costs the kernel an RCU grace period (~0.1 s here) per
+probe, which is why probes are not multiplied by the number of ranks. Probes created through
+perf_event_open vanish with the agent's file descriptors, so even a SIGKILLed agent leaves nothing
+behind in the traced job.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+
+import numpy as np
+
+from rankscope.agent.host.symbols import SymbolError, functions
+from rankscope.agent.host.targets import Target
+from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.sources.probes import KINDS, KindUnavailable, Probe, ProbeKind
+
+log = logging.getLogger(__name__)
+
+
+class ProbeError(Exception):
+    """The probes cannot be loaded or attached; one line a user can act on."""
+
+
+@dataclass
+class LibraryProbes:
+    """The probes on one library file, and the watched processes that map it."""
+
+    kind: str
+    path: str  # as first reached, through /proc/PID/root
+    probes: list[str] = field(default_factory=list)  # probe names attached
+    skipped: list[str] = field(default_factory=list)  # probe names whose function this version does not export
+    events: list[bytes] = field(default_factory=list)  # bcc's uprobe event names, to detach without the file
+    hot: list[tuple[Probe, str]] = field(default_factory=list)  # hot probes (and their symbol), deep detail only
+    hot_events: list[bytes] = field(default_factory=list)  # of the hot probes, while attached
+    users: set[int] = field(default_factory=set)
+
+
+# One completed collective as the kernel streams it (bpf/common.h: struct coll_done_rec); times monotonic ns.
+DONE_RECORD = np.dtype([("pid", "<u4"), ("fn", "<u4"), ("seq", "<u8"), ("enter_ns", "<u8"), ("done_ns", "<u8"),
+                        ("bytes", "<u8")])
+
+
+def function_ids(kinds: tuple[ProbeKind, ...]) -> dict[str, int]:
+    """Stable small ids for every probe (by name), the keys of the kernel's per-function stats."""
+    ids: dict[str, int] = {}
+    for kind in kinds:
+        for probe in kind.probes:
+            ids.setdefault(probe.name, len(ids) + 1)
+    return ids
+
+
+def _source(kinds: tuple[ProbeKind, ...]) -> str:
+    bpf_dir = resources.files("rankscope.bpf")
+    parts = [(bpf_dir / "common.h").read_text()]
+    parts += [(bpf_dir / kind.source).read_text() for kind in kinds]
+    return "\n".join(parts)
+
+
+def hostable(kinds: tuple[ProbeKind, ...]) -> tuple[tuple[ProbeKind, ...], list[str]]:
+    """The kinds this kernel can host, and the -D defines they need from it. A kind it cannot host is left
+    out with a warning: the rest still trace."""
+    kept, defines = [], []
+    for kind in kinds:
+        try:
+            defines += [f"-D{name}={value}" for name, value in (kind.kernel_defines or dict)().items()]
+        except KindUnavailable as e:
+            log.warning("leaving out the %s probes: %s", kind.name, e)
+            continue
+        kept.append(kind)
+    return tuple(kept), defines
+
+
+class ProbeProgram:
+    def __init__(self, kinds: tuple[ProbeKind, ...] = KINDS):
+        self.kinds = kinds
+        self.ids = function_ids(kinds)
+        self.probe_of = {p.name: p for k in kinds for p in k.probes}
+        self.symbol_of = {i: s for s, i in self.ids.items()}
+        self._bpf = None
+        self.libraries: dict[tuple[int, int], LibraryProbes] = {}  # (st_dev, st_ino) -> probes
+        self.watched: set[int] = set()
+        self.hot = False  # whether hot probes (Probe.hot) are attached
+        self._done: list[bytes] = []  # completed-collective records since the last drain, raw
+        self._lost = 0  # completed collectives the stream had no room for, so far
+
+    @property
+    def bpf(self):
+        """The compiled program, built on first use (about a second of clang)."""
+        if self._bpf is None:
+            # Decided here, not in __init__: a user who may not load BPF hears that first, not a warning.
+            self.kinds, defines = hostable(self.kinds)
+            cflags = [f"-DFN_{sym}={i}" for sym, i in self.ids.items()] + defines
+            try:
+                self._bpf = compile_bpf(_source(self.kinds), cflags)
+            except Exception as e:  # bcc raises bare Exception for compile and load failures
+                raise ProbeError(f"cannot load the BPF program (root, kernel headers?): {e}") from e
+            self._bpf["coll_done"].open_ring_buffer(self._on_done)
+        return self._bpf
+
+    def _on_done(self, _ctx, data, size) -> None:
+        self._done.append(ctypes.string_at(data, size))  # parsed in bulk by completed(): ~1 us a record here
+
+    def completed(self) -> dict[int, np.ndarray]:
+        """pid -> the collectives completed since the last call (DONE_RECORD rows, in order). One read of the
+        kernel's stream; a stream that overflowed since is logged, never fatal."""
+        if self._bpf is None:
+            return {}
+        self._bpf.ring_buffer_consume()
+        lost = self._bpf["done_lost"][ctypes.c_int(0)].value
+        if lost > self._lost:
+            log.warning("%d completed collectives found the kernel's stream full: read it more often",
+                        lost - self._lost)
+            self._lost = lost
+        raw, self._done = b"".join(self._done), []
+        recs = np.frombuffer(raw, DONE_RECORD)
+        recs = recs[np.lexsort((recs["seq"], recs["pid"]))]  # the stream interleaves CPUs
+        pids, starts = np.unique(recs["pid"], return_index=True)
+        return {int(pid): part for pid, part in zip(pids, np.split(recs, starts[1:]))}
+
+    def attach(self, target: Target) -> list[LibraryProbes]:
+        """Watch `target`: probe each of its libraries not probed yet, and account its calls from now on."""
+        bpf = self.bpf
+        used = []
+        for kind in self.kinds:
+            path = target.libraries.get(kind.name)
+            if path is None:
+                continue
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                raise ProbeError(f"pid {target.pid}: cannot reach {path}: {e.strerror}") from e
+            key = (st.st_dev, st.st_ino)
+            lib = self.libraries.get(key)
+            if lib is None:
+                lib = self.libraries[key] = LibraryProbes(kind=kind.name, path=path)
+                try:
+                    self._attach_library(bpf, kind, lib)
+                except ProbeError:
+                    self._remove_library(key)
+                    raise
+            lib.users.add(target.pid)
+            used.append(lib)
+        bpf["watched"][ctypes.c_uint32(target.pid)] = bpf["watched"].Leaf()
+        self.watched.add(target.pid)
+        return used
+
+    def _attach_library(self, bpf, kind: ProbeKind, lib: LibraryProbes) -> None:
+        try:
+            exported = functions(lib.path, local=kind.local_symbols)
+        except SymbolError as e:
+            raise ProbeError(str(e)) from e
+        seen_addrs: set[int] = set()
+        for probe in kind.probes:
+            symbol = probe.resolve(exported)
+            addr = None if symbol is None else exported[symbol]
+            if addr is None or addr in seen_addrs:  # absent in this version, or an alias of one probed
+                lib.skipped.append(probe.name)
+                continue
+            seen_addrs.add(addr)
+            lib.probes.append(probe.name)
+            if probe.hot:
+                lib.hot.append((probe, symbol))
+                continue
+            before = set(bpf.uprobe_fds)
+            try:
+                self._attach_one(bpf, lib.path, probe, symbol)
+            finally:  # record what did attach, so a failure half-way still detaches it
+                lib.events += [ev for ev in bpf.uprobe_fds if ev not in before]
+        if self.hot:
+            self._attach_hot(bpf, lib)
+
+    def set_hot(self, on: bool) -> None:
+        """Attach (on) or remove the hot probes of every probed library."""
+        if on == self.hot or self._bpf is None:
+            self.hot = on
+            return
+        self.hot = on
+        for lib in self.libraries.values():
+            if on:
+                try:
+                    self._attach_hot(self._bpf, lib)
+                except ProbeError as e:  # the library's other probes go on
+                    log.warning("%s", e)
+            else:
+                self._detach_events(lib.hot_events)
+                lib.hot_events = []
+
+    def _attach_hot(self, bpf, lib: LibraryProbes) -> None:
+        for probe, symbol in lib.hot:
+            before = set(bpf.uprobe_fds)
+            try:
+                self._attach_one(bpf, lib.path, probe, symbol)
+            finally:
+                lib.hot_events += [ev for ev in bpf.uprobe_fds if ev not in before]
+
+    @staticmethod
+    def _attach_one(bpf, path: str, probe: Probe, symbol: str) -> None:
+        try:
+            bpf.attach_uprobe(name=path, sym=symbol, fn_name=f"enter_{probe.name}")
+            if probe.returns:
+                bpf.attach_uretprobe(name=path, sym=symbol, fn_name=f"return_{probe.name}")
+        except Exception as e:
+            raise ProbeError(f"cannot attach to {symbol} in {path}: {e}") from e
+
+    def detach(self, pid: int) -> None:
+        """Stop accounting `pid` (alive or not); a library's probes go with its last watched user.
+        The process's map entries are left for the last read (see purge)."""
+        if pid not in self.watched or self._bpf is None:
+            return
+        self.watched.discard(pid)
+        self._bpf["watched"].pop(ctypes.c_uint32(pid), None)
+        for key, lib in list(self.libraries.items()):
+            lib.users.discard(pid)
+            if not lib.users:
+                self._remove_library(key)
+
+    def _remove_library(self, key: tuple[int, int]) -> None:
+        lib = self.libraries.pop(key)
+        self._detach_events(lib.events + lib.hot_events)
+
+    def _detach_events(self, events: list[bytes]) -> None:
+        for ev in events:
+            try:
+                self._bpf.detach_uprobe_event(ev)
+            except Exception as e:  # bcc raises bare Exception; never let one probe stop the rest
+                log.warning("detaching %s: %s", ev.decode(errors="replace"), e)
+
+    def purge(self, pid: int) -> None:
+        """Drop a forgotten process's entries from every per-process map (after its last read)."""
+        if self._bpf is None:
+            return
+        for name in ("fn_stats", "coll_ring", "upper_call", *(m for kind in self.kinds for m in kind.maps)):
+            table = self._bpf[name]
+            for key in [k for k in table.keys() if k.pid == pid]:
+                table.pop(key, None)
+
+    def close(self) -> None:
+        """Detach everything. Accounting stops at once; removing the probes takes the kernel a while."""
+        if self._bpf is None:
+            return
+        for pid in list(self.watched):
+            self._bpf["watched"].pop(ctypes.c_uint32(pid), None)
+        self.watched.clear()
+        for key in list(self.libraries):
+            self._remove_library(key)
+        self._bpf.cleanup()
+        self._bpf = None

@@ -1,0 +1,91 @@
+"""gloo collectives of PyTorch CPU jobs (c10d's ProcessGroupGloo, statically linked into libtorch_cpu.so).
+BPF side: bpf/gloo.bpf.c.
+
+Two levels are probed, both C++ functions found by their mangled names:
+- `c10d::ProcessGroupGloo::<op>`: what torch.distributed (and DDP's reducer) calls on the training thread.
+  It only enqueues the collective and returns a Work at once, so it is counted, not timed.
+- `gloo::<op>(gloo::<Op>Options&)`: the collective itself, run by one of the process group's worker
+  threads. It blocks until every rank has taken part, so it is a blocking collective: its time is waiting
+  for the peers plus the transfer, and it is complete when it returns.
+
+Symbols are matched by their nested-name prefix (`_ZN4gloo9allreduceE...`), whatever the parameter list, so
+a signature change in another torch version still resolves; `.dynsym` of torch 2.13 exports them all.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rankscope.agent.sources.probes.base import Probe, ProbeKind
+from rankscope.schema.patterns import Role
+
+
+def mangled_prefix(*scopes: str) -> str:
+    """The Itanium ABI mangling of a nested function name up to its parameters:
+    ('gloo', 'allreduce') -> '_ZN4gloo9allreduceE'."""
+    return "_ZN" + "".join(f"{len(s)}{s}" for s in scopes) + "E"
+
+
+@dataclass(frozen=True)
+class MangledProbe(Probe):
+    """A probe on a C++ function: `symbol` is the mangled name seen in torch 2.13; when a library lacks it,
+    the one function whose mangled name starts with `prefix` (any overload's parameter list) is taken."""
+
+    prefix: str = ""
+
+    def resolve(self, functions: Mapping[str, int]) -> str | None:
+        if self.symbol in functions:
+            return self.symbol
+        found = sorted(s for s in functions if s.startswith(self.prefix))
+        # Several overloads: which one the job calls is unknown; probe none rather than a wrong one.
+        return found[0] if len({functions[s] for s in found}) == 1 else None
+
+
+def _probe(scopes: tuple[str, ...], params: str, role: Role, returns: bool) -> MangledProbe:
+    prefix = mangled_prefix(*scopes)
+    return MangledProbe(symbol=prefix + params, role=role, returns=returns,
+                        name="_".join(s.strip("_") for s in scopes[-2:]), prefix=prefix)
+
+
+# gloo::<op>(Options&) on a worker thread: the blocking collective, timed (gloo_allreduce, ...). These are
+# the ones c10d 2.13 reaches (reduce, barrier and all-to-all run other gloo code: only their enqueue is seen).
+_GLOO = (
+    ("allreduce", "RKNS_16AllreduceOptionsE"),
+    ("broadcast", "RNS_16BroadcastOptionsE"),
+    ("allgather", "RNS_16AllgatherOptionsE"),
+)
+
+# c10d::ProcessGroupGloo::<op> on the calling thread: the enqueue, counted (ProcessGroupGloo_allreduce, ...).
+_VEC = "RSt6vectorIN2at6TensorESaIS3_EE"  # std::vector<at::Tensor>&
+_VEC2 = "RSt6vectorIS1_IN2at6TensorESaIS3_EESaIS5_EE"  # std::vector<std::vector<at::Tensor>>&
+_C10D = (
+    ("allreduce", _VEC + "RKNS_16AllreduceOptionsE"),
+    ("allreduce_coalesced", _VEC + "RKNS_25AllreduceCoalescedOptionsE"),
+    ("broadcast", _VEC + "RKNS_16BroadcastOptionsE"),
+    ("allgather", "RSt6vectorIS1_IN2at6TensorESaIS3_EESaIS5_EERS5_RKNS_16AllgatherOptionsE"),
+    ("_allgather_base", "RN2at6TensorES3_RKNS_16AllgatherOptionsE"),
+    ("reduce_scatter", _VEC + "RS1_IS5_SaIS5_EERKNS_20ReduceScatterOptionsE"),
+    ("_reduce_scatter_base", "RN2at6TensorES3_RKNS_20ReduceScatterOptionsE"),
+    ("reduce", _VEC + "RKNS_13ReduceOptionsE"),
+    ("barrier", "RKNS_14BarrierOptionsE"),
+    ("alltoall_base", "RN2at6TensorES3_RSt6vectorIlSaIlEES7_RKNS_15AllToAllOptionsE"),
+)
+
+# Point-to-point (torch.distributed send/recv, isend/irecv): c10d's ProcessGroupGloo::{Send,Recv}Work::wait on
+# the thread that waits for the transfer (the training thread, for dist.send/recv): blocking communication,
+# timed (gloo_send, gloo_recv). A pipeline stage waiting for its neighbour stage waits here, not computes.
+_MILLISECONDS = "NSt6chrono8durationIlSt5ratioILl1ELl1000EEEE"  # wait(std::chrono::milliseconds)
+_P2P = (("gloo_send", "SendWork"), ("gloo_recv", "RecvWork"))
+
+GLOO = ProbeKind(
+    name="gloo",
+    library=re.compile(r"^libtorch_cpu\.so$"),
+    source="gloo.bpf.c",
+    probes=(
+        *(_probe(("gloo", op), params, Role.COMM, returns=True) for op, params in _GLOO),
+        *(MangledProbe(symbol=prefix + _MILLISECONDS, role=Role.COMM, returns=True, name=name, prefix=prefix)
+          for name, work in _P2P if (prefix := mangled_prefix("c10d", "ProcessGroupGloo", work, "wait"))),
+        *(_probe(("c10d", "ProcessGroupGloo", op), params, Role.COMM, returns=False) for op, params in _C10D),
+    ),
+)

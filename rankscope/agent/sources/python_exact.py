@@ -1,0 +1,372 @@
+"""Exact call counts and durations of chosen Python functions, in eBPF (BPF side: bpf/python_exact.bpf.c).
+
+Which functions: every `forward` (nn.Module's, entered from `Module.__call__` through C), the `__next__` of
+data loaders (a qualname with `DataLoaderIter`, or any `__next__` under torch/utils/data), and the
+functions the user names (`--trace-function module:qualname`).
+
+How: a uprobe and a uretprobe on `_PyEval_EvalFrameDefault` of each watched process (attached per process,
+so nothing else running the same interpreter pays). From 3.11 that function is entered only by calls that
+pass through C (a module called as `module(x)`, an iterator's `__next__` driven by a `for` loop, `map`,
+callbacks), not by plain Python-to-Python calls, which are invisible here; on 3.10 every call enters it.
+The kernel picks code objects by their `co_name` alone, once per code object (cheap, and exact from the
+first call: no learning phase); user space then resolves each timed code object to its qualified name and
+file and turns off the ones that do not match (their calls until then are dropped).
+
+Cost: every eval entry of a watched process takes the uprobe and the uretprobe trap (~1.5 us); the BPF
+work of a call that is not timed is two map lookups. Keep it to processes that enter eval at most some
+thousand times a second (3.11+ training loops do). That is too much for always-on: the agent times
+forward and __next__ in deep mode only (agent/detail.py); functions the user names are always timed, and
+garbage collections whenever the process is watched (USDT, a few per second at most).
+
+    timer = PythonTimer([TracedFunction.parse("train:Trainer.step")])
+    timer.attach(interp)                   # an Interpreter from the sampler's inspect
+    timer.set_functions(True)              # forward and loader __next__ too, not only named functions
+    timed = timer.read()                   # {pid: [PyTimed(name, count, total_s, max_s), ...]}
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+
+from rankscope.agent.host.symbols import SymbolError, exported_functions, functions, sdt_probes
+from rankscope.agent.interpreters import SPECIAL_FRAMES, Frame
+from rankscope.agent.interpreters.cpython import CodeResolver, Interpreter, PythonAttachError
+from rankscope.agent.loader import histograms, usdt
+from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.sources.python_profile import function_name
+from rankscope.schema.patterns import FunctionStats, PyTimed, Role
+
+log = logging.getLogger(__name__)
+
+EVAL = "_PyEval_EvalFrameDefault"
+TOP_TIMED = 5  # per pattern, by total time
+NAME_SLOTS, NAME_BYTES = 8, 32  # PYX_NAMES, PYX_NAME_WORDS * 8
+VERDICT_TIMED, VERDICT_SKIP = 1, 2
+COUNTER_NAMES = ("too_deep", "unreadable_name")
+# Every eval entry of a timed process traps twice (~1.3 us): above this rate (~2.6% of a core) a process
+# stops being timed at the next read. CPython 3.10 enters eval on every call, so it is timed only on request.
+MAX_ENTRIES_PER_S = 20_000
+GC_START, GC_DONE = ("python", "gc__start"), ("python", "gc__done")  # USDT probes of CPython's GC
+GC_NAME = "gc__start"  # the GC's FunctionStats where it is timed through USDT (else libpython's gc_collect_main)
+
+
+class TimerError(PythonAttachError):
+    """Exact timing cannot be set up for a process (or at all)."""
+
+
+@dataclass(frozen=True)
+class TracedFunction:
+    """A function the user asks to time: `module:qualname` ("train:Trainer.step", "pkg.data:load")."""
+
+    module: str
+    qualname: str
+
+    @classmethod
+    def parse(cls, text: str) -> TracedFunction:
+        module, sep, qualname = text.partition(":")
+        parts = qualname.split(".")
+        if not sep or not module or not all(p.isidentifier() or p == "<locals>" for p in parts) \
+                or not all(m.isidentifier() for m in module.split(".")):
+            raise ValueError(f"a traced function is module:qualname (e.g. train:Model.forward), not {text!r}")
+        return cls(module, qualname)
+
+    @property
+    def name(self) -> str:
+        """The code object's co_name: the last part of the qualified name."""
+        return self.qualname.rsplit(".", 1)[-1]
+
+    def matches(self, frame: Frame, has_qualname: bool) -> bool:
+        """Whether `frame` is this function. The script run as __main__ is named by its file's stem
+        ("train" for train.py). Without qualnames (3.10) only the last part of the name can be compared."""
+        wanted = self.qualname if has_qualname else self.name
+        if frame.qualname != wanted:
+            return False
+        path = os.path.splitext(frame.filename)[0]
+        suffix = "/" + self.module.replace(".", "/")
+        return self.module == "__main__" or ("/" + path).endswith(suffix) or path.endswith(suffix + "/__init__")
+
+
+def _is_loader_next(frame: Frame) -> bool:
+    return frame.qualname.endswith("__next__") and (
+        "DataLoaderIter" in frame.qualname or "/torch/utils/data/" in frame.filename)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which code objects are timed: the built-in choice plus the user's functions."""
+
+    traced: tuple[TracedFunction, ...] = ()
+
+    def names(self) -> list[str]:
+        """The co_names the kernel looks for."""
+        return list(dict.fromkeys(["forward", "__next__", *(t.name for t in self.traced)]))
+
+    def wants(self, frame: Frame, has_qualname: bool) -> bool:
+        if frame in SPECIAL_FRAMES:
+            return False
+        if any(t.matches(frame, has_qualname) for t in self.traced):
+            return True
+        last = frame.qualname.rsplit(".", 1)[-1]
+        return last == "forward" or (last == "__next__" and _is_loader_next(frame))
+
+
+@dataclass
+class _Cumulative:
+    count: int = 0
+    total_ns: int = 0
+    hist: list[int] = field(default_factory=list)
+
+    def delta(self, count: int, total_ns: int, max_ns: int, hist: list[int]) -> tuple[int, float, float, list[int]]:
+        """What a cumulative reading adds to this one: (calls, seconds, max seconds, histogram)."""
+        d_hist = histograms.minus(hist, self.hist)
+        return (count - self.count, (total_ns - self.total_ns) / 1e9,
+                min(max_ns / 1e9, histograms.upper_bound_s(d_hist)), d_hist)
+
+
+@dataclass
+class _Watched:
+    interp: Interpreter
+    resolver: CodeResolver
+    events: list[bytes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
+    too_hot: bool = False  # entered eval too often to be timed: never probed again
+    gc_probes: list[usdt.GuardedProbe] = field(default_factory=list)  # the GC's USDT sites, where used
+    seen: dict[int, _Cumulative] = field(default_factory=dict)  # code -> cumulative stats at the last read
+    skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
+    gc: _Cumulative = field(default_factory=_Cumulative)
+    entries: int = 0  # eval entries probed, at the last read
+    read_at: float = field(default_factory=time.monotonic)
+
+
+class PythonTimer:
+    """Times the chosen functions of watched CPython processes. Not thread-safe: one caller."""
+
+    def __init__(self, traced: tuple[TracedFunction, ...] | list[TracedFunction] = ()):
+        self.selection = Selection(tuple(traced))
+        names = self.selection.names()
+        if len(names) > NAME_SLOTS:
+            raise ValueError(f"at most {NAME_SLOTS - 2} functions can be traced by name, not {len(names) - 2}")
+        self._names = names
+        self._bpf = None
+        self._watched: dict[int, _Watched] = {}
+        self.functions = bool(self.selection.traced)  # eval loop probed; named functions keep it on
+
+    @property
+    def bpf(self):
+        if self._bpf is None:
+            try:
+                bpf = compile_bpf((resources.files("rankscope.bpf") / "python_exact.bpf.c").read_text(), [])
+            except Exception as e:  # bcc raises bare Exception for compile and load failures
+                raise TimerError(f"cannot build the Python timer (root, kernel headers?): {e}") from e
+            table = bpf["pyx_names"]
+            for i, name in enumerate(self._names):
+                raw = name.encode()
+                leaf = table.Leaf()
+                leaf.len = len(raw)
+                padded = raw[:NAME_BYTES].ljust(NAME_BYTES, b"\0")
+                for w in range(NAME_BYTES // 8):
+                    leaf.w[w] = struct.unpack_from("<Q", padded, 8 * w)[0]
+                table[ctypes.c_int(i)] = leaf
+            self._bpf = bpf
+        return self._bpf
+
+    def attach(self, interp: Interpreter) -> None:
+        """Time `interp`'s process from now on: its garbage collections, and its chosen functions while
+        `functions` is on; TimerError says why the functions cannot be."""
+        pid = interp.pid
+        if pid in self._watched:
+            return
+        w = self._watched[pid] = _Watched(interp, CodeResolver(interp))
+        try:
+            self._time_gc(w, self._path(w))
+        except (TimerError, OSError) as e:  # the functions can still be timed
+            log.warning("pid %d: garbage collections not timed: %s", pid, e)
+        if self.functions:
+            self._probe_eval(w)
+
+    def set_functions(self, on: bool) -> None:
+        """Probe the eval loop of every watched process (on: forward, data-loader __next__ and named
+        functions are timed) or not (off; named functions keep it on)."""
+        self.functions = on or bool(self.selection.traced)
+        for w in self._watched.values():
+            if self.functions and not w.events:
+                try:
+                    self._probe_eval(w)
+                except TimerError as e:
+                    log.warning("%s", e)
+            elif not self.functions and w.events:
+                self._unprobe(w.events)
+                w.events = []
+
+    @staticmethod
+    def _path(w: _Watched) -> str:
+        return f"/proc/{w.interp.pid}/root{w.interp.elf_path}"
+
+    def _probe_eval(self, w: _Watched) -> None:
+        """Probe the eval loop of `w`'s process (uprobe + uretprobe, for that process only)."""
+        pid, interp = w.interp.pid, w.interp
+        if w.too_hot:
+            return
+        if interp.layout.version < (3, 11) and not self.selection.traced:
+            raise TimerError(f"pid {pid}: CPython {interp.version} enters the eval loop on every call; "
+                             "forward and __next__ are timed there only with --trace-function")
+        path = self._path(w)
+        try:
+            if EVAL not in exported_functions(path):
+                raise TimerError(f"pid {pid}: {interp.elf_path} does not export {EVAL}")
+        except SymbolError as e:
+            raise TimerError(f"pid {pid}: {e}") from e
+        bpf = self.bpf  # compiled on first use: light mode on interpreters with gc_collect_main needs none
+        lay = interp.layout
+        conf = bpf["pyx_targets"].Leaf()
+        conf.frame_code, conf.code_name = lay.frame_code, lay.code_name
+        conf.unicode_length, conf.unicode_ascii_size = lay.unicode_length, lay.unicode_ascii_size
+        conf.code_tag_mask = lay.code_tag_mask
+        bpf["pyx_targets"][ctypes.c_uint32(pid)] = conf
+        before = set(bpf.uprobe_fds)
+        try:
+            bpf.attach_uprobe(name=path, sym=EVAL, fn_name=b"pyx_enter", pid=pid)
+            bpf.attach_uretprobe(name=path, sym=EVAL, fn_name=b"pyx_return", pid=pid)
+        except Exception as e:  # bcc raises bare Exception
+            self._unprobe([ev for ev in bpf.uprobe_fds if ev not in before])
+            raise TimerError(f"pid {pid}: cannot probe {EVAL} in {interp.elf_path}: {e}") from e
+        w.events = [ev for ev in bpf.uprobe_fds if ev not in before]
+        log.info("timing forward, loader __next__%s in pid %d", "".join(
+            f", {t.module}:{t.qualname}" for t in self.selection.traced), pid)
+
+    def _time_gc(self, w: _Watched, path: str) -> None:
+        """Time garbage collections with the USDT probes, where the interpreter has no gc_collect_main
+        symbol for the libpython probes (stripped builds such as Debian's) but has the probes. A USDT site
+        runs only while its semaphore (a counter in the process) is non-zero: the kernel raises it while
+        the probes are attached (agent/loader/usdt.py), so nothing is left armed whatever happens to the agent."""
+        try:
+            if "gc_collect_main" in functions(path, local=True):
+                return
+            probes = sdt_probes(path)
+        except SymbolError as e:
+            raise TimerError(str(e)) from e
+        start, done = probes.get(GC_START), probes.get(GC_DONE)
+        if start is None or done is None:
+            log.info("pid %d: %s has neither gc_collect_main nor GC USDT probes: GC not timed", w.interp.pid, path)
+            return
+        pid = w.interp.pid
+        try:
+            from bcc import BPF
+            for site, fn in ((start, "pyx_gc_enter"), (done, "pyx_gc_return")):
+                prog = self.bpf.load_func(fn.encode(), BPF.KPROBE)
+                w.gc_probes.append(usdt.attach(prog.fd, path, site.address, site.semaphore, pid,
+                                               f"rankscope_gc_{pid}_{site.address:x}"))
+        except Exception as e:  # bcc raises bare Exception; usdt.UsdtError
+            w.gc_probes = usdt.closed(w.gc_probes)
+            raise TimerError(f"cannot probe the GC's USDT sites in {path}: {e}") from e
+
+    def detach(self, pid: int) -> None:
+        """Stop timing `pid` (alive or not); what it did since the last read is dropped."""
+        w = self._watched.pop(pid, None)
+        if w is None:
+            return
+        w.gc_probes = usdt.closed(w.gc_probes)
+        w.resolver.close()
+        bpf = self._bpf
+        if bpf is None:  # never probed anything
+            return
+        self._unprobe(w.events)
+        bpf["pyx_targets"].pop(ctypes.c_uint32(pid), None)
+        bpf["pyx_gc"].pop(ctypes.c_uint32(pid), None)
+        for name in ("pyx_stats", "pyx_verdict"):
+            table = bpf[name]
+            for key in [k for k in table.keys() if k.pid == pid]:
+                table.pop(key, None)
+
+    def _unprobe(self, events: list[bytes]) -> None:
+        for ev in events:
+            try:
+                self._bpf.detach_uprobe_event(ev)
+            except Exception as e:  # never let one probe stop the rest
+                log.warning("detaching %s: %s", ev.decode(errors="replace"), e)
+
+    def read(self) -> dict[int, list[PyTimed]]:
+        """Per watched pid, the timed functions' calls completed since the previous read, most time first."""
+        if self._bpf is None:
+            return {}
+        self._bound_cost()
+        stats, verdicts = self._bpf["pyx_stats"], self._bpf["pyx_verdict"]
+        per_pid: dict[int, dict[str, PyTimed]] = {}
+        for key, val in stats.items():
+            w = self._watched.get(key.pid)
+            if w is None or key.code in w.skipped:
+                continue
+            frame = w.resolver.resolve(key.code)
+            if not self.selection.wants(frame, w.interp.layout.code_qualname is not None):
+                w.skipped.add(key.code)  # a __next__ that is no data loader's, ...: stop timing it
+                verdicts[key] = ctypes.c_uint8(VERDICT_SKIP)
+                stats.pop(key, None)
+                continue
+            hist = list(val.hist)
+            prev = w.seen.get(key.code) or _Cumulative()
+            w.seen[key.code] = _Cumulative(val.count, val.total_ns, hist)
+            count, total_s, max_s, _ = prev.delta(val.count, val.total_ns, val.max_ns, hist)
+            if count <= 0:
+                continue
+            row = PyTimed(name=function_name(frame), count=count, total_s=total_s, max_s=max_s)
+            rows = per_pid.setdefault(key.pid, {})
+            if row.name in rows:  # code objects of one name (a function redefined, same-named classes)
+                rows[row.name] = rows[row.name].merged(row)
+            else:
+                rows[row.name] = row
+        return {pid: sorted(rows.values(), key=lambda r: -r.total_s)[:TOP_TIMED] for pid, rows in per_pid.items()}
+
+    def _bound_cost(self) -> None:
+        """Stop probing the eval loop of processes that entered it too often since the previous read."""
+        targets = self._bpf["pyx_targets"]
+        now = time.monotonic()
+        for pid, w in list(self._watched.items()):
+            try:
+                entries = targets[ctypes.c_uint32(pid)].entries
+            except KeyError:
+                continue
+            rate = (entries - w.entries) / max(now - w.read_at, 1e-3)
+            w.entries, w.read_at = entries, now
+            if rate > MAX_ENTRIES_PER_S and w.events:
+                log.warning("pid %d enters the Python eval loop %.0f times a second: exact timing stopped "
+                            "(it would cost ~%.0f%% of a core)", pid, rate, rate * 1.3e-4)
+                self._unprobe(w.events)
+                w.events = []
+                w.too_hot = True
+
+    def read_gc(self) -> dict[int, FunctionStats]:
+        """Per pid whose collections are timed through USDT, its collections since the previous read."""
+        if self._bpf is None:
+            return {}
+        out = {}
+        for key, val in self._bpf["pyx_gc"].items():
+            w = self._watched.get(key.value)
+            if w is None:
+                continue
+            hist = list(val.hist)
+            count, total_s, max_s, d_hist = w.gc.delta(val.count, val.total_ns, val.max_ns, hist)
+            w.gc = _Cumulative(val.count, val.total_ns, hist)
+            if count > 0:
+                out[key.value] = FunctionStats(
+                    name=GC_NAME, role=Role.GC, count=count, total_s=total_s, max_s=max_s,
+                    p50_s=min(histograms.percentile_s(d_hist, 0.5), max_s),
+                    p99_s=min(histograms.percentile_s(d_hist, 0.99), max_s))
+        return out
+
+    def counters(self) -> dict[str, int]:
+        """Totals since load: timed calls nested too deep to be timed, code objects whose name was unreadable."""
+        if self._bpf is None:
+            return dict.fromkeys(COUNTER_NAMES, 0)
+        table = self._bpf["pyx_counters"]
+        return {name: sum(table[ctypes.c_int(i)]) for i, name in enumerate(COUNTER_NAMES)}
+
+    def close(self) -> None:
+        for pid in list(self._watched):
+            self.detach(pid)
+        if self._bpf is not None:
+            self._bpf.cleanup()
+            self._bpf = None

@@ -1,0 +1,139 @@
+"""The accuracy matrix, reduced: one run of each job shape that rankscope got wrong before, on user-style
+training jobs (tests/jobs/) with faults injected from outside their code; `scripts/bench accuracy` runs
+the whole matrix with repeats. Each case checks the verdict and the step time against the job's own log."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import RANKSCOPE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
+import launch  # noqa: E402
+
+OBSERVE_S = 6.0
+WARMUP_S = 3.0
+STEP_TOLERANCE = 0.10
+
+
+@pytest.fixture
+def job(tmp_path) -> Iterator[Callable[..., launch.TorchrunJob]]:
+    started: list[launch.TorchrunJob] = []
+
+    def start(script: str, ranks: int, fault: str = "", *args: str,
+              slow_link: launch.SlowLink | None = None) -> launch.TorchrunJob:
+        started.append(launch.start(script, ranks, list(args), tmp_path, fault=fault, slow_link=slow_link))
+        launch.settle(started[-1], WARMUP_S)
+        return started[-1]
+
+    yield start
+    for j in started:
+        j.kill()
+
+
+def diagnose(job: launch.TorchrunJob | launch.SimRun, *extra: str,
+             when_watching: Callable[[], object] | None = None) -> dict:
+    """`rankscope diagnose --json` over the job's ranks; `when_watching` runs once it watches every rank."""
+    proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", ",".join(str(job.pids[r]) for r in range(job.ranks)),
+                             "--duration", str(OBSERVE_S), "--json", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if when_watching:
+        launch.until_watching(proc)
+        when_watching()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return json.loads(out)
+
+
+def verdict(doc: dict) -> list[tuple[str, list[int]]]:
+    return [(f["kind"], f["ranks"]) for f in doc["findings"]]
+
+
+def assert_step_time(job: launch.TorchrunJob | launch.SimRun, doc: dict) -> None:
+    """The document's step time is the job's own, over the same window."""
+    job.wait_written(doc["window"]["end"])
+    own = job.step_time(doc["window"]["start"], doc["window"]["end"])
+    assert doc["step_time_s"] == pytest.approx(own, rel=STEP_TOLERANCE), (doc["step_time_s"], own)
+    assert len({r["step_time_s"] for r in doc["ranks"]}) == 1, doc["ranks"]  # one synchronous job, one step
+
+
+def test_of_two_ranks_the_one_computing_longer_is_the_straggler(job):
+    j = job("mlp_regression.py", 2, "compute:1:0.02")
+    doc = diagnose(j)
+    assert verdict(doc) == [("compute_straggler", [1])], doc["findings"]
+    f = doc["findings"][0]
+    # The injected spin where its frames were sampled often enough (a busy machine samples fewer).
+    assert f["function"] in (None, "sitecustomize.py:_Rank.before_step"), f
+    # The what-if share: 20 ms of a step that is ~6 ms without it.
+    assert 0.55 < f["cost"] < 0.95, f
+    assert_step_time(j, doc)
+
+
+def test_of_two_ranks_the_one_blocked_before_its_collective_is_a_noncomm_hang(job):
+    j = job("mlp_regression.py", 2, "hang:0:0@go")
+    doc = diagnose(j, "--hang-timeout", "2", when_watching=j.go)
+    assert verdict(doc) == [("noncomm_hang", [0])], json.dumps(doc["findings"], indent=1)
+    assert doc["findings"][0]["function"] == "sitecustomize.py:_Rank.before_step"
+
+
+def test_many_reordered_buckets_give_the_step_and_no_straggler(job):
+    """The CNN's DDP all-reduces 4 buckets and broadcasts BatchNorm buffers each step, on gloo's two worker
+    threads (completion order varies), overlapping backward; its DataLoader has worker processes."""
+    j = job("cnn_classifier.py", 3)
+    doc = diagnose(j)
+    assert verdict(doc) == [], doc["findings"]
+    assert_step_time(j, doc)
+
+
+def test_pipeline_stages_are_compared_within_their_stage(job):
+    """Stage 0 (ranks 0, 1) waits for the heavier stage 1 in send/recv by design: no straggler; a rank of
+    stage 1 that computes longer is compared with its stage peer and found."""
+    healthy = job("pipeline_stages.py", 4)
+    doc = diagnose(healthy)
+    assert verdict(doc) == [], doc["findings"]
+    assert_step_time(healthy, doc)
+    functions = {r["rank"]: r for r in doc["ranks"]}
+    assert functions[0]["comm_s"] > 0.3 * doc["step_time_s"], functions[0]  # its waits in recv are communication
+    healthy.kill()
+
+    slow = job("pipeline_stages.py", 4, "compute:3:0.03")
+    doc = diagnose(slow)
+    assert verdict(doc) == [("compute_straggler", [3])], doc["findings"]
+
+
+def test_a_rate_limited_link_names_its_rank_from_the_kernels_tcp_accounting(job):
+    """Rank 2 in its own network namespace, its traffic shaped to 100 Mbit/s each way: gloo's ring sends to
+    and from it over the slow link, and the other ranks' link between them is the reference."""
+    j = job("mlp_regression.py", 3, slow_link=launch.SlowLink(2))
+    doc = diagnose(j)
+    assert verdict(doc) == [("slow_link", [2])], doc["findings"]
+    links = doc["findings"][0]["evidence"]["links"]
+    assert len(links) == 2 and all(2 in (r["src"], r["dst"]) for r in links), links  # to and from it, in a ring
+    assert {r["source"] for r in links} == {"tcp"}
+    assert all(r["bandwidth_Bps"] < 13.5e6 for r in links), links  # 100 Mbit/s is 12.5 MB/s
+    assert_step_time(j, doc)
+
+
+def test_the_simulated_gpu_job_is_held_to_its_own_step_log(tmp_path):
+    """The simulated GPU job logs its steps as the torch jobs do (rankscope.sim.steplog): a GPU 1.5x slower
+    on rank 1 is its compute straggler, at the step time its ranks logged."""
+    j = launch.start_sim(3, ["slow-gpu:1:1.5"], tmp_path)
+    try:
+        launch.settle(j, WARMUP_S)
+        doc = diagnose(j)
+        assert verdict(doc)[:1] == [("compute_straggler", [1])], doc["findings"]
+        assert_step_time(j, doc)
+    finally:
+        j.kill()
+
+
+def test_a_stopped_rank_of_two_is_a_noncomm_hang(job):
+    j = job("mlp_regression.py", 2)
+    doc = diagnose(j, "--hang-timeout", "2", when_watching=lambda: os.kill(j.pids[1], signal.SIGSTOP))
+    assert verdict(doc) == [("noncomm_hang", [1])], doc["findings"]

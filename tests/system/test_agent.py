@@ -1,0 +1,115 @@
+"""The node agent on a running simulated job: diagnosis over HTTP, exits, and SIGKILL safety."""
+import os
+import signal
+
+from conftest import wait_until
+
+from rankscope.agent.host.symbols import code_byte
+
+WINDOW_S = 1.5
+INT3 = 0xCC
+
+
+def _findings(a) -> list:
+    return a.get("/v1/diagnosis")["findings"]
+
+
+def test_diagnosis_within_two_windows_of_attach(sim_job, agent):
+    job = sim_job(4, faults=("slow-gpu:1:2",))
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
+    first = wait_until(lambda: a.get("/v1/diagnosis")["window"]["end"], 10, "the first window")
+    second = wait_until(lambda: (d := a.get("/v1/diagnosis"))["window"]["end"] != first and d, 10, "the second window")
+    named = [f for f in second["findings"] if f["kind"] == "compute_straggler" and f["ranks"] == [1]]
+    assert named, second["findings"]
+    targets = a.get("/v1/targets")["targets"]
+    assert sorted(t["rank"] for t in targets) == [0, 1, 2, 3]
+    assert all(t["state"] == "running" and {"cuda", "nccl"} <= set(t["libraries"]) for t in targets)
+    assert all(any(lib.startswith("cpython-3.") for lib in t["libraries"]) for t in targets)
+
+
+def test_exited_rank_is_reported_and_the_rest_still_served(sim_job, agent):
+    job = sim_job(3)
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
+    wait_until(lambda: len(a.get("/v1/targets")["targets"]) == 3, 10, "three targets")
+    victim = job.pids[2]
+    os.kill(victim, signal.SIGKILL)
+    states = wait_until(
+        lambda: {t["pid"]: t["state"] for t in a.get("/v1/targets")["targets"]} if any(
+            t["state"] == "exited" for t in a.get("/v1/targets")["targets"]) else None, 10, "the exit to be reported")
+    assert states == {job.pids[0]: "running", job.pids[1]: "running", victim: "exited"}
+    assert a.proc.poll() is None
+    assert a.get("/v1/diagnosis")["job"] == job.job_id
+
+
+def test_sigkill_of_the_agent_leaves_no_probe_and_the_job_running(sim_job, agent):
+    job = sim_job(2)
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
+    wait_until(lambda: len(a.get("/v1/targets")["targets"]) == 2, 10, "the agent to attach")
+    for pid in job.pids:
+        assert code_byte(pid, "libcuda.so.1", "cuStreamSynchronize") == INT3  # probes really armed
+    a.proc.kill()
+    a.proc.wait(timeout=60)  # the kernel removes each probe as the killed agent's files close (~0.1 s each)
+    for pid in job.pids:
+        assert code_byte(pid, "libcuda.so.1", "cuStreamSynchronize") != INT3
+        assert code_byte(pid, "libnccl.so.2", "ncclAllReduce") != INT3
+    with open("/sys/kernel/tracing/uprobe_events") as f:
+        assert "libcuda" not in f.read()
+    # Still training: every step sleeps in its syncs, so its voluntary context switches keep growing.
+    before = [_switches(pid) for pid in job.pids]
+    wait_until(lambda: all(_switches(pid) > b + 50 for pid, b in zip(job.pids, before)), 10, "the job to progress")
+
+
+def _switches(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+def test_hang_is_localized_soon_after_the_timeout(sim_job, agent):
+    """Attached before the hang: the waiting ranks are seen waiting for their all-reduce."""
+    job = sim_job(4, faults=("hang:2:160",))  # ~8 s in: after the agent has seen every rank step
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", "1", "--hang-timeout", "3")
+    wait_until(lambda: len(ranks := a.get("/v1/diagnosis")["ranks"]) == 4 and all(r["step_time_s"] for r in ranks),
+               20, "a window in which every rank steps")
+    hung = wait_until(lambda: [f for f in _findings(a) if f["kind"].endswith("hang")], 40, "a hang finding")
+    assert [(f["kind"], f["ranks"]) for f in hung] == [("noncomm_hang", [2])]
+    # Found within a window or two of the timeout (the bound here is the issue's 15 s).
+    assert hung[0]["evidence"]["stalled_for_s"] <= 3 + 15
+    waiting = [r["where"] for r in hung[0]["evidence"]["per_rank"] if r["rank"] != 2]
+    assert all(w.startswith("waiting for ncclAllReduce") for w in waiting), waiting
+
+
+def test_all_discovers_the_training_processes_of_the_node(sim_job, agent):
+    job = sim_job(3)
+    a = agent("--all", "--window", "1")
+    found = wait_until(lambda: {t["pid"] for t in a.get("/v1/targets")["targets"]} >= set(job.pids) or None, 20,
+                       "the agent to discover the ranks")
+    assert found
+    ranks = wait_until(lambda: a.get(f"/v1/diagnosis?job={job.job_id}")["ranks"], 10, "a diagnosis of the job")
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2]
+    body = a.get("/v1/targets")
+    mine = [t for t in body["targets"] if t["pid"] in job.pids]
+    assert all("container" in t for t in mine) and isinstance(body["skipped"], list)
+
+
+def test_slowdown_of_every_rank_is_a_regression_and_raises_the_detail(sim_job, agent, tmp_path):
+    """Every GPU gets slower 8 s into training (a new driver, say): no rank differs from its peers, the job
+    differs from its own past. The agent names the function that grew and records in deep mode a while."""
+    go = tmp_path / "go"
+    job = sim_job(4, faults=("slow-gpu:*:1.8@8",), hold_file=go)
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", "1", "--deep-seconds", "3")
+    go.touch()  # training starts once the agent watches: its first windows are the baseline
+    healthy = wait_until(lambda: (d := a.get("/v1/diagnosis"))["baseline"] and d, 30, "a baseline")
+    assert healthy["findings"] == [] and healthy["mode"] == {"level": "light"}, healthy
+    slow = wait_until(lambda: (d := a.get("/v1/diagnosis"))["findings"] and d, 30, "a finding")
+    f = slow["findings"][0]
+    assert (f["kind"], f["function"], f["component"], f["ranks"]) == ("regression", "cuStreamSynchronize", "gpu",
+                                                                      [0, 1, 2, 3]), slow["findings"]
+    assert slow["step_time_s"] > 1.1 * slow["baseline"]["step_time_s"]
+    deep = wait_until(lambda: (d := a.get("/v1/diagnosis"))["mode"]["level"] == "deep" and d, 10, "deep mode")
+    assert "above the job's baseline" in deep["mode"]["reason"] and deep["mode"]["job"] == job.job_id
+    # Deep mode attaches the hot probes: kernel launches are counted, which light patterns never carry.
+    wait_until(lambda: any("cuLaunchKernel" in p["functions"] for p in a.get("/v1/patterns")["patterns"]),
+               10, "a deep-mode pattern")
+    # Bounded: back to light detail after --deep-seconds, though the job stays slow.
+    back = wait_until(lambda: (d := a.get("/v1/diagnosis"))["mode"]["level"] == "light" and d, 15, "light mode")
+    assert back["findings"][0]["kind"] == "regression"

@@ -1,0 +1,312 @@
+"""The CUPTI shim without a GPU: built against the real CUPTI headers, loaded with the real libcupti, its
+completed-buffer path fed real CUPTI record structs; the agent reads them through real USDT probes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+from nvml_replay import READINGS, ReplayNvml
+
+from rankscope.agent.loader.histograms import percentile_s
+from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.sources.gpu import GpuViews
+from rankscope.agent.sources.nvml import GpuHealthReader
+from rankscope.agent.sources.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
+                                                  LaunchStats, RawActivity, short_kernel_name)
+from rankscope.cupti_shim.build import build_shim, cupti_library, include_dirs
+from rankscope.schema.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel, RankPattern
+
+DRIVER_SOURCE = Path(__file__).parent.parent / "cupti_driver.c"
+KERNEL = "_Z9gemm_tileILi128EEvPKfS1_Pf"
+RECORDS_PER_BUFFER = 3
+
+
+# tests/cupti_driver.c's launch buffers: 0 the kernel of launch 7001 (5 us after its launch call returned),
+# 1 the API records (7001 as a runtime launch and its nested driver launch, a memcpy call, launch 7002), 2 the
+# kernel of launch 7002 (2 ms after its launch).
+KERNEL_FIRST, API_RECORDS, KERNEL_AFTER = 0, 1, 2
+LAUNCH_RECORDS = 3  # launches in API_RECORDS: the memcpy call is not one
+QUEUE_DELAYS_NS = (5_000, 2_000_000)
+
+
+@dataclass(frozen=True)
+class ShimStats:
+    """The shim's counters (cupti_shim/shim.c struct rankscope_shim_stats)."""
+
+    emitted: int
+    dropped: int
+    skipped: int
+    launches: int
+    launches_dropped: int
+    api_wanted: bool  # the shim's decision: CUPTI's API records on (launch semaphore up)
+    api_failures: int  # enable/disable calls CUPTI refused (all of them without a driver)
+
+
+class Driver:
+    """tests/cupti_driver.c in a child process: it holds the shim and processes its record buffers on command."""
+
+    def __init__(self, binary: Path, shim: Path, env: dict[str, str]):
+        self.proc = subprocess.Popen([str(binary), str(shim)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        words = self.proc.stdout.readline().split()
+        assert words[:2] == ["init", "1"], words  # InitializeInjection returns 1 without a driver
+        self.pid = self.proc.pid
+
+    def emit(self, buffers: int) -> tuple[int, int, int]:
+        """Processes the activity buffer `buffers` times; returns the shim's (emitted, dropped, skipped buffers)."""
+        st = self.command(f"emit {buffers}")
+        return st.emitted, st.dropped, st.skipped
+
+    def launch(self, buffer: int) -> ShimStats:
+        """Processes launch buffer `buffer` (KERNEL_FIRST, API_RECORDS, KERNEL_AFTER)."""
+        return self.command(f"launch {buffer}")
+
+    def command(self, line: str) -> ShimStats:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        words = self.proc.stdout.readline().split()
+        assert words[0] == "stats" and len(words) == 8, words
+        n = [int(w) for w in words[1:]]
+        return ShimStats(n[0], n[1], n[2], n[3], n[4], bool(n[5]), n[6])
+
+    def close(self) -> str:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+        return self.proc.stderr.read()
+
+
+@pytest.fixture(scope="module")
+def driver_binary(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cupti") / "cupti_driver"
+    subprocess.run(["gcc", "-O1", "-Wall", "-o", str(out), str(DRIVER_SOURCE),
+                    *(f"-I{d}" for d in include_dirs()), "-ldl"], check=True)
+    return out
+
+
+@pytest.fixture
+def start_driver(driver_binary) -> Iterator:
+    started: list[Driver] = []
+
+    def start(**env: str) -> Driver:
+        d = Driver(driver_binary, build_shim(), {**os.environ, "RANKSCOPE_CUPTI_LIB": str(cupti_library()), **env})
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+
+
+def test_shim_exports_injection_entry_and_semaphore_probe():
+    notes = subprocess.run(["readelf", "-n", str(build_shim())], capture_output=True, text=True, check=True).stdout
+    assert "Provider: rankscope" in notes and "Name: activity" in notes and "Name: launch" in notes
+    assert "Semaphore: 0x0000000000000000" not in notes  # the probe is guarded by a semaphore
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(build_shim())], capture_output=True, text=True,
+                             check=True).stdout
+    assert " T InitializeInjection" in symbols
+
+
+def test_records_reach_agent_through_usdt(start_driver):
+    driver = start_driver()
+    # No agent attached: the semaphore is off and the buffer goes back unread.
+    assert driver.emit(1) == (0, 0, 1)
+
+    reader = CuptiReader(driver.pid)
+    try:
+        reader.set_raw(True)
+        assert driver.emit(2) == (2 * RECORDS_PER_BUFFER, 0, 1)
+        raw: list[RawActivity] = []
+        wait_until(lambda: raw.extend(reader.poll_raw(50)) or len(raw) >= 6, 10, "raw records from the ring")
+        assert len(raw) == 6
+        kernel = RawActivity(driver.pid, KIND_CONCURRENT_KERNEL, 1000000000123, 1000000250456, 3, 17, 4242,
+                             KERNEL, 0)
+        memcpy = RawActivity(driver.pid, KIND_MEMCPY, 1000000300000, 1000000340000, 3, 18, 4243, "", 1 << 20)
+        memset = RawActivity(driver.pid, KIND_MEMSET, 1000000400000, 1000000401000, 3, 17, 4244, "", 4096)
+        assert raw == [kernel, memcpy, memset] * 2
+
+        by_kind = {a.kind: a for a in reader.activity()}
+        assert set(by_kind) == {KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET}
+        k = by_kind[KIND_CONCURRENT_KERNEL]
+        assert (k.name, k.count, k.total_ns) == (KERNEL, 2, 2 * 250333)
+        assert sum(k.hist) == 2 and k.hist[(250333).bit_length()] == 2  # bpf_log2l slot of 250 us
+        assert (by_kind[KIND_MEMCPY].count, by_kind[KIND_MEMCPY].bytes) == (2, 2 << 20)
+        assert by_kind[KIND_MEMSET].total_ns == 2 * 1000
+        # The second pass repeats intervals already covered: busy time is their union.
+        assert reader.busy_ns() == {3: 250333 + 40000 + 1000}
+
+        reader.set_raw(False)
+        assert driver.emit(1)[0] == 3 * RECORDS_PER_BUFFER
+        assert reader.poll_raw(0) == []  # aggregated only
+        wait_until(lambda: {a.kind: a.count for a in reader.activity()}[KIND_MEMSET] == 3, 5, "aggregate")
+    finally:
+        reader.close()
+    # Detached: the semaphore is off again and the shim skips its buffers.
+    assert driver.emit(1) == (3 * RECORDS_PER_BUFFER, 0, 2)
+    assert "CUPTI_ERROR_NOT_INITIALIZED" in driver.close()  # said once, and the process went on
+
+
+def test_rate_limit_drops_records_over_budget(start_driver):
+    driver = start_driver(RANKSCOPE_SHIM_MAX_RATE="4")
+    reader = CuptiReader(driver.pid)
+    try:
+        emitted, dropped, _ = driver.emit(3)
+    finally:
+        reader.close()
+    assert emitted + dropped == 3 * RECORDS_PER_BUFFER
+    # 4 per second; a second boundary during the call may allow one more budget.
+    assert 4 <= emitted <= 8 and dropped >= 1
+
+
+def test_gpu_views_fill_patterns_from_shim_and_nvml(start_driver):
+    """Window by window: the shim's records become the pattern's GPU activity, NVML the rank's GPU health."""
+    driver = start_driver()
+    nvml = ReplayNvml(READINGS)
+    nvml.data["devices"][2]["pids"] = [driver.pid]  # the driver "computes" on the hot GPU
+    views = GpuViews(GpuHealthReader(nvml))
+    pattern = RankPattern(job="j", rank=0, world_size=1, pid=driver.pid, host="h", window_start=0, window_end=1)
+    try:
+        assert views.attach(driver.pid)
+        assert driver.emit(4)[0] == 4 * RECORDS_PER_BUFFER
+        wait_until(lambda: sum(a.count for a in views._shim[driver.pid][0].activity()) == 12, 5, "records")
+        views.fill([pattern])
+        assert pattern.gpu == GpuActivity(busy_s=291333e-9, kernel_s=4 * 250333e-9, copy_s=4 * 41000e-9, kernels=4,
+                                          top=[GpuKernel("gemm_tile", 4, 4 * 250333e-9)])
+        assert pattern.gpu_health.index == 2 and pattern.gpu_health.throttle_reasons == 0x20
+
+        nvml.advance()
+        assert driver.emit(1)[0] == 5 * RECORDS_PER_BUFFER
+        wait_until(lambda: sum(a.count for a in views._shim[driver.pid][0].activity()) == 15, 5, "records")
+        views.fill([pattern])
+        assert (pattern.gpu.kernels, pattern.gpu.busy_s) == (1, 0.0)  # this window only; intervals seen before
+    finally:
+        views.close()
+
+
+@pytest.mark.parametrize("mangled,short", [
+    ("_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_11FillFunctorIfEEEEviT0_T1_",
+     "vectorized_elementwise_kernel"),
+    ("_Z9gemm_tileILi128EEvPKfS1_Pf", "gemm_tile"),
+    ("_ZN7cutlass6KernelINS_4gemm6kernel13GemmUniversalE", "cutlass::Kernel"),
+    ("ampere_sgemm_128x64_nn", "ampere_sgemm_128x64_nn"),
+    ("_Zbad", "_Zbad"),
+    ("x" * 100, "x" * KERNEL_NAME_CHARS),
+])
+def test_short_kernel_names(mangled, short):
+    assert short_kernel_name(mangled) == short
+
+
+def test_sigkilled_agent_leaves_the_shim_idle(start_driver):
+    """The semaphore is the kernel's uprobe reference counter: a killed agent's probes and semaphore go."""
+    driver = start_driver()
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; from rankscope.agent.sources.probes.cupti import "
+                              f"CuptiReader; CuptiReader({driver.pid}); print('up', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout.readline().strip() == "up"
+        assert driver.emit(1) == (RECORDS_PER_BUFFER, 0, 0)
+    finally:
+        agent.kill()
+        agent.wait()
+    assert driver.emit(1) == (RECORDS_PER_BUFFER, 0, 1)  # skipped: nothing attached any more
+
+
+def test_launches_join_their_kernels_by_correlation_id(start_driver):
+    """Kernel before its launch, kernel after it; a runtime launch and its nested driver launch join once; a
+    memcpy call is no launch. The queue delay (kernel start - launch end) lands in its log2 slot."""
+    driver = start_driver()
+    reader = CuptiReader(driver.pid)
+    try:
+        # Without the launch probe the shim leaves CUPTI's API records off and hands over no launch.
+        st = driver.launch(API_RECORDS)
+        assert (st.api_wanted, st.launches) == (False, 0)
+
+        reader.set_launches(True)
+        st = driver.launch(KERNEL_FIRST)
+        assert st.api_wanted and st.emitted == 1
+        assert reader.launches() == LaunchStats(0, 0, ())  # the kernel waits for its launch
+        assert driver.launch(API_RECORDS).launches == LAUNCH_RECORDS
+        assert driver.launch(KERNEL_AFTER).emitted == 2
+        # The probes run in the driver's thread before it answers: the aggregates are final.
+        joined = reader.launches()
+        assert (joined.joined, joined.total_ns) == (2, sum(QUEUE_DELAYS_NS))
+        assert sum(joined.hist) == 2
+        assert [joined.hist[d.bit_length()] for d in QUEUE_DELAYS_NS] == [1, 1]  # bpf_log2l slots
+
+        # Records seen again (a twin, a graph's later kernel) find their correlation ids taken.
+        for buffer in (KERNEL_FIRST, API_RECORDS, KERNEL_AFTER):
+            driver.launch(buffer)
+        assert reader.launches() == joined
+
+        reader.set_launches(False)
+        st = driver.launch(API_RECORDS)
+        assert (st.api_wanted, st.launches) == (False, 2 * LAUNCH_RECORDS)
+        reader.set_launches(True)  # the next deep episode attaches again
+        st = driver.launch(API_RECORDS)
+        assert (st.api_wanted, st.launches) == (True, 3 * LAUNCH_RECORDS)
+        reader.set_launches(False)
+    finally:
+        reader.close()
+    # Without a driver CUPTI refuses every enable and disable; the shim counts it and goes on.
+    assert driver.launch(API_RECORDS).api_failures == 8  # two kinds, two episodes, on and off
+
+
+def test_gpu_views_join_launches_in_deep_mode_only(start_driver):
+    driver = start_driver()
+    views = GpuViews(GpuHealthReader(ReplayNvml(READINGS)))
+    pattern = RankPattern(job="j", rank=0, world_size=1, pid=driver.pid, host="h", window_start=0, window_end=1)
+    try:
+        assert views.attach(driver.pid)
+        assert not driver.launch(KERNEL_FIRST).api_wanted
+        views.fill([pattern])
+        assert (pattern.gpu.kernels, pattern.gpu.launches) == (1, None)  # light mode: not measured
+
+        views.set_launches(True)
+        for buffer in (KERNEL_FIRST, API_RECORDS, KERNEL_AFTER):
+            assert driver.launch(buffer).api_wanted
+        views.fill([pattern])
+        slots = [0] * 22
+        for d in QUEUE_DELAYS_NS:
+            slots[d.bit_length()] += 1
+        assert (pattern.gpu.launches, pattern.gpu.queue_p50_s, pattern.gpu.queue_p99_s) == (
+            2, percentile_s(slots, 0.5), percentile_s(slots, 0.99))
+        assert pattern.gpu.queue_p50_s == 2 ** 12.5 / 1e9 and pattern.gpu.queue_p99_s == 2 ** 20.5 / 1e9
+
+        views.fill([pattern])
+        assert (pattern.gpu.launches, pattern.gpu.queue_p99_s) == (0, 0.0)  # this window only
+        views.set_launches(False)
+        assert not driver.launch(API_RECORDS).api_wanted
+    finally:
+        views.close()
+
+
+def test_sigkilled_agent_leaves_the_launch_records_off(start_driver):
+    """The launch semaphore is a kernel-kept uprobe counter too: a killed agent in deep mode leaves CUPTI's
+    API records to be turned off at the watcher's next look."""
+    driver = start_driver()
+    agent = subprocess.Popen([sys.executable, "-c", "import sys; from rankscope.agent.sources.probes.cupti import "
+                              f"CuptiReader; CuptiReader({driver.pid}).set_launches(True); print('up', flush=True); "
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout.readline().strip() == "up"
+        st = driver.launch(API_RECORDS)
+        assert (st.api_wanted, st.launches) == (True, LAUNCH_RECORDS)
+    finally:
+        agent.kill()
+        agent.wait()
+    st = driver.launch(API_RECORDS)
+    assert (st.api_wanted, st.launches, st.skipped) == (False, LAUNCH_RECORDS, 1)
+
+
+def test_process_without_the_shim_is_refused_clearly():
+    with pytest.raises(ProbeError, match="does not load the rankscope CUPTI shim"):
+        CuptiReader(os.getpid())
+    views = GpuViews(GpuHealthReader(ReplayNvml(READINGS)))
+    assert not views.attach(os.getpid())

@@ -1,0 +1,108 @@
+"""deploy/: the Kubernetes manifests validate against the API schemas (offline, bundled with
+kubernetes-validate), say what the agent needs, and run commands our CLI accepts; the image recipe builds
+its environment with scripts/install itself."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from rankscope.agent.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+K8S_VERSION = "1.30.0"  # the oldest release with appArmorProfile fields
+
+
+def _docs() -> dict[tuple[str, str], dict]:
+    out = {}
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            out[(doc["kind"], doc["metadata"]["name"])] = doc
+    return out
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates_strictly(path):
+    for doc in yaml.safe_load_all(path.read_text()):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises ValidationError
+
+
+def test_validator_catches_a_wrong_manifest():
+    bad = _docs()[("DaemonSet", "rankscope-agent")]
+    bad["spec"]["template"]["spec"]["hostPID"] = "yes"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def _container(doc: dict) -> dict:
+    (c,) = doc["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_agent_daemonset_has_what_the_agent_needs():
+    ds = _docs()[("DaemonSet", "rankscope-agent")]
+    pod = ds["spec"]["template"]["spec"]
+    c = _container(ds)
+    assert pod["hostPID"] is True
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert ds["metadata"]["labels"]["app.kubernetes.io/name"] == "rankscope"
+    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert [p["name"] for p in c["ports"]] == ["metrics"]
+    caps = set(c["securityContext"]["capabilities"]["add"])
+    assert {"BPF", "PERFMON", "SYS_ADMIN", "SYS_PTRACE"} <= caps
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert {"/sys/kernel/tracing", "/sys/kernel/debug", "/host/lib/modules", "/host/usr/src", "/sys/fs/cgroup",
+            "/etc/rankscope"} <= mounts
+    args = build_parser().parse_args(c["args"])
+    assert args.command == "agent" and args.all and args.token_file.startswith("/etc/rankscope/")
+    assert args.listen.endswith(":" + str(c["ports"][0]["containerPort"]))
+    analyzer = _docs()[("Deployment", "rankscope-analyzer")]["spec"]["template"]["spec"]
+    for volumes in (pod["volumes"], analyzer["volumes"]):  # agents and analyzer share the token
+        assert next(v for v in volumes if v["name"] == "token")["secret"]["secretName"] == "rankscope-token"
+
+
+def test_analyzer_pulls_the_agents_through_the_headless_service():
+    docs = _docs()
+    svc = docs[("Service", "rankscope-agent")]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= docs[("DaemonSet", "rankscope-agent")]["spec"]["template"]["metadata"]["labels"].items()
+    c = _container(docs[("Deployment", "rankscope-analyzer")])
+    args = build_parser().parse_args(c["args"])
+    assert args.command == "cluster"
+    ns = svc["metadata"]["namespace"]
+    assert args.agents == f"dns+http://{svc['metadata']['name']}.{ns}.svc:{svc['spec']['ports'][0]['port']}"
+    assert c["securityContext"]["runAsNonRoot"] and "privileged" not in c["securityContext"]
+    analyzer_svc = docs[("Service", "rankscope-analyzer")]
+    assert analyzer_svc["spec"]["ports"][0]["targetPort"] == "metrics"
+
+
+def test_image_builds_with_the_install_script():
+    """One source of truth: the image runs scripts/install (build half), its entry point the node half."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    runs = " ".join(re.findall(r"^RUN ((?:.*\\\n)*.*)", dockerfile, re.M))
+    assert "scripts/install --image" in runs
+    assert "bpfcc" not in runs and "pip install" not in runs  # nothing installed around the script
+    assert "rankscope.cupti_shim.build" in runs and "make" not in runs  # the shim outlives the removed cache
+    entry = (ROOT / "deploy" / "entrypoint.sh").read_text()
+    assert "scripts/install --node" in entry
+    assert re.search(r"^FROM debian:", dockerfile, re.M)
+    cmd = re.search(r'^CMD (\[.*\])', dockerfile, re.M).group(1)
+    assert build_parser().parse_args(yaml.safe_load(cmd)).command == "agent"
+
+
+def test_install_modes():
+    script = ROOT / "scripts" / "install"
+    bad = subprocess.run([str(script), "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "usage" in bad.stderr
+    node = subprocess.run([str(script), "--node"], capture_output=True, text=True, timeout=60)
+    assert node.returncode == 0, node.stderr
+    assert "installing" not in node.stdout  # the node half installs no packages and touches no venv
+    uname = subprocess.run(["uname", "-r"], capture_output=True, text=True).stdout.strip()
+    assert Path(f"/lib/modules/{uname}/build").exists() and Path("/sys/kernel/tracing/uprobe_events").exists()

@@ -1,0 +1,159 @@
+"""End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
+import pytest
+from conftest import diagnose_json, wait_until
+
+from rankscope.agent.session import Session
+from rankscope.analyzer.diagnosis import diagnose
+from rankscope.schema.wire import decode_patterns
+
+OBSERVE_S = 4.0
+
+
+def _named(doc: dict, kind: str) -> list[list[int]]:
+    return [f["ranks"] for f in doc["findings"] if f["kind"] == kind]
+
+
+def test_healthy_job_has_no_finding(sim_job):
+    job = sim_job(4)
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert doc["findings"] == []
+    assert sorted(r["rank"] for r in doc["ranks"]) == [0, 1, 2, 3]
+    assert all(0.03 < r["step_time_s"] < 0.12 for r in doc["ranks"]), doc["ranks"]
+
+
+def test_slow_gpu_is_a_compute_straggler(sim_job):
+    job = sim_job(4, faults=("slow-gpu:2:2",))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("compute_straggler", [2], "gpu"), doc["findings"]
+    assert top["function"] == "cuStreamSynchronize"
+    # forward+backward take ~24 ms of GPU time; twice as slow costs ~24 ms of a ~70 ms step
+    assert 0.2 < top["cost"] < 0.5, top
+    assert _named(doc, "slow_link") == []
+
+
+def test_saved_patterns_are_the_window_behind_the_verdict(sim_job, tmp_path):
+    """--save-patterns keeps the raw data: read back, it holds every rank and gives the same verdict."""
+    job = sim_job(4, faults=("slow-gpu:1:2",))
+    saved = tmp_path / "window.msgpack"
+    doc = diagnose_json(job.pids, OBSERVE_S, "--save-patterns", str(saved))
+    patterns = decode_patterns(saved.read_bytes())
+    assert sorted(p.pid for p in patterns) == sorted(job.pids)
+    # One window for all: it opens once every rank is watched (the first attached is not watched longer).
+    assert len({(p.window_start, p.window_end) for p in patterns}) == 1
+    assert doc["window"]["end"] - doc["window"]["start"] == pytest.approx(OBSERVE_S, abs=1.0)
+    assert all(len(p.collectives) > 48 for p in patterns), [len(p.collectives) for p in patterns]  # the window's
+    again = diagnose(patterns)[doc["job"]]
+    assert [(f["kind"], f["ranks"]) for f in again["findings"]] == [(f["kind"], f["ranks"]) for f in doc["findings"]]
+    assert again["findings"][0]["ranks"] == [1]
+
+
+def test_slow_link_is_named(sim_job):
+    job = sim_job(4, faults=("slow-link:1:4",))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("slow_link", [1], "link"), doc["findings"]
+    assert top["function"] == "ncclAllReduce"
+    assert _named(doc, "compute_straggler") == []
+
+
+def test_rank_and_world_come_from_the_communicator(sim_job, tmp_path):
+    """Attached before ncclCommInitRank, the agent reads rank, size and the shared id from its arguments."""
+    hold = tmp_path / "go"
+    job = sim_job(2, hold_file=hold)
+
+    session = Session()
+    try:
+        for pid in job.pids:
+            session.add(pid)
+        hold.touch()
+        by_pid: dict = {}
+
+        def every_rank_reduced() -> bool:
+            by_pid.update((p.pid, p) for p in session.window() if "ncclAllReduce" in p.functions)
+            return len(by_pid) == 2
+
+        wait_until(every_rank_reduced, 20, "all-reduces after comm init", interval=0.2)
+        patterns = list(by_pid.values())
+        assert {p.identity_source for p in patterns} == {"nccl"}
+        assert sorted(p.rank for p in patterns) == [0, 1] and {p.world_size for p in patterns} == {2}
+        assert len({p.job for p in patterns}) == 1
+        allreduce = by_pid[job.pids[0]].functions["ncclAllReduce"]
+        assert allreduce.bytes == allreduce.count * 25_000_000 * 4  # count x sizeof(float32)
+    finally:
+        session.close()
+
+
+def test_kernel_launches_are_probed_in_deep_detail_only(sim_job):
+    """Launches are the hottest path (up to 100k calls/s): light detail leaves them alone."""
+    from rankscope.agent.detail import DEEP, LIGHT
+    from rankscope.agent.host.symbols import code_byte
+
+    job = sim_job(2)
+    pid = job.pids[0]
+    armed = lambda symbol: code_byte(pid, "libcuda.so.1", symbol) == 0xCC  # noqa: E731
+    session = Session()
+    try:
+        session.add(pid)
+        assert armed("cuStreamSynchronize") and not armed("cuLaunchKernel")
+        session.set_detail(DEEP)
+        assert armed("cuLaunchKernel") and armed("cuLaunchKernelEx")
+        launched = wait_until(lambda: next((p.functions.get("cuLaunchKernel") for p in session.window()), None), 10,
+                              "counted launches")
+        assert launched.count > 0
+        session.set_detail(LIGHT)
+        assert not armed("cuLaunchKernel") and armed("cuStreamSynchronize")
+    finally:
+        session.close()
+
+
+def test_rank_that_never_reaches_the_collective_is_a_noncomm_hang(sim_job):
+    job = sim_job(4, faults=("hang:1:5",))
+    wait_until(lambda: _in_sleep(job.pids[1]) and all(_in_futex(p) for p in job.pids if p != job.pids[1]),
+               30, "rank 1 to stop in wait_forever and the others to wait for it")
+    doc = diagnose_json(job.pids, 2.5, "--hang-timeout", "2")
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], doc["findings"]
+    f = doc["findings"][0]
+    assert f["cost"] == 1.0 and "rank 1: in rank.py:wait_forever, clock_nanosleep" in f["summary"]
+    assert f["function"] == "rank.py:wait_forever"
+
+
+def test_collective_that_never_completes_is_a_comm_hang(sim_job):
+    """Links so slow that the all-reduce never ends: every rank entered it, none completes. The links slow
+    down from the first step on every rank: a later onset is per rank clock, so one rank could finish the
+    last fast all-reduce and wait alone in the next one (then it is the odd one out)."""
+    job = sim_job(4, faults=("slow-link:*:1e9",))
+    wait_until(lambda: len({_syscall(p) for p in job.pids}) == 1 and _syscall(job.pids[0]) != "running", 30,
+               "every rank to block alike, waiting for the transfer")
+    doc = diagnose_json(job.pids, 2.5, "--hang-timeout", "2")
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("comm_hang", [0, 1, 2, 3])], doc["findings"]
+
+
+def _syscall(pid: int) -> str:
+    with open(f"/proc/{pid}/syscall") as f:
+        return f.read().split()[0]
+
+
+def _in_sleep(pid: int) -> bool:
+    return _syscall(pid) == "230"  # clock_nanosleep
+
+
+def _in_futex(pid: int) -> bool:
+    return _syscall(pid) == "202"
+
+
+def test_input_stall_is_an_input_straggler_naming_the_loader(sim_job):
+    job = sim_job(4, faults=("input-stall:3:0.02",))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("input_straggler", [3], "input"), doc["findings"]
+    assert top["function"] == "rank.py:load_batch"
+    assert 0.15 < top["cost"] < 0.45, top  # 20 ms of a ~68 ms step
+
+
+def test_gc_pauses_are_python_gc(sim_job):
+    job = sim_job(4, faults=("gc:2",))
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    top = doc["findings"][0]
+    assert (top["kind"], top["ranks"], top["component"]) == ("python_gc", [2], "python"), doc["findings"]
+    assert top["function"] == "gc_collect_main"

@@ -1,0 +1,441 @@
+"""The pure analyzer on synthetic jobs: a tiny discrete simulation of a synchronous data-parallel job.
+
+Each step, every rank does host work, launches, copies and waits for its GPU (SYNC), then enters the
+gradient all-reduce; the all-reduce completes for everybody once the last rank has arrived plus the
+transfer time (plus a per-rank extra for a slow link). Function totals are the simulated intervals clipped
+to the window, so patterns look like what the agent reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from rankscope.analyzer.diagnosis import diagnose, diagnose_job
+from rankscope.analyzer.differential import Alignment, align_collectives, robust_z
+from rankscope.analyzer.findings import _arrives_last, slow_link
+from rankscope.analyzer.metrics import rank_table
+from rankscope.analyzer.steps import step_time, step_times
+from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
+
+T0 = 1_700_000_000.0
+WINDOW = 2.0
+NBYTES = 100_000_000
+# Seconds per step of a healthy rank: ~31 ms of own work + ~17 ms all-reduce = ~48 ms.
+HOST, LAUNCH, COPY, SYNC, TRANSFER = 0.007, 0.002, 0.0015, 0.0205, 0.017
+LAUNCHES = 120  # kernel launches per step
+# Small functions outside the simulated timeline (name, role, calls per step, seconds per call).
+MINOR = [
+    ("cuLaunchKernelEx", Role.LAUNCH, 4, 8e-6), ("cuEventSynchronize", Role.SYNC, 2, 2e-5),
+    ("cuCtxSynchronize", Role.SYNC, 1, 1e-5), ("cuMemcpyDtoHAsync_v2", Role.COPY, 1, 1.2e-5),
+    ("cuMemAlloc_v2", Role.ALLOC, 1, 3e-5), ("cuMemFree_v2", Role.ALLOC, 1, 1e-5),
+    ("ncclBroadcast", Role.COMM, 0.05, 2e-4),
+]
+
+
+def simulate(n: int, *, job: str = "job-a", seed: int = 0, sync_extra: dict[int, float] | None = None,
+             host_extra: dict[int, float] | None = None, link_extra: dict[int, float] | None = None,
+             noise: float = 0.02, ranks_per_host: int = 4) -> list[RankPattern]:
+    """Patterns of an n-rank job over one 2 s window; extras are seconds added per step to a rank."""
+    rng = np.random.default_rng(seed)
+    extra = lambda d: np.array([(d or {}).get(r, 0.0) for r in range(n)])  # noqa: E731
+    sync_x, host_x, link_x = extra(sync_extra), extra(host_extra), extra(link_extra)
+    bias = 1 + rng.normal(0, noise / 2, n)  # each GPU/CPU a little different, persistently
+    clock = rng.normal(0, 1e-4, (n + ranks_per_host - 1) // ranks_per_host)[np.arange(n) // ranks_per_host]
+    w0, w1 = T0, T0 + WINDOW
+    names = ["host", "cuLaunchKernel", "cuMemcpyHtoDAsync_v2", "cuStreamSynchronize", "ncclAllReduce"]
+    totals = {k: np.zeros(n) for k in names}
+    calls = {k: np.zeros(n) for k in names}
+    durs: dict[str, list[np.ndarray]] = {k: [] for k in names}
+    colls: list[tuple[np.ndarray, np.ndarray]] = []
+    t = np.full(n, w0 - 0.3) + rng.uniform(0, 1e-3, n)
+    while t.min() < w1:
+        jitter = lambda base: base * bias * (1 + rng.normal(0, noise, n))  # noqa: E731
+        parts = [jitter(HOST) + host_x, jitter(LAUNCH), jitter(COPY), jitter(SYNC) + sync_x]
+        for name, d in zip(names[:4], parts):
+            start, t = t, t + d
+            totals[name] += np.clip(np.minimum(t, w1) - np.maximum(start, w0), 0, None)
+            inside = (t > w0) & (t <= w1)
+            calls[name] += inside * (LAUNCHES if name == "cuLaunchKernel" else 1)
+            durs[name].append(np.where(inside, d, np.nan))
+        enter = t
+        done = enter.max() + TRANSFER * (1 + rng.normal(0, noise)) + link_x + rng.uniform(0, 5e-5, n)
+        totals["ncclAllReduce"] += np.clip(np.minimum(done, w1) - np.maximum(enter, w0), 0, None)
+        inside = (done > w0) & (done <= w1)
+        calls["ncclAllReduce"] += inside
+        durs["ncclAllReduce"].append(np.where(inside, done - enter, np.nan))
+        colls.append((enter + clock, done + clock))
+        t = done
+
+    out = []
+    for r in range(n):
+        fns = {}
+        for name, role in zip(names[1:], (Role.LAUNCH, Role.COPY, Role.SYNC, Role.COMM)):
+            d = np.array([x[r] for x in durs[name]])
+            d = d[np.isfinite(d)] / (LAUNCHES if name == "cuLaunchKernel" else 1)
+            fns[name] = FunctionStats(name, role, int(calls[name][r]), float(totals[name][r]), float(d.max()),
+                                      float(np.percentile(d, 50)), float(np.percentile(d, 99)),
+                                      NBYTES * int(calls[name][r]) if role == Role.COMM else 0)
+        for name, role, per_step, each in MINOR:
+            c = max(1, round(per_step * WINDOW / 0.048))
+            fns[name] = FunctionStats(name, role, c, c * each, each * 1.5, each, each * 1.4)
+        recs = [CollectiveRecord("ncclAllReduce", NBYTES, float(e[r]), float(d[r]))
+                for e, d in colls if w0 < d[r] <= w1][-16:]
+        out.append(RankPattern(job=job, rank=r, world_size=n, pid=1000 + r, host=f"node{r // ranks_per_host}",
+                               window_start=w0, window_end=w1, functions=fns, collectives=recs,
+                               identity_source="nccl"))
+    return out
+
+
+def findings(patterns: list[RankPattern]) -> list[dict]:
+    doc = diagnose_job(patterns)
+    json.dumps(doc, allow_nan=False)  # the document must be strict JSON
+    return doc["findings"]
+
+
+# --- steps ---------------------------------------------------------------------------------------------
+
+def _pattern(collectives, functions=None, window=WINDOW) -> RankPattern:
+    return RankPattern(job="j", rank=0, world_size=1, pid=1, host="h", window_start=T0, window_end=T0 + window,
+                       functions=functions or {}, collectives=collectives)
+
+
+def test_step_time_two_collectives_per_step():
+    # Per step: a 25 MB and a 75 MB all-reduce bucket, 10 ms apart; steps of 50 ms.
+    recs = []
+    for i in range(8):
+        s = T0 + 0.05 * i
+        recs += [CollectiveRecord("ncclAllReduce", 25_000_000, s, s + 0.004),
+                 CollectiveRecord("ncclAllReduce", 75_000_000, s + 0.010, s + 0.02)]
+    assert step_time(_pattern(recs)) == pytest.approx(0.05, abs=1e-6)
+
+
+def test_step_time_period_of_ops():
+    recs = []
+    for i in range(6):
+        s = T0 + 0.06 * i
+        recs += [CollectiveRecord("ncclReduceScatter", 50_000_000 + i, s, s + 0.004),  # sizes vary
+                 CollectiveRecord("ncclAllGather", 50_000_000 - i, s + 0.02, s + 0.03)]
+    assert step_time(_pattern(recs)) == pytest.approx(0.06, abs=1e-6)
+
+
+def _bursts(steps: int, sizes: list[int], gaps: list[float], step: float, jitter: float = 0.0, seed: int = 0,
+            swap: float = 0.0) -> list[CollectiveRecord]:
+    """Per step, all-reduces of `sizes` entered `gaps` apart from the step's start (DDP's buckets during
+    backward); `swap`: the chance that two neighbours complete out of order (two gloo worker threads)."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    start = T0
+    for _ in range(steps):
+        at = start + np.cumsum(gaps)
+        step_recs = [CollectiveRecord("gloo_allreduce", b, t, t + 0.001) for b, t in zip(sizes, at)]
+        for i in range(len(step_recs) - 1):
+            if rng.random() < swap:
+                step_recs[i], step_recs[i + 1] = step_recs[i + 1], step_recs[i]
+        recs += step_recs
+        start += step * (1 + rng.normal(0, jitter))
+    return recs
+
+
+def test_step_time_of_equal_buckets_is_the_step_not_the_gap_between_buckets():
+    # 9 buckets of one size, 2 ms apart in a 48 ms step: names and sizes repeat every collective.
+    recs = _bursts(5, [1_000_000] * 9, [0.02] + [0.002] * 8, 0.048)
+    assert step_time(_pattern(recs[:48])) == pytest.approx(0.048, rel=0.01)
+
+
+def test_step_time_holds_with_reordered_buckets_and_a_noisy_cpu_starved_step():
+    recs = _bursts(8, [4_000_000, 1_000_000, 2_500_000, 1_000_000, 3_000_000, 500_000], [0.01, 0.004, 0.003, 0.006,
+                   0.002, 0.005], 0.05, jitter=0.15, seed=3, swap=0.15)
+    assert step_time(_pattern(recs[-48:])) == pytest.approx(0.05, rel=0.1)
+
+
+def test_one_collective_per_step_with_a_skewed_step_is_one_step_not_a_multiple():
+    # Every k is a period of a one-key sequence, and spans of many steps gather tighter than single steps do.
+    rng = np.random.default_rng(5)
+    starts = T0 + np.cumsum(0.013 + rng.exponential(0.003, 48))  # median below mean: a CPU-shared job
+    recs = [CollectiveRecord("gloo_allreduce", 1_000_000, t, t + 0.002) for t in starts]
+    assert step_time(_pattern(recs)) == pytest.approx(float(np.mean(np.diff(starts))), rel=0.05)
+
+
+def test_two_hiccups_of_a_one_collective_step_are_not_a_burst_period():
+    # A whole window of an 18.8 ms one-bucket step (diagnose ships all of it): two steps ran 3x long, 218
+    # calls apart. Any two long gaps recur at some spacing; a burst period must recur three times.
+    gaps = np.full(499, 0.0188)
+    gaps[[200, 418]] = 0.06
+    starts = T0 + np.concatenate(([0.0], np.cumsum(gaps)))
+    recs = [CollectiveRecord("gloo_allreduce", 1_000_000, t, t + 0.002) for t in starts]
+    assert step_time(_pattern(recs, window=float(starts[-1] - T0) + 0.01)) == pytest.approx(0.0188, rel=0.05)
+    # Bursts that do recur (9 buckets a step, 60 steps) are still one step each.
+    many = _bursts(60, [1_000_000] * 9, [0.02] + [0.002] * 8, 0.048)
+    assert step_time(_pattern(many)) == pytest.approx(0.048, rel=0.01)
+
+
+def test_steps_that_alternate_in_length_are_still_one_step_each():
+    # Two loader workers in phase: a short step, then a long one; four buckets of distinct sizes each step.
+    recs, starts = [], [T0]
+    for i in range(12):
+        recs += [CollectiveRecord("gloo_allreduce", b, starts[-1] + 0.01 * j, starts[-1] + 0.01 * j + 0.001)
+                 for j, b in enumerate([400, 300, 200, 100])]
+        starts.append(starts[-1] + (0.06 if i % 2 else 0.17))
+    assert step_time(_pattern(recs)) == pytest.approx(float(np.mean(np.diff(starts[:12]))), rel=0.01)
+
+
+def test_ranks_of_one_job_agree_on_the_step():
+    good = _bursts(6, [1_000_000] * 4, [0.02, 0.003, 0.003, 0.003], 0.04)
+    ps = [_pattern(good), _pattern(good[:5]), _pattern(good[3:])]  # one saw too few to repeat its step
+    assert step_times(ps) == pytest.approx([0.04] * 3, rel=0.01)
+
+
+def test_step_time_fallback_and_none():
+    comm = {"ncclAllReduce": FunctionStats("ncclAllReduce", Role.COMM, 40, 0.6, 0.02, 0.015, 0.02)}
+    assert step_time(_pattern([], comm)) == pytest.approx(WINDOW / 40)
+    sync = {"cuStreamSynchronize": FunctionStats("cuStreamSynchronize", Role.SYNC, 40, 0.6, 0.02, 0.015, 0.02)}
+    assert step_time(_pattern([], sync)) is None
+
+
+def test_step_times_vectorized_matches_scalar():
+    ps = simulate(6, sync_extra={2: 0.03})
+    vec = step_times(ps)
+    assert np.allclose(vec, [step_time(p) for p in ps])
+    assert vec[0] == pytest.approx(0.078, abs=0.003)  # the straggler sets everybody's step
+
+
+# --- differential --------------------------------------------------------------------------------------
+
+def test_robust_z_floor_keeps_identical_ranks_calm():
+    x = np.array([0.031, 0.031 + 1e-7, 0.031 - 1e-7, 0.031 + 2e-7])
+    assert np.abs(robust_z(x, floor=0.0005)).max() < 0.01
+    x2 = np.append(x, 0.061)
+    assert robust_z(x2, floor=0.0005)[-1] > 40
+
+
+def test_alignment_separates_arrival_from_finish():
+    a = align_collectives(simulate(6, sync_extra={2: 0.03}))
+    assert a.arrival_late_s[2] == pytest.approx(0.03, abs=0.003)
+    assert np.nanmax(a.finish_late_s) < 0.001  # everybody finishes together
+    b = align_collectives(simulate(6, link_extra={1: 0.015}))
+    assert b.finish_late_s[1] == pytest.approx(0.015, abs=0.001)
+    assert np.delete(b.finish_late_s, 1).max() < 0.001
+    assert b.op == "ncclAllReduce" and b.instances >= 14
+
+
+def test_alignment_tolerates_shifted_windows():
+    ps = simulate(5, link_extra={3: 0.015})
+    ps[0].collectives = ps[0].collectives[:-3]  # this rank's window closed three collectives earlier
+    ps[4].collectives = []  # and this one saw none: not compared, must not wipe out the instances
+    a = align_collectives(ps)
+    assert a.instances >= 12
+    assert a.finish_late_s[3] == pytest.approx(0.015, abs=0.001)
+    assert np.isnan(a.finish_late_s[4])
+
+
+# --- rules and document --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,seed", [(4, 1), (8, 2), (16, 3)])
+def test_healthy_has_no_findings(n, seed):
+    assert findings(simulate(n, seed=seed)) == []
+
+
+def test_slow_gpu_is_a_compute_straggler():
+    doc = diagnose_job(simulate(4, sync_extra={2: 0.030}, seed=4))
+    fs = doc["findings"]
+    assert len(fs) == 1
+    f = fs[0]
+    assert (f["kind"], f["ranks"], f["component"], f["function"]) == (
+        "compute_straggler", [2], "gpu", "cuStreamSynchronize")
+    step = doc["ranks"][0]["step_time_s"]
+    assert f["cost"] == pytest.approx(0.030 / step, abs=0.05)
+    assert f["score"] >= 4
+    assert "rank 2" in f["summary"] and "ncclAllReduce" in f["summary"]
+    assert f["evidence"]["per_rank"][0]["arrival_lateness_s"] == pytest.approx(0.030, abs=0.003)
+
+
+def test_slow_host_is_a_cpu_straggler():
+    f, = findings(simulate(8, host_extra={3: 0.020}, seed=5))
+    assert (f["kind"], f["ranks"], f["component"], f["function"]) == ("compute_straggler", [3], "cpu", None)
+
+
+def test_small_excess_is_not_flagged():
+    # 1 ms of extra GPU work (2% of the step) is below the 5% bar even though it is consistent.
+    assert findings(simulate(8, sync_extra={5: 0.001}, seed=6)) == []
+
+
+def test_slow_link():
+    f, = findings(simulate(4, link_extra={1: 0.015}, seed=7))
+    assert (f["kind"], f["ranks"], f["component"], f["function"]) == ("slow_link", [1], "link", "ncclAllReduce")
+    ev = f["evidence"]
+    assert ev["lateness_s"] == pytest.approx(0.015, abs=0.001)
+    assert ev["bytes_per_collective"] == NBYTES
+    assert ev["bandwidth_Bps"] < 0.7 * ev["peers_bandwidth_Bps"]  # 100 MB in 32 ms vs in 17 ms
+    assert f["cost"] == pytest.approx(0.015 / ev["step_time_s"], abs=0.02)
+
+
+def test_few_ranks_sharing_a_fault_make_one_finding():
+    f, = findings(simulate(12, sync_extra={3: 0.030, 9: 0.028}, seed=8))
+    assert f["ranks"] == [3, 9] and f["component"] == "gpu"
+    assert [r["rank"] for r in f["evidence"]["per_rank"]] == [3, 9]
+    assert f["summary"].startswith("ranks 3, 9 compute")
+
+
+def test_of_two_ranks_the_one_that_arrives_last_is_the_straggler():
+    f, = findings(simulate(2, sync_extra={1: 0.03}, seed=9))
+    assert (f["kind"], f["ranks"], f["component"]) == ("compute_straggler", [1], "gpu")
+    assert f["cost"] == pytest.approx(0.03 / f["evidence"]["step_time_s"], abs=0.05)
+    assert findings(simulate(2, seed=9)) == []
+
+
+def _late(late_ms: list[float], share: list[float]) -> list[bool]:
+    a = Alignment.empty(len(share))
+    a.arrival_late_s[:], a.late_share[:] = np.array(late_ms) / 1e3, share
+    return _arrives_last(a, np.ones(len(share), dtype=bool), 0.060).tolist()
+
+
+def test_a_rank_late_in_most_steps_of_a_cpu_starved_host_is_not_yet_a_straggler():
+    """Measured on cnn-3 (3 ranks, 6 loader workers, 2 CPUs), healthy: rank 0 late by 20 ms in 79% of the
+    steps, 2.6x as often as its peers. A straggler is late in nearly every step, or in most and far more
+    often than its peers (a pipeline rank under a hog: 66% against 10%)."""
+    assert _late([20, 9, 3], [0.79, 0.38, 0.21]) == [False, False, False]
+    assert _late([17, 2.5, 6], [0.69, 0.23, 0.31]) == [False, False, False]
+    assert _late([15, 1, 1, 1], [0.66, 0.1, 0.12, 0.08]) == [True, False, False, False]
+    # The broadcast root held up by the straggler is late too (the findings' other rules tell them apart).
+    assert _late([27, 0, 29], [0.93, 0.0, 0.97]) == [True, False, True]
+
+
+def test_two_ranks_without_collective_instants_or_with_a_slow_link_are_undecidable():
+    ps = simulate(2, sync_extra={1: 0.03}, seed=9)
+    for p in ps:  # totals alone: which of two is "the peers"?
+        p.collectives = []
+    assert findings(ps) == []
+    # A slow link between two ranks slows both alike: neither arrives last.
+    assert findings(simulate(2, link_extra={1: 0.02}, seed=9)) == []
+
+
+def test_without_collective_instants_many_ranks_are_still_compared_by_totals():
+    ps = simulate(4, sync_extra={2: 0.03}, seed=4)
+    for p in ps:  # light patterns of a job whose collectives were not shipped: per-rank totals decide
+        p.collectives = []
+    assert [(f["kind"], f["ranks"]) for f in findings(ps)] == [("compute_straggler", [2])]
+
+
+def test_point_to_point_ops_are_not_lined_up_across_the_group():
+    """A pipeline stage's sends and receives pair it with its neighbour, not with its data-parallel peers:
+    only the group's collectives are lined up (a rank's send may start any time relative to its peer's)."""
+    ps = simulate(2, sync_extra={1: 0.03}, seed=9)
+    rng = np.random.default_rng(1)
+    for p in ps:
+        sends = [CollectiveRecord("gloo_send", 4096, t, t + 0.001) for t in rng.uniform(T0, T0 + WINDOW, 40)]
+        p.collectives = sorted(p.collectives + sends, key=lambda c: c.done)
+    a = align_collectives(ps)
+    assert a.op == "ncclAllReduce" and a.arrival_late_s[1] == pytest.approx(0.03, abs=0.003)
+    assert a.late_share[1] == 1.0 and a.late_share[0] == 0.0
+
+
+def test_broadcasts_are_not_lined_up_by_their_ends():
+    """A broadcast ends on a receiver once the root's data arrived, on the root once every receiver got it
+    (DDP's buffer broadcast at each forward): its ends differ by up to a step across ranks, so matching its
+    instances by their ends pairs unrelated ones. The all-reduces alone line the ranks up."""
+    ps = simulate(3, sync_extra={2: 0.03}, seed=4)
+    for p in ps:
+        reduces = list(p.collectives)
+        for c in reduces:
+            start = c.enter - 0.04
+            end = start + (0.035 if p.rank == 0 else 0.001)  # the root waits for the late receiver
+            p.collectives.append(CollectiveRecord("gloo_broadcast", 1024, start, end))
+        p.collectives.sort(key=lambda c: c.done)
+    a = align_collectives(ps)
+    assert a.op == "ncclAllReduce" and a.arrival_late_s[2] == pytest.approx(0.03, abs=0.003)
+    assert a.arrival_late_s[0] < 0.003
+
+
+def test_a_rank_watched_later_is_lined_up_over_the_stretch_all_were_watched():
+    ps = simulate(3, sync_extra={2: 0.03}, seed=4)
+    late = ps[2]  # attached last: its window, and its records, begin 10 steps into the others'
+    late.window_start = late.collectives[10].enter - 1e-3
+    late.collectives = late.collectives[10:]
+    a = align_collectives(ps)
+    assert np.isfinite(a.arrival_late_s).all() and a.arrival_late_s[2] == pytest.approx(0.03, abs=0.003)
+
+
+def test_exited_rank_is_listed_not_analyzed():
+    ps = simulate(5, sync_extra={4: 0.03}, seed=10)
+    ps[4].state = "exited"
+    doc = diagnose_job(ps)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3, 4]
+    assert doc["ranks"][4]["state"] == "exited" and doc["ranks"][4]["step_time_s"] is None
+    assert doc["ranks"][0]["step_time_s"] == pytest.approx(0.078, abs=0.003)
+    assert doc["findings"] == []  # rank 4 would be a straggler if it were compared
+
+
+def test_two_jobs_two_documents():
+    docs = diagnose(simulate(4, job="a", seed=11) + simulate(4, job="b", sync_extra={0: 0.03}, seed=12))
+    assert set(docs) == {"a", "b"}
+    assert docs["a"]["findings"] == [] and [f["ranks"] for f in docs["b"]["findings"]] == [[0]]
+    assert docs["b"]["job"] == "b" and docs["b"]["window"] == {"start": T0, "end": T0 + WINDOW}
+    json.dumps(docs, allow_nan=False)
+
+
+def test_rank_entries_are_per_step():
+    r = diagnose_job(simulate(4, seed=13))["ranks"][1]
+    assert set(r) >= {"rank", "pid", "host", "state", "step_time_s", "sync_s", "comm_s", "host_s",
+                      "identity_source"}
+    assert r["step_time_s"] == pytest.approx(0.048, abs=0.002)
+    assert r["sync_s"] == pytest.approx(SYNC, rel=0.05)
+    assert r["comm_s"] == pytest.approx(TRANSFER, abs=0.002)
+    assert r["host_s"] == pytest.approx(HOST, abs=0.001)
+
+
+def test_findings_sorted_by_cost():
+    fs = findings(simulate(8, sync_extra={2: 0.030}, link_extra={6: 0.010}, seed=14))
+    assert [f["kind"] for f in fs] == ["compute_straggler", "slow_link"]
+    assert fs[0]["cost"] > fs[1]["cost"] and fs[1]["ranks"] == [6]
+
+
+def test_many_ranks():
+    f, = findings(simulate(2000, sync_extra={7: 0.03, 1500: 0.03}, seed=15, ranks_per_host=8))
+    assert f["ranks"] == [7, 1500]
+
+
+@pytest.mark.parametrize("extra,flagged", [(0.0015, False), (0.004, True)])
+def test_straggler_threshold_is_five_percent_of_step(extra, flagged):
+    fs = findings(simulate(8, sync_extra={4: extra}, seed=16, noise=0.005))
+    assert [f["ranks"] for f in fs] == ([[4]] if flagged else [])
+
+
+@pytest.mark.parametrize("extra,flagged", [(0.001, False), (0.0025, True)])
+def test_link_threshold_is_three_percent_of_step(extra, flagged):
+    fs = findings(simulate(8, link_extra={4: extra}, seed=17, noise=0.005))
+    assert [(f["kind"], f["ranks"]) for f in fs] == ([("slow_link", [4])] if flagged else [])
+
+
+def test_finishing_late_at_the_peers_bandwidth_is_not_a_slow_link():
+    """A rank descheduled at the end of its collectives finishes last, but moves the bytes as fast as its
+    peers: no link is slow (measured: 4 CPU-bound ranks on 2 cores, 3.8 ms late at 69 vs 71 MB/s)."""
+    ps = simulate(4, link_extra={2: 0.015}, seed=7)
+    table = rank_table(ps)
+    a = align_collectives(ps, table.job_step_s)
+    assert [f.ranks for f in slow_link(table, a)] == [[2]]
+    same_speed = dataclasses.replace(a, transfer_s=np.full(4, float(np.median(a.transfer_s))))
+    assert slow_link(table, same_speed) == []
+
+
+def test_excess_within_noisy_peers_is_not_flagged():
+    # Peers' GPUs differ persistently by several ms; rank 7's +7 ms (14% of the step) is within that spread.
+    spread = {0: 0.0, 1: 0.004, 2: -0.004, 3: 0.006, 4: -0.005, 5: 0.003, 6: -0.002, 7: 0.007}
+    assert findings(simulate(8, sync_extra=spread, seed=18)) == []
+    assert [f["ranks"] for f in findings(simulate(8, sync_extra={**spread, 7: 0.04}, seed=18))] == [[7]]
+
+
+def test_slow_compute_and_slow_link_on_one_rank_is_reported_once():
+    fs = findings(simulate(6, sync_extra={2: 0.03}, link_extra={2: 0.015}, seed=19))
+    assert [(f["kind"], f["ranks"]) for f in fs] == [("compute_straggler", [2])]
+
+
+def test_ranks_without_any_collective_have_unknown_metrics():
+    ps = simulate(5, sync_extra={1: 0.03}, seed=20)
+    ps[3].collectives, ps[3].functions = [], {}  # e.g. attached between steps of a stalled rank
+    doc = diagnose_job(ps)
+    assert {k: doc["ranks"][3][k] for k in ("step_time_s", "sync_s", "comm_s", "host_s")} == dict.fromkeys(
+        ("step_time_s", "sync_s", "comm_s", "host_s"))
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("compute_straggler", [1])]

@@ -1,0 +1,131 @@
+"""The job against its own past: baselines from recent windows, and `regression` when every rank slowed."""
+import json
+
+import pytest
+from test_analyzer import simulate
+from test_analyzer_python import with_python
+
+from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline, StepProfile
+from rankscope.analyzer.diagnosis import diagnose, diagnose_job
+from rankscope.analyzer.metrics import rank_table
+
+RANKS = 6
+
+
+def warmed(windows: int = 8, **python) -> Baseline:
+    """A baseline that has seen `windows` healthy windows of the simulated job."""
+    b = Baseline()
+    for seed in range(windows):
+        pats = simulate(RANKS, seed=seed)
+        if python:
+            with_python(pats, {})
+        diagnose_job(pats, baseline=b)
+    return b
+
+
+def kinds(doc: dict) -> list[tuple]:
+    json.dumps(doc, allow_nan=False)
+    return [(f["kind"], f["function"], f["component"]) for f in doc["findings"]]
+
+
+def test_no_baseline_before_enough_windows():
+    b = Baseline()
+    slow = dict.fromkeys(range(RANKS), 0.02)
+    for seed in range(MIN_WINDOWS):  # even a slow window is not a regression without a past to compare
+        doc = diagnose_job(simulate(RANKS, seed=seed, sync_extra=slow if seed == MIN_WINDOWS - 1 else None),
+                           baseline=b)
+        assert doc["baseline"] is None and doc["findings"] == []
+    doc = diagnose_job(simulate(RANKS, seed=9, sync_extra=slow), baseline=b)
+    assert doc["baseline"]["windows"] == MIN_WINDOWS
+    assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")]
+
+
+def test_the_baseline_is_the_best_quarter_of_recent_windows():
+    b = Baseline()
+    for seed, extra in enumerate([0.0, 0.01, 0.02, 0.03, 0.04]):
+        b.add(StepProfile.of(rank_table(simulate(RANKS, seed=seed, host_extra=dict.fromkeys(range(RANKS), extra)))))
+    ref = b.reference()
+    assert ref.windows == 5
+    assert ref.profile.step_s == pytest.approx(0.048 + 0.01, abs=0.003)  # the second best of five
+
+
+def test_healthy_windows_make_no_regression():
+    b = warmed()
+    doc = diagnose_job(simulate(RANKS, seed=42), baseline=b)
+    assert doc["findings"] == [] and doc["baseline"]["windows"] == 8
+    assert doc["step_time_s"] == pytest.approx(doc["baseline"]["step_time_s"], rel=0.05)
+
+
+def test_every_gpu_slower_is_a_gpu_regression():
+    b = warmed()
+    doc = diagnose_job(simulate(RANKS, seed=42, sync_extra=dict.fromkeys(range(RANKS), 0.012)), baseline=b)
+    assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")], doc["findings"]
+    f = doc["findings"][0]
+    assert f["ranks"] == list(range(RANKS))
+    assert f["evidence"]["function_growth_s"] == pytest.approx(0.012, rel=0.25)
+    # The job's step grew by ~12 ms of ~48: the cost is the growth's share of today's step.
+    assert f["cost"] == pytest.approx(0.012 / 0.060, abs=0.04)
+
+
+def test_slower_host_names_the_python_function_that_grew():
+    b = warmed(python=True)
+    pats = with_python(simulate(RANKS, seed=42, host_extra=dict.fromkeys(range(RANKS), 0.015)),
+                       dict.fromkeys(range(RANKS), ("train.py:tokenize", 0.015)))
+    doc = diagnose_job(pats, baseline=b)
+    assert kinds(doc) == [("regression", "train.py:tokenize", "python")], doc["findings"]
+
+
+def test_slower_input_pipeline_everywhere_is_an_input_regression():
+    b = warmed(python=True)
+    pats = with_python(simulate(RANKS, seed=42, host_extra=dict.fromkeys(range(RANKS), 0.015)),
+                       dict.fromkeys(range(RANKS), ("train.py:load_batch", 0.015)))
+    assert kinds(diagnose_job(pats, baseline=b)) == [("regression", "train.py:load_batch", "input")]
+
+
+def test_one_slow_rank_is_a_straggler_not_a_regression():
+    b = warmed()
+    doc = diagnose_job(simulate(RANKS, seed=42, sync_extra={2: 0.02}), baseline=b)
+    assert kinds(doc) == [("compute_straggler", "cuStreamSynchronize", "gpu")]
+
+
+def test_slowdown_below_the_threshold_is_not_a_regression():
+    b = warmed()
+    doc = diagnose_job(simulate(RANKS, seed=42, sync_extra=dict.fromkeys(range(RANKS), 0.002)), baseline=b)
+    assert doc["findings"] == []
+
+
+def test_the_threshold_is_the_callers():
+    """~8% slower: not a regression at the default 10%, one at the agent's --slowdown-threshold 0.05."""
+    slower = simulate(RANKS, seed=42, sync_extra=dict.fromkeys(range(RANKS), 0.004))
+    doc = diagnose_job(slower, baseline=warmed())
+    assert doc["findings"] == [] and doc["baseline"]["slower"] is False, doc["baseline"]
+    doc = diagnose_job(slower, baseline=warmed(), slowdown_threshold=0.05)
+    assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")] and doc["baseline"]["slower"] is True
+
+
+def test_diagnose_keeps_one_baseline_per_job():
+    baselines: dict[str, Baseline] = {}
+    for seed in range(4):
+        diagnose(simulate(RANKS, job="a", seed=seed) + simulate(3, job="b", seed=seed), baselines=baselines)
+    assert set(baselines) == {"a", "b"}
+    assert all(b.reference().windows == 4 for b in baselines.values())
+
+
+def test_a_lasting_regression_does_not_become_the_baseline():
+    b = warmed(windows=4)
+    slow = dict.fromkeys(range(RANKS), 0.012)
+    for seed in range(20):  # five times the healthy history
+        doc = diagnose_job(simulate(RANKS, seed=100 + seed, sync_extra=slow), baseline=b)
+        assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")], (seed, doc["findings"])
+    assert doc["baseline"]["windows"] == 4
+
+
+def test_a_step_time_that_wanders_is_not_a_regression():
+    """Windows whose step time moves by +-15% by itself: 20% above the best quarter is within that noise."""
+    b = Baseline()
+    for seed, extra in enumerate([0.0, 0.012, 0.004, 0.010, 0.002, 0.008, 0.006, 0.014]):
+        diagnose_job(simulate(RANKS, seed=seed, sync_extra=dict.fromkeys(range(RANKS), extra)), baseline=b)
+    doc = diagnose_job(simulate(RANKS, seed=42, sync_extra=dict.fromkeys(range(RANKS), 0.012)), baseline=b)
+    assert doc["findings"] == [] and doc["baseline"]["slower"] is False, doc["baseline"]
+    doc = diagnose_job(simulate(RANKS, seed=43, sync_extra=dict.fromkeys(range(RANKS), 0.06)), baseline=b)
+    assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")] and doc["baseline"]["slower"] is True

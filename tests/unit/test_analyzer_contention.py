@@ -1,0 +1,59 @@
+"""cpu_contention versus compute_straggler on synthetic jobs: where a slow rank's extra time goes decides."""
+import pytest
+from test_analyzer import WINDOW, findings, simulate
+
+from rankscope.schema.patterns import Neighbour, ThreadTimes
+
+STEP = 0.048
+BASE_RUNQ = 0.0004  # every rank waits a little for a CPU each step
+
+
+def with_sched(patterns, runq_extra: dict[int, float], neighbour: Neighbour | None = None):
+    steps = WINDOW / STEP
+    for p in patterns:
+        runq = (BASE_RUNQ + runq_extra.get(p.rank, 0.0)) * steps
+        p.sched = {"main": ThreadTimes("main", 1, on_cpu_s=0.3, runq_s=runq, sleep_s=1.5, io_s=0.0, reclaim_s=0.0,
+                                       preempted=40, runq_p99_s=0.004),
+                   "other": ThreadTimes("other", 3, 0.01, 0.0, 1.9, 0.0, 0.0, 1, 0.0)}
+        if neighbour and p.rank in runq_extra:
+            p.neighbours = [neighbour, Neighbour("kworker/1:1", 40, "", 0.001)]
+    return patterns
+
+
+HOG = Neighbour("stress-ng", 4242, "kubepods/pod-noisy", 0.9)
+
+
+def test_waiting_for_a_cpu_is_contention_and_names_the_neighbour():
+    pats = with_sched(simulate(4, host_extra={3: 0.015}), runq_extra={3: 0.014}, neighbour=HOG)
+    found = findings(pats)
+    assert [(f["kind"], f["ranks"]) for f in found] == [("cpu_contention", [3])], found
+    f = found[0]
+    assert f["component"] == "cpu" and 0.2 < f["cost"] < 0.4
+    assert f["evidence"]["neighbours"][0]["name"] == "stress-ng"
+    assert "stress-ng (pid 4242)" in f["summary"]
+
+
+def test_two_ranks_the_contended_one_is_named():
+    """Of two ranks, each is compared with the other: the runq difference is not halved by a median of both."""
+    pats = with_sched(simulate(2, host_extra={1: 0.015}), runq_extra={1: 0.012}, neighbour=HOG)
+    found = findings(pats)
+    assert [(f["kind"], f["ranks"]) for f in found] == [("cpu_contention", [1])], found
+    # The peer is rank 0 alone: its run-queue wait per step of the job (slowed by rank 1's 15 ms).
+    assert found[0]["evidence"]["peers_runq_s"] == pytest.approx(BASE_RUNQ * (STEP + 0.015) / STEP, rel=0.02)
+
+
+def test_computing_longer_stays_a_compute_straggler():
+    pats = with_sched(simulate(4, host_extra={3: 0.015}), runq_extra={3: 0.001})
+    found = findings(pats)
+    assert [(f["kind"], f["ranks"], f["component"]) for f in found] == [("compute_straggler", [3], "cpu")], found
+
+
+def test_contention_without_lost_time_is_no_finding():
+    """A rank that waits for a CPU but keeps pace costs the job nothing: nothing to report."""
+    pats = with_sched(simulate(4), runq_extra={1: 0.010}, neighbour=HOG)
+    assert findings(pats) == []
+
+
+def test_no_scheduler_view_keeps_the_compute_verdict():
+    found = findings(simulate(4, host_extra={2: 0.015}))
+    assert [(f["kind"], f["ranks"]) for f in found] == [("compute_straggler", [2])]

@@ -1,0 +1,56 @@
+"""The slowdown trigger: deep detail for a bounded time when a job's steps exceed its baseline."""
+import pytest
+
+from rankscope.agent.detail import COOLDOWN, DEEP, LIGHT, SlowdownTrigger
+from rankscope.analyzer.baseline import Reference, StepProfile
+
+
+def doc(step: float | None, base: float | None, noise: float = 0.0) -> dict:
+    """A diagnosis document's step time and baseline, its verdict from the analyzer's own rule (10%)."""
+    if base is None:
+        return {"step_time_s": step, "baseline": None}
+    ref = Reference(StepProfile(end=0.0, step_s=base, host_s=0.0, functions={}, python={}), 10, noise)
+    return {"step_time_s": step, "baseline": {"step_time_s": base, "windows": 10, "noise_s": ref.noise_s,
+                                              "slower": ref.slower(step, 0.10)}}
+
+
+def test_light_until_a_step_exceeds_the_baseline_by_the_threshold():
+    t = SlowdownTrigger(deep_s=60)
+    assert t.update({"j": doc(0.050, None)}, 0) == LIGHT  # no baseline yet
+    assert t.update({"j": doc(0.054, 0.050)}, 5) == LIGHT  # 8% slower: within the threshold
+    assert t.update({"j": doc(0.060, 0.050, noise=0.004)}, 5) == LIGHT  # 20% slower, but within the noise
+    assert t.mode() == {"level": "light"}
+    assert t.update({"j": doc(0.060, 0.050)}, 10) == DEEP
+    mode = t.mode()
+    assert (mode["level"], mode["job"], mode["since"], mode["until"]) == ("deep", "j", 10, 70)
+    assert mode["reason"] == "step time 60.0 ms is 20% above the job's baseline 50.0 ms"
+
+
+def test_deep_mode_is_bounded_then_rests_before_it_can_trigger_again():
+    t = SlowdownTrigger(deep_s=60)
+    slow = {"j": doc(0.060, 0.050)}
+    assert t.update(slow, 0) == DEEP
+    assert t.update(slow, 59) == DEEP
+    assert t.update(slow, 60) == LIGHT  # the slowdown lasts, deep mode does not
+    assert t.update(slow, 60 + COOLDOWN * 60 - 1) == LIGHT
+    assert t.update(slow, 60 + COOLDOWN * 60) == DEEP
+
+
+def test_any_slow_job_triggers_and_is_named():
+    t = SlowdownTrigger()
+    assert t.update({"a": doc(0.05, 0.05), "b": doc(0.2, 0.1)}, 0) == DEEP
+    assert t.mode()["job"] == "b"
+
+
+@pytest.mark.parametrize("deep_s", [0, -1])
+def test_nonsense_settings_are_refused(deep_s):
+    with pytest.raises(ValueError):
+        SlowdownTrigger(deep_s)
+
+
+
+def test_a_fixed_level_ignores_slowdowns():
+    t = SlowdownTrigger(fixed=LIGHT)
+    assert t.update({"j": doc(0.2, 0.05)}, 0) == LIGHT
+    assert t.mode() == {"level": "light", "reason": "set by --detail"}
+    assert SlowdownTrigger(fixed=DEEP).update({}, 0) == DEEP
