@@ -172,6 +172,10 @@ def ring(nccl: Nccl, wire_ms: float, slow_to: int, slow_wire_ms: float) -> None:
 
 
 def main() -> None:
+    if sys.argv[2:3] != ["--ring"]:
+        # The commands drive every watcher period ("follow"); the plugin's own watcher, 1 s by default, would
+        # otherwise split a command's link sums into two hand-overs whenever its period ends mid-command.
+        os.environ["RANKSCOPE_SHIM_FLUSH_MS"] = str(24 * 3600 * 1000)
     nccl = Nccl(sys.argv[1])
     if sys.argv[2:3] == ["--ring"]:
         ctypes.CDLL(sys.argv[3])
