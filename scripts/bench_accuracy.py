@@ -18,7 +18,8 @@ median over the same window: median and worst), cost error (the finding's cost a
 1 - healthy step / faulty step, the healthy step measured on the same shape in the same run), and, for agent
 cases, time to the finding.
 A wrong diagnose verdict, a false finding or a step time off by more than 10% keeps its evidence in --misses:
-the patterns observed (diagnose --save-patterns) and the document, to analyze offline with rankscope.analyzer.
+the patterns observed (diagnose --save-patterns), the document and diagnose's log, to analyze offline with
+rankscope.analyzer.
 """
 from __future__ import annotations
 
@@ -226,7 +227,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         misses.mkdir(parents=True, exist_ok=True)
         name = f"{shape.name}-{fault.name}-{job.run_id}-{window}"
         shutil.copyfile(saved, misses / f"{name}.msgpack")
-        (misses / f"{name}.json").write_text(json.dumps({"run": asdict(run), "document": doc}, indent=1))
+        (misses / f"{name}.json").write_text(json.dumps({"run": asdict(run), "document": doc, "log": err}, indent=1))
     return run
 
 
