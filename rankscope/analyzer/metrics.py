@@ -32,7 +32,8 @@ class RankTable:
     py_names: list[str]  # columns of py_s
     py_s: np.ndarray  # rows x Python functions: self wall time per step; 0 where not among the rank's top
     timed_names: list[str]  # columns of timed_s
-    timed_s: np.ndarray  # rows x exactly timed Python functions: time in their calls per step
+    timed_s: np.ndarray  # rows x exactly timed Python functions: time in their calls per step; NaN rows for
+    # ranks not timed at all (the agent stops timing a process that enters eval too often): unknown, not 0
 
     def __len__(self) -> int:
         return len(self.patterns)
@@ -88,6 +89,7 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None)
 
     py_names, py = _named_columns([{f.name: f.self_s for f in p.python} for p in patterns])
     timed_names, timed = _named_columns([{f.name: f.total_s for f in p.python_timed} for p in patterns])
+    timed[[not p.python_timed for p in patterns]] = np.nan
 
     comm = in_role(Role.COMM)
     # Probed calls on other threads may overlap, so the remainder can dip below zero: clip.

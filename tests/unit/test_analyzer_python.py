@@ -80,3 +80,19 @@ def test_timed_functions_that_did_not_grow_leave_the_sampled_name():
     pats, _ = with_timed_next(pats, 1, 0.0)
     found = findings(pats)
     assert [(f["kind"], f["function"]) for f in found] == [("compute_straggler", "train.py:augment_tokens")], found
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_timed_among_untimed_peers_is_not_blamed_on_what_it_alone_was_timed_in(world):
+    # The agent stopped timing the peers (too many eval entries): their functions are unknown, not 0 s, so
+    # the straggler's 16 ms loader is not 16 ms slower than theirs. Its sampled function names the cause.
+    slow = world - 1
+    pats = with_python(simulate(world, host_extra={slow: 0.02}), {slow: ("train.py:augment_tokens", 0.02)})
+    pats, _ = with_timed_next(pats, slow, 0.015)
+    for p in pats:
+        if p.rank != slow:
+            p.python_timed = []
+    found = findings(pats)
+    assert [(f["kind"], f["ranks"], f["function"]) for f in found] == [
+        ("compute_straggler", [slow], "train.py:augment_tokens")], found
+    assert found[0]["evidence"]["per_rank"][0]["timed_function"] is None
