@@ -69,7 +69,7 @@ class Session:
             log.warning("pid %d: no Python frames: %s", target.pid, e)
             return
         try:
-            self.timer.attach(self.python.interpreter(target.pid))
+            self.timer.attach(self.python.interpreter(target.pid), target.identity.job)
         except PythonAttachError as e:
             log.warning("pid %d: no exact Python timing: %s", target.pid, e)
 

@@ -270,27 +270,40 @@ while True:
 '''
 
 
-@needs_root
-def test_a_process_entering_eval_too_often_stops_being_probed(timer, procs, tmp_path):
-    import ctypes
+QUIET = 'import sys; print("ready", flush=True); sys.stdin.read()'
 
-    from conftest import wait_until
+
+@needs_root
+def test_a_process_entering_eval_too_often_stops_being_probed_with_its_peers(timer, procs, tmp_path):
+    """A rank too hot to time takes its job's other ranks with it (timed beside untimed ones, they would look
+    slower by the probes' cost); another job's process stays timed."""
+    import ctypes
 
     from rankscope.agent.host.symbols import code_byte
     from rankscope.agent.sources.python_exact import MAX_ENTRIES_PER_S
 
     script = tmp_path / "busy.py"
     script.write_text(BUSY)
-    p, _ = start(procs, [str(interpreter("3.12")), str(script)])
-    timer.attach(inspect(p.pid))
+    python = str(interpreter("3.12"))
+    busy, _ = start(procs, [python, str(script)])
+    peer, _ = start(procs, [python, "-c", QUIET])
+    other, _ = start(procs, [python, "-c", QUIET])
+    late, _ = start(procs, [python, "-c", QUIET])
+    timer.attach(inspect(busy.pid), "job-a")
+    timer.attach(inspect(peer.pid), "job-a")
+    timer.attach(inspect(other.pid), "job-b")
+    probed = lambda p: code_byte(p.pid, "libpython3.12.so.1.0", "_PyEval_EvalFrameDefault") == 0xCC  # noqa: E731
     try:
-        entries = lambda: timer.bpf["pyx_targets"][ctypes.c_uint32(p.pid)].entries  # noqa: E731
+        entries = lambda: timer.bpf["pyx_targets"][ctypes.c_uint32(busy.pid)].entries  # noqa: E731
         wait_until(lambda: entries() > MAX_ENTRIES_PER_S, 10, "the busy loop to enter eval")
-        assert code_byte(p.pid, "libpython3.12.so.1.0", "_PyEval_EvalFrameDefault") == 0xCC
+        assert probed(busy) and probed(peer) and probed(other)
         timer.read()
-        assert code_byte(p.pid, "libpython3.12.so.1.0", "_PyEval_EvalFrameDefault") != 0xCC
+        assert (probed(busy), probed(peer), probed(other)) == (False, False, True)
+        timer.attach(inspect(late.pid), "job-a")  # a rank of job-a watched later is not timed either
+        assert not probed(late)
     finally:
-        timer.detach(p.pid)
+        for p in (busy, peer, other, late):
+            timer.detach(p.pid)
 
 
 @needs_root

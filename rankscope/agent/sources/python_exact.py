@@ -19,7 +19,7 @@ forward and __next__ in deep mode only (agent/detail.py); functions the user nam
 garbage collections whenever the process is watched (USDT, a few per second at most).
 
     timer = PythonTimer([TracedFunction.parse("train:Trainer.step")])
-    timer.attach(interp)                   # an Interpreter from the sampler's inspect
+    timer.attach(interp, job)              # an Interpreter from the sampler's inspect; its job's id
     timer.set_functions(True)              # forward and loader __next__ too, not only named functions
     timed = timer.read()                   # {pid: [PyTimed(name, count, total_s, max_s), ...]}
 """
@@ -49,7 +49,10 @@ NAME_SLOTS, NAME_BYTES = 8, 32  # PYX_NAMES, PYX_NAME_WORDS * 8
 VERDICT_TIMED, VERDICT_SKIP = 1, 2
 COUNTER_NAMES = ("too_deep", "unreadable_name")
 # Every eval entry of a timed process traps twice (~1.3 us): above this rate (~2.6% of a core) a process
-# stops being timed at the next read. CPython 3.10 enters eval on every call, so it is timed only on request.
+# stops being timed at the next read, and so do its peers (the ranks of its job): timed ranks beside untimed
+# ones would look slower by the probes' cost (a 2-rank MLP entering eval 87,000 times a second ran 45% slower
+# timed), and differential diagnosis would blame it. CPython 3.10 enters eval on every call, so it is timed
+# only on request.
 MAX_ENTRIES_PER_S = 20_000
 GC_START, GC_DONE = ("python", "gc__start"), ("python", "gc__done")  # USDT probes of CPython's GC
 GC_NAME = "gc__start"  # the GC's FunctionStats where it is timed through USDT (else libpython's gc_collect_main)
@@ -132,14 +135,15 @@ class _Cumulative:
 class _Watched:
     interp: Interpreter
     resolver: CodeResolver
+    peers: str  # the group timed all together or not at all (its job)
     events: list[bytes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
-    too_hot: bool = False  # entered eval too often to be timed: never probed again
+    too_hot: bool = False  # it or a peer entered eval too often to be timed: never probed again
     gc_probes: list[usdt.GuardedProbe] = field(default_factory=list)  # the GC's USDT sites, where used
     seen: dict[int, _Cumulative] = field(default_factory=dict)  # code -> cumulative stats at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
     gc: _Cumulative = field(default_factory=_Cumulative)
-    entries: int = 0  # eval entries probed, at the last read
-    read_at: float = field(default_factory=time.monotonic)
+    entries: int = 0  # eval entries probed, at the last read (or 0 when the probes went in)
+    read_at: float = field(default_factory=time.monotonic)  # ... and when
 
 
 class PythonTimer:
@@ -174,13 +178,15 @@ class PythonTimer:
             self._bpf = bpf
         return self._bpf
 
-    def attach(self, interp: Interpreter) -> None:
+    def attach(self, interp: Interpreter, peers: str | None = None) -> None:
         """Time `interp`'s process from now on: its garbage collections, and its chosen functions while
-        `functions` is on; TimerError says why the functions cannot be."""
+        `functions` is on; TimerError says why the functions cannot be. `peers` (the job's id) names the
+        processes whose functions are timed together or not at all; by default the process alone."""
         pid = interp.pid
         if pid in self._watched:
             return
-        w = self._watched[pid] = _Watched(interp, CodeResolver(interp))
+        w = self._watched[pid] = _Watched(interp, CodeResolver(interp), f"pid {pid}" if peers is None else peers)
+        w.too_hot = any(o.too_hot for o in self._watched.values() if o.peers == w.peers)
         try:
             self._time_gc(w, self._path(w))
         except (TimerError, OSError) as e:  # the functions can still be timed
@@ -235,6 +241,7 @@ class PythonTimer:
             self._unprobe([ev for ev in bpf.uprobe_fds if ev not in before])
             raise TimerError(f"pid {pid}: cannot probe {EVAL} in {interp.elf_path}: {e}") from e
         w.events = [ev for ev in bpf.uprobe_fds if ev not in before]
+        w.entries, w.read_at = 0, time.monotonic()  # its rate counts from now: the compile above took seconds
         log.info("timing forward, loader __next__%s in pid %d", "".join(
             f", {t.module}:{t.qualname}" for t in self.selection.traced), pid)
 
@@ -321,9 +328,11 @@ class PythonTimer:
         return {pid: sorted(rows.values(), key=lambda r: -r.total_s)[:TOP_TIMED] for pid, rows in per_pid.items()}
 
     def _bound_cost(self) -> None:
-        """Stop probing the eval loop of processes that entered it too often since the previous read."""
+        """Stop probing the eval loop of processes that entered it too often since the previous read, and
+        of their peers."""
         targets = self._bpf["pyx_targets"]
         now = time.monotonic()
+        hot = set()
         for pid, w in list(self._watched.items()):
             try:
                 entries = targets[ctypes.c_uint32(pid)].entries
@@ -332,8 +341,12 @@ class PythonTimer:
             rate = (entries - w.entries) / max(now - w.read_at, 1e-3)
             w.entries, w.read_at = entries, now
             if rate > MAX_ENTRIES_PER_S and w.events:
-                log.warning("pid %d enters the Python eval loop %.0f times a second: exact timing stopped "
-                            "(it would cost ~%.0f%% of a core)", pid, rate, rate * 1.3e-4)
+                log.warning("pid %d enters the Python eval loop %.0f times a second: exact timing stopped for "
+                            "it and its peers in %s (it would cost ~%.0f%% of a core)", pid, rate, w.peers,
+                            rate * 1.3e-4)
+                hot.add(w.peers)
+        for w in self._watched.values():
+            if w.peers in hot:
                 self._unprobe(w.events)
                 w.events = []
                 w.too_hot = True
