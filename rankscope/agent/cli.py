@@ -18,7 +18,7 @@ from rankscope.agent.service.http import ListenError
 from rankscope.agent.session import Session
 from rankscope.agent.sources.python_exact import TracedFunction
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
-from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
+from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 
 
 class UsageError(Exception):

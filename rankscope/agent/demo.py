@@ -7,7 +7,7 @@ from rankscope.agent.detail import DEEP
 from rankscope.agent.observe import observe
 from rankscope.agent.report import render
 from rankscope.agent.session import Session
-from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
+from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 from rankscope.sim.job import start_job
 
 RANKS = 4

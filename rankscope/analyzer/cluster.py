@@ -8,25 +8,14 @@ the node is gone its peers stall and the hang rules say so with the cost.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.diagnosis import diagnose_job
-from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S
-from rankscope.schema.finding import Finding, plain
+from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
+from rankscope.analyzer.rules.nodes import LostRanks, unreachable
+from rankscope.schema.finding import plain
 from rankscope.schema.patterns import RankPattern
-
-
-@dataclass(frozen=True)
-class LostRanks:
-    """Ranks of one job last served by an agent that no longer answers."""
-
-    agent: str  # the agent's URL
-    host: str
-    ranks: tuple[int, ...]
-    last_seen: float  # unix s of the last window the agent served them in
-    error: str  # why the last pull failed
 
 
 def merge(patterns: Iterable[RankPattern]) -> dict[str, list[RankPattern]]:
@@ -40,16 +29,6 @@ def merge(patterns: Iterable[RankPattern]) -> dict[str, list[RankPattern]]:
     for p in latest.values():
         by_job.setdefault(p.job, []).append(p)
     return by_job
-
-
-def unreachable(lost: LostRanks) -> Finding:
-    ranks = sorted(lost.ranks)
-    return Finding(
-        kind="node_unreachable", ranks=ranks, function=None, component="host", score=0.0, cost=0.0,
-        summary=(f"node {lost.host} (agent {lost.agent}) stopped answering: ranks {', '.join(map(str, ranks))} "
-                 f"of this job are not observed since {lost.last_seen:.0f} ({lost.error})"),
-        evidence={"host": lost.host, "agent": lost.agent, "last_seen": lost.last_seen, "error": lost.error},
-    )
 
 
 def diagnose_cluster(patterns: Sequence[RankPattern], lost: Mapping[str, Sequence[LostRanks]],

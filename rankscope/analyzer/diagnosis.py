@@ -6,14 +6,16 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline, Reference, StepProfile, regression
+from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline, Reference, StepProfile
 from rankscope.analyzer.differential import align_collectives
-from rankscope.analyzer.findings import (compute_straggler, cpu_contention, gpu_throttle, launch_bound, node_fault,
-                                         slow_link)
-from rankscope.analyzer.hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
-from rankscope.analyzer.links import link_findings
 from rankscope.analyzer.metrics import RankTable, rank_table
 from rankscope.analyzer.peers import peer_groups
+from rankscope.analyzer.rules.gpu import gpu_throttle, launch_bound
+from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
+from rankscope.analyzer.rules.links import link_findings, slow_link
+from rankscope.analyzer.rules.nodes import node_fault
+from rankscope.analyzer.rules.regression import regression
+from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
 from rankscope.schema.finding import Finding, plain
 from rankscope.schema.patterns import RankPattern
 

@@ -17,6 +17,9 @@ import numpy as np
 from rankscope.analyzer.steps import step_times
 from rankscope.schema.patterns import RankPattern
 
+Z_MIN = 4.0  # robust z-score for an outlier
+Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 then needs >= 2% of the step,
+# so on quiet jobs the excess bars below decide, on noisy ones the z-score
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
 # Ops that do not end together on every rank of the group, so instants are not lined up by them:
 # point-to-point ops pair two ranks (the "same" send of two pipeline ranks goes to different neighbours at

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankscope.analyzer.hangs import HANGS
+from rankscope.analyzer.rules.hangs import HANGS
 
 AT_ONCE = HANGS | {"node_unreachable", "regression"}
 CONFIRM_WINDOWS = 2  # consecutive windows a finding must hold in before it is reported

@@ -15,8 +15,9 @@ import pytest
 
 from rankscope.analyzer.diagnosis import diagnose, diagnose_job
 from rankscope.analyzer.differential import Alignment, align_collectives, robust_z
-from rankscope.analyzer.findings import _arrives_last, slow_link
 from rankscope.analyzer.metrics import rank_table
+from rankscope.analyzer.rules.links import slow_link
+from rankscope.analyzer.rules.stragglers import _arrives_last
 from rankscope.analyzer.steps import step_time, step_times
 from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
 

@@ -1,12 +1,12 @@
 """The link matrix and its slow_link findings on synthetic NCCL profiler plugin rows and TCP connections
-(analyzer/links.py)."""
+(analyzer/rules/links.py)."""
 from __future__ import annotations
 
 import pytest
 from test_analyzer import findings, simulate
 
 from rankscope.analyzer.diagnosis import find
-from rankscope.analyzer.links import _link_roles, link_findings, link_matrix
+from rankscope.analyzer.rules.links import _link_roles, link_findings, link_matrix
 from rankscope.schema.patterns import CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, TcpFlow
 
 COMM = 0x5EED_CAFE

@@ -21,7 +21,8 @@ from yarl import URL
 from rankscope.agent.service.http import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
 from rankscope.agent.service.prometheus import exposition, gauge
 from rankscope.analyzer.baseline import Baseline
-from rankscope.analyzer.cluster import LostRanks, diagnose_cluster
+from rankscope.analyzer.cluster import diagnose_cluster
+from rankscope.analyzer.rules.nodes import LostRanks
 from rankscope.analyzer.stability import Confirmer
 from rankscope.schema.patterns import RankPattern
 from rankscope.schema.wire import MAX_PAYLOAD_BYTES, PatternDecodeError, decode_patterns

@@ -1,6 +1,6 @@
 """TCP connections of watched processes (bpf/net.bpf.c): per connection, the bytes it moved each way and how
 long it had data to send, from the kernel's own tcp_info accounting. gloo (and NCCL's socket transport)
-move tensors over such connections, so the link matrix (analyzer/links.py) judges links without NCCL's
+move tensors over such connections, so the link matrix (analyzer/rules/links.py) judges links without NCCL's
 profiler plugin. Costs one map update per send or receive call of a watched process (~0.5 us)."""
 from __future__ import annotations
 

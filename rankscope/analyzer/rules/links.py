@@ -1,5 +1,6 @@
-"""The C4-style src x dst link matrix, and the finding that tells a slow link (one pair of ranks) from a slow
-node (every link of one rank: its NIC or host).
+"""Slow links: the C4-style src x dst link matrix, and the finding that tells a slow link (one pair of ranks)
+from a slow node (every link of one rank: its NIC or host); and, without a matrix, a rank that finishes its
+collectives last at a lower bandwidth while it computes like its peers (slow_link, from collective timing).
 
 Two sources measure a link's throughput:
 - NCCL's profiler plugin: each rank reports, per (communicator, peer, direction), the bytes its proxy thread
@@ -16,16 +17,22 @@ Pipeline stages pass activations between stages and all-reduce within them, and 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
+from rankscope.analyzer.metrics import RankTable
 from rankscope.analyzer.peers import peer_groups
+from rankscope.analyzer.rules.stragglers import MIN_RANKS, decidable
+from rankscope.analyzer.rules.wording import range_ms, rank_list
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import LinkStats, RankPattern, Role
 
+LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
+LINK_BANDWIDTH = 0.9  # ...at a bandwidth below this share of the peers' (the transfer as the rank saw it)
 MIN_STEPS = 8  # network steps over a link in the window before its throughput is judged...
 MIN_BYTES = 1 << 20  # ...and bytes: a few small steps measure latency, not bandwidth
 MIN_LINKS = 3  # judged links of a role: with two, which one is "the others"?
@@ -296,3 +303,58 @@ def link_findings(patterns: Sequence[RankPattern]) -> list[Finding]:
             f"link {src} -> {dst} moves {_rate(float(bw[i]))} vs {_rate(float(median[i]))} on the job's other "
             f"links {why}: a slow link"), {"src": src, "dst": dst}))
     return out
+
+
+def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> list[Finding]:
+    """Ranks that finish collectives last (a finish-lateness outlier) while their compute is normal.
+
+    Per-rank COMM totals cannot show this (the slow rank's late finish makes it arrive late next time, and
+    its peers wait that long), so the decision rests on the alignment of collective instants.
+    `stragglers`: ranks already found to compute slowly; their lateness is not the link's.
+    """
+    valid = decidable(t)
+    if valid is None or a.instances == 0:
+        return []
+    step = t.job_step_s
+    late = np.where(valid, a.finish_late_s, np.nan)
+    if np.count_nonzero(np.isfinite(late)) < MIN_RANKS:
+        return []
+    z, excess = peer_deviation(late, Z_FLOOR * step)
+    peers_late = peers_median(late)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bandwidth = np.where(a.transfer_s > 0, a.bytes / a.transfer_s, np.nan)
+    peers_bw = peers_median(np.where(valid, bandwidth, np.nan))
+    with np.errstate(invalid="ignore"):
+        # A slow link moves the bytes slower: a rank that finishes late at the peers' bandwidth was only
+        # descheduled at the end (4 CPU-bound ranks on 2 cores: 3.8 ms late at 69 vs 71 MB/s).
+        slower = ~(bandwidth > LINK_BANDWIDTH * peers_bw)  # unknown bandwidth does not clear a rank
+        flagged = np.flatnonzero((z >= Z_MIN) & (excess >= LINK_MIN_LATENESS * step) & slower
+                                 & ~np.isin(t.rank, list(stragglers)))
+    if flagged.size == 0:
+        return []
+
+    per_rank = [{
+        "rank": int(t.rank[i]), "z": float(z[i]), "finish_lateness_s": float(late[i]),
+        "excess_s": float(excess[i]), "arrival_lateness_s": float(a.arrival_late_s[i]),
+        "bytes_per_collective": float(a.bytes[i]), "bandwidth_Bps": float(bandwidth[i]),
+    } for i in flagged]
+    per_rank.sort(key=lambda r: r["rank"])
+    ranks = [r["rank"] for r in per_rank]
+    worst = max(per_rank, key=lambda r: r["excess_s"])
+    cost = float(np.clip(worst["excess_s"] / step, 0.0, 1.0))
+    bw = ""
+    if np.isfinite(worst["bandwidth_Bps"]) and np.isfinite(peers_bw):
+        bw = (f" ({worst['bytes_per_collective'] / 1e6:.0f} MB at {worst['bandwidth_Bps'] / 1e9:.1f} GB/s "
+              f"vs {peers_bw / 1e9:.1f} GB/s on the other ranks)")
+    return [Finding(
+        kind="slow_link", ranks=ranks, function=a.op, component="link",
+        score=max(r["z"] for r in per_rank), cost=cost,
+        summary=(f"{rank_list(ranks)} {'finishes' if len(ranks) == 1 else 'finish'} {a.op} "
+                 f"{range_ms([r['excess_s'] for r in per_rank])} after {'its' if len(ranks) == 1 else 'their'} "
+                 f"peers{bw} while {'its' if len(ranks) == 1 else 'their'} compute is normal: a slow link; "
+                 f"costs {cost:.0%} of step time"),
+        evidence={"step_time_s": step, "op": a.op, "instances": a.instances,
+                  "lateness_s": worst["finish_lateness_s"], "peers_lateness_s": peers_late,
+                  "bytes_per_collective": worst["bytes_per_collective"], "bandwidth_Bps": worst["bandwidth_Bps"],
+                  "peers_bandwidth_Bps": peers_bw, "per_rank": per_rank},
+    )]

@@ -1,27 +1,22 @@
-"""Findings: one rule function per finding kind of the contract (the Finding record: schema/finding.py).
-
-A rule looks at the per-rank table (and the collective alignment) of one job and returns zero or more
-findings. Rules never guess: with too few ranks to tell a peer from an outlier they return nothing.
+"""Stragglers: a rank the others wait for in collectives, and where its extra time goes (its own GPU work,
+host work, a data-loading function, Python GC, or waiting for a CPU).
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.differential import Alignment, peer_deviation, peers_median
+from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
 from rankscope.analyzer.metrics import RankTable
+from rankscope.analyzer.rules.wording import ms, range_ms, rank_list
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import Role
 
 MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable from per-rank totals alone...
 PAIR_RANKS = 2  # ...but the collective instants tell which of two arrives last (C4's rule: the other waits
 # for it), and the run queue which of two waits for a CPU
-Z_MIN = 4.0  # robust z-score for an outlier
-Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 then needs >= 2% of the step,
-# so on quiet jobs the excess bars below decide, on noisy ones the z-score
 STRAGGLER_MIN_EXCESS = 0.05  # extra work per step, as a fraction of the step time
 LATE_STEPS = 0.85  # a straggler arrives late in at least this share of the steps lined up...
 LATE_SOME = 0.6  # ...or in this share and LATE_RATIO times as often as its peers (median). On a CPU-starved
@@ -30,8 +25,6 @@ LATE_RATIO = 4.0  # host every rank is late in some steps, a straggler in most: 
 # 0.79 of the steps, 2.6x its peers (cnn-3, 9 busy processes on 2 CPUs: rank 0's forward runs 7 ms slower
 # in some windows). A peer the straggler holds up in a rooted collective (a broadcast's root waits for every
 # receiver) arrives late at the next collective too (0.88-0.93), so the ratio alone is not the rule.
-LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
-LINK_BANDWIDTH = 0.9  # ...at a bandwidth below this share of the peers' (the transfer as the rank saw it)
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
 # Python functions of the input pipeline (data loaders, datasets, batch loading), by name.
@@ -40,28 +33,14 @@ DATA_LOADING = re.compile(r"load|batch|__next__|__getitem__|_next_data|fetch|col
 _HOST_TIME = None  # "function" of time outside every probed function
 
 
-def ms(s: float) -> str:
-    """Seconds as milliseconds for summaries: whole above 10 ms, one decimal below."""
-    return f"{s * 1e3:.0f} ms" if s >= 0.0095 else f"{s * 1e3:.1f} ms"
-
-
-def _rank_list(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _range_ms(values: list[float]) -> str:
-    lo, hi = min(values), max(values)
-    return ms(lo) if ms(lo) == ms(hi) else f"{ms(lo)[:-3]}-{ms(hi)}"
-
-
-def _decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
+def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
     """Rows with a known step time, or None when too few ranks to compare."""
     valid = np.isfinite(t.step_s)
     ok = np.count_nonzero(valid) >= min_ranks and np.isfinite(t.job_step_s) and t.job_step_s > 0
     return valid if ok else None
 
 
-def _straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None
+def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float] | None:
     """Rows whose own work per step (step - COMM) is a robust outlier while they wait less in collectives
     than their peers: (rows, z, excess, work, comm median). With `a` (the collectives lined up), the rank must
@@ -71,7 +50,7 @@ def _straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = 
     rank, and step - COMM is noise) from naming a rank that is in fact the first to arrive."""
     if a is not None and a.instances == 0:  # nothing lined up (no collective instants shipped): totals only
         a = None
-    valid = _decidable(t, PAIR_RANKS if a is not None else min_ranks)
+    valid = decidable(t, PAIR_RANKS if a is not None else min_ranks)
     if valid is None:
         return None
     step = t.job_step_s
@@ -134,7 +113,7 @@ def _timed_evidence(t: RankTable, i: int) -> dict[str, Any]:
     return {"python_timed": [f.to_dict() for f in rows]}
 
 
-def _delay(a: Alignment | None, i: int, excess: float) -> float:
+def delay(a: Alignment | None, i: int, excess: float) -> float:
     """How long the other ranks wait for rank row i each step: its arrival lateness at the collectives
     when ranks could be lined up (the direct measure), else its extra work per step."""
     if a is not None and np.isfinite(a.arrival_late_s[i]):
@@ -157,7 +136,7 @@ def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
 def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
     that only waits longer for a CPU is cpu_contention's)."""
-    found = _straggling(t, a=a)
+    found = straggling(t, a=a)
     if found is None:
         return []
     rows, z, excess, work, comm_med = found
@@ -199,7 +178,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
             "host_s": float(t.host_s[i]), "function_excess_s": where, "python_function": python,
             "timed_function": timed,
             "arrival_lateness_s": float(a.arrival_late_s[i]) if a is not None else None,
-            "delay_s": _delay(a, i, float(excess[i])),
+            "delay_s": delay(a, i, float(excess[i])),
             **_host_evidence(t, i),
             **_timed_evidence(t, i),
         })
@@ -222,7 +201,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
         out.append(Finding(
             kind=kind, ranks=ranks, function=function, component=component,
             score=max(r["z"] for r in per_rank), cost=cost,
-            summary=(f"{_rank_list(ranks)} {verb} {_range_ms([r['excess_s'] for r in per_rank])} longer per step "
+            summary=(f"{rank_list(ranks)} {verb} {range_ms([r['excess_s'] for r in per_rank])} longer per step "
                      f"than {'its' if len(ranks) == 1 else 'their'} peers ({where}); the other ranks wait for "
                      f"{who} {waits}; costs {cost:.0%} of step time"),
             evidence={"step_time_s": step, "peers_work_s": peers_median(work), "peers_comm_s": comm_med,
@@ -234,7 +213,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
 def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Straggling ranks whose extra time is waiting for a CPU (runnable, not running): the scheduler gave
     their CPU to other tasks, named from the kernel's view of who ran while they waited."""
-    found = _straggling(t, PAIR_RANKS, a)
+    found = straggling(t, PAIR_RANKS, a)
     if found is None:
         return []
     rows, z, excess, _work, _comm_med = found
@@ -246,7 +225,7 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
         main = p.sched["main"]
         neighbours = [{"name": n.name, "pid": n.pid, "cgroup": n.cgroup, "waited_s": n.waited_s}
                       for n in p.neighbours]
-        cost = float(np.clip(_delay(a, i, float(excess[i])) / step, 0.0, 1.0))
+        cost = float(np.clip(delay(a, i, float(excess[i])) / step, 0.0, 1.0))
         who = ", ".join(f"{n['name']} (pid {n['pid']})" for n in neighbours[:2]) or "other tasks"
         out.append(Finding(
             kind="cpu_contention", ranks=[int(t.rank[i])], function=None, component="cpu",
@@ -259,187 +238,3 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
                       "preempted": main.preempted, "runq_p99_s": main.runq_p99_s, "neighbours": neighbours},
         ))
     return out
-
-
-def node_fault(t: RankTable, a: Alignment | None = None) -> list[Finding]:
-    """Every rank of one node (two or more) straggles while ranks of other nodes do not: the node (its power,
-    cooling, PCIe switch, a host-wide resource) rather than one GPU. Needs ranks of several nodes: the cluster
-    analyzer's view."""
-    found = _straggling(t)
-    if found is None:
-        return []
-    rows, z, excess, work, _comm_med = found
-    valid = _decidable(t)
-    hosts = np.array([p.host for p in t.patterns], dtype=object)
-    slow_hosts = set(hosts[rows])
-    if len(set(hosts[valid])) < 2 or slow_hosts == set(hosts[valid]):
-        return []
-    step = t.job_step_s
-    out = []
-    for host in sorted(slow_hosts):
-        members = np.flatnonzero(valid & (hosts == host))
-        if members.size < 2 or not np.isin(members, rows).all():
-            continue
-        ranks = sorted(int(t.rank[i]) for i in members)
-        cost = float(np.clip(max(_delay(a, i, float(excess[i])) for i in members) / step, 0.0, 1.0))
-        out.append(Finding(
-            kind="node_fault", ranks=ranks, function=None, component="host", score=float(z[members].min()),
-            cost=cost,
-            summary=(f"every rank on node {host} ({_rank_list(ranks)}) computes "
-                     f"{_range_ms([float(excess[i]) for i in members])} longer per step than the ranks of other "
-                     f"nodes: suspect the node, not one GPU; costs {cost:.0%} of step time"),
-            evidence={"host": host, "step_time_s": step, "peers_work_s": peers_median(work),
-                      "per_rank": sorted(({"rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i])}
-                                          for i in members), key=lambda r: r["rank"])},
-        ))
-    return out
-
-
-def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> list[Finding]:
-    """Ranks that finish collectives last (a finish-lateness outlier) while their compute is normal.
-
-    Per-rank COMM totals cannot show this (the slow rank's late finish makes it arrive late next time, and
-    its peers wait that long), so the decision rests on the alignment of collective instants.
-    `stragglers`: ranks already found to compute slowly; their lateness is not the link's.
-    """
-    valid = _decidable(t)
-    if valid is None or a.instances == 0:
-        return []
-    step = t.job_step_s
-    late = np.where(valid, a.finish_late_s, np.nan)
-    if np.count_nonzero(np.isfinite(late)) < MIN_RANKS:
-        return []
-    z, excess = peer_deviation(late, Z_FLOOR * step)
-    peers_late = peers_median(late)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        bandwidth = np.where(a.transfer_s > 0, a.bytes / a.transfer_s, np.nan)
-    peers_bw = peers_median(np.where(valid, bandwidth, np.nan))
-    with np.errstate(invalid="ignore"):
-        # A slow link moves the bytes slower: a rank that finishes late at the peers' bandwidth was only
-        # descheduled at the end (4 CPU-bound ranks on 2 cores: 3.8 ms late at 69 vs 71 MB/s).
-        slower = ~(bandwidth > LINK_BANDWIDTH * peers_bw)  # unknown bandwidth does not clear a rank
-        flagged = np.flatnonzero((z >= Z_MIN) & (excess >= LINK_MIN_LATENESS * step) & slower
-                                 & ~np.isin(t.rank, list(stragglers)))
-    if flagged.size == 0:
-        return []
-
-    per_rank = [{
-        "rank": int(t.rank[i]), "z": float(z[i]), "finish_lateness_s": float(late[i]),
-        "excess_s": float(excess[i]), "arrival_lateness_s": float(a.arrival_late_s[i]),
-        "bytes_per_collective": float(a.bytes[i]), "bandwidth_Bps": float(bandwidth[i]),
-    } for i in flagged]
-    per_rank.sort(key=lambda r: r["rank"])
-    ranks = [r["rank"] for r in per_rank]
-    worst = max(per_rank, key=lambda r: r["excess_s"])
-    cost = float(np.clip(worst["excess_s"] / step, 0.0, 1.0))
-    bw = ""
-    if np.isfinite(worst["bandwidth_Bps"]) and np.isfinite(peers_bw):
-        bw = (f" ({worst['bytes_per_collective'] / 1e6:.0f} MB at {worst['bandwidth_Bps'] / 1e9:.1f} GB/s "
-              f"vs {peers_bw / 1e9:.1f} GB/s on the other ranks)")
-    return [Finding(
-        kind="slow_link", ranks=ranks, function=a.op, component="link",
-        score=max(r["z"] for r in per_rank), cost=cost,
-        summary=(f"{_rank_list(ranks)} {'finishes' if len(ranks) == 1 else 'finish'} {a.op} "
-                 f"{_range_ms([r['excess_s'] for r in per_rank])} after {'its' if len(ranks) == 1 else 'their'} "
-                 f"peers{bw} while {'its' if len(ranks) == 1 else 'their'} compute is normal: a slow link; "
-                 f"costs {cost:.0%} of step time"),
-        evidence={"step_time_s": step, "op": a.op, "instances": a.instances,
-                  "lateness_s": worst["finish_lateness_s"], "peers_lateness_s": peers_late,
-                  "bytes_per_collective": worst["bytes_per_collective"], "bandwidth_Bps": worst["bandwidth_Bps"],
-                  "peers_bandwidth_Bps": peers_bw, "per_rank": per_rank},
-    )]
-
-
-# --- GPU findings (CUPTI shim and NVML views) ---------------------------------------------------------
-CLOCK_DROP = 0.10  # a GPU whose SM clock is this far below its peers' (as a fraction of max) is throttled
-THROTTLE_REASONS = {0x4: "software power cap", 0x8: "hardware slowdown", 0x10: "sync boost",
-                    0x20: "software thermal slowdown", 0x40: "hardware thermal slowdown",
-                    0x80: "hardware power brake"}  # nvmlClocksEventReason bits that slow a GPU down
-VOID_MIN = 0.30  # GPU idle share of the window (XPUTimer's "void percentage") that makes a rank launch-bound
-LAUNCH_SYNC_MAX = 0.10  # ... while the host waits for its GPU at most this share: the GPU waits for the host
-SMALL_KERNEL_S = 50e-6  # ... and its kernels are short on average (launch cost rivals kernel time)
-# ... unless its launches wait in the GPU's queue: a median launch-to-kernel-start delay this long (CUPTI
-# correlation, deep mode) means the host runs ahead of the GPU, so the idle gaps are not the launch path's.
-# An idle GPU starts a kernel ~5-20 us after its launch call returns.
-QUEUE_AHEAD_S = 100e-6
-
-
-def _reasons(bits: int) -> list[str]:
-    return [name for bit, name in THROTTLE_REASONS.items() if bits & bit]
-
-
-def gpu_throttle(t: RankTable, a: Alignment | None = None) -> list[Finding]:
-    """Straggling ranks whose GPU runs below its peers' clocks with a slowdown reason (thermal, power, ...):
-    the straggler's root cause is its GPU's clock, not its work."""
-    found = _straggling(t)
-    if found is None:
-        return []
-    rows, z, excess, _work, _comm_med = found
-    health = [p.gpu_health for p in t.patterns]
-    ratio = np.array([h.sm_clock_mhz / h.max_sm_clock_mhz if h and h.max_sm_clock_mhz else np.nan for h in health])
-    if np.count_nonzero(np.isfinite(ratio)) < MIN_RANKS:
-        return []
-    peers = peers_median(ratio)
-    step = t.job_step_s
-    out = []
-    for i in rows:
-        h = health[i]
-        if h is None or not np.isfinite(ratio[i]) or peers - ratio[i] < CLOCK_DROP or not _reasons(h.throttle_reasons):
-            continue
-        reasons = _reasons(h.throttle_reasons)
-        cost = float(np.clip(_delay(a, i, float(excess[i])) / step, 0.0, 1.0))
-        out.append(Finding(
-            kind="gpu_throttle", ranks=[int(t.rank[i])], function=None, component="gpu", score=float(z[i]), cost=cost,
-            summary=(f"rank {t.rank[i]}'s GPU {h.index} runs at {h.sm_clock_mhz} MHz ({ratio[i]:.0%} of its "
-                     f"{h.max_sm_clock_mhz} MHz) while its peers' run at {peers:.0%}, slowed by "
-                     f"{' and '.join(reasons)} ({h.temperature_c} C, {h.power_w} W); the rank computes "
-                     f"{ms(float(excess[i]))} longer per step and the others wait; costs {cost:.0%} of step time"),
-            evidence={"step_time_s": step, "gpu": h.index, "sm_clock_mhz": h.sm_clock_mhz,
-                      "max_sm_clock_mhz": h.max_sm_clock_mhz, "peers_clock_ratio": peers,
-                      "throttle_reasons": reasons, "temperature_c": h.temperature_c, "power_w": h.power_w,
-                      "xids": h.xids, "excess_s": float(excess[i])},
-        ))
-    return out
-
-
-def launch_bound(t: RankTable) -> list[Finding]:
-    """Ranks whose GPU idles between kernels while the host is not waiting for it: the host cannot launch
-    work fast enough (short kernels, the launch path dominates). Needs the CUPTI shim's GPU busy time."""
-    per_rank = []
-    for i, p in enumerate(t.patterns):
-        g = p.gpu
-        if g is None or g.kernels == 0:
-            continue
-        void = 1.0 - min(g.busy_s / p.window_s, 1.0)
-        sync_share = p.time_in(Role.SYNC) / p.window_s
-        mean_kernel = g.kernel_s / g.kernels
-        queued = bool(g.launches) and g.queue_p50_s >= QUEUE_AHEAD_S
-        if void >= VOID_MIN and sync_share <= LAUNCH_SYNC_MAX and mean_kernel <= SMALL_KERNEL_S and not queued:
-            per_rank.append({"rank": int(t.rank[i]), "void_share": void, "gpu_busy_s": g.busy_s,
-                             "window_s": p.window_s, "sync_share": sync_share, "mean_kernel_us": mean_kernel * 1e6,
-                             "kernels": g.kernels, "kernels_per_s": g.kernels / p.window_s})
-            if g.launches:  # joined launches: how long each waited for the GPU
-                per_rank[-1].update(launches=g.launches, queue_p50_us=g.queue_p50_s * 1e6,
-                                    queue_p99_us=g.queue_p99_s * 1e6)
-    if not per_rank:
-        return []
-    per_rank.sort(key=lambda r: r["rank"])
-    ranks = [r["rank"] for r in per_rank]
-    void = float(np.median([r["void_share"] for r in per_rank]))
-    mean_us = float(np.median([r["mean_kernel_us"] for r in per_rank]))
-    rate = float(np.median([r["kernels_per_s"] for r in per_rank]))  # launches are counted in deep mode only
-    # Kernel times in microseconds: plain() rounds evidence to 1e-6.
-    evidence = {"void_share": void, "mean_kernel_us": mean_us, "kernels_per_s": rate, "per_rank": per_rank}
-    queue = [r["queue_p50_us"] for r in per_rank if "queue_p50_us" in r]
-    if queue:
-        evidence["queue_p50_us"] = float(np.median(queue))
-    waits = f", each kernel starting {evidence['queue_p50_us']:.0f} us after its launch" if queue else ""
-    return [Finding(
-        kind="launch_bound", ranks=ranks, function="cuLaunchKernel", component="host",
-        score=void / VOID_MIN, cost=void,  # at most the idle share could be won back
-        summary=(f"{_rank_list(ranks)}: the GPU is idle {void:.0%} of the time between short kernels "
-                 f"({mean_us:.0f} us on average, {rate:.0f} kernels/s{waits}) while the host does not wait for it: "
-                 f"the host cannot launch work fast enough (CUDA graphs or larger kernels help); "
-                 f"costs up to {void:.0%} of step time"),
-        evidence=evidence,
-    )]

@@ -1,0 +1,104 @@
+"""What the GPU itself says: throttled clocks (NVML) and a GPU left idle by its host's launches (CUPTI)."""
+from __future__ import annotations
+
+import numpy as np
+
+from rankscope.analyzer.differential import Alignment, peers_median
+from rankscope.analyzer.metrics import RankTable
+from rankscope.analyzer.rules.stragglers import MIN_RANKS, delay, straggling
+from rankscope.analyzer.rules.wording import ms, rank_list
+from rankscope.schema.finding import Finding
+from rankscope.schema.patterns import Role
+
+CLOCK_DROP = 0.10  # a GPU whose SM clock is this far below its peers' (as a fraction of max) is throttled
+THROTTLE_REASONS = {0x4: "software power cap", 0x8: "hardware slowdown", 0x10: "sync boost",
+                    0x20: "software thermal slowdown", 0x40: "hardware thermal slowdown",
+                    0x80: "hardware power brake"}  # nvmlClocksEventReason bits that slow a GPU down
+VOID_MIN = 0.30  # GPU idle share of the window (XPUTimer's "void percentage") that makes a rank launch-bound
+LAUNCH_SYNC_MAX = 0.10  # ... while the host waits for its GPU at most this share: the GPU waits for the host
+SMALL_KERNEL_S = 50e-6  # ... and its kernels are short on average (launch cost rivals kernel time)
+# ... unless its launches wait in the GPU's queue: a median launch-to-kernel-start delay this long (CUPTI
+# correlation, deep mode) means the host runs ahead of the GPU, so the idle gaps are not the launch path's.
+# An idle GPU starts a kernel ~5-20 us after its launch call returns.
+QUEUE_AHEAD_S = 100e-6
+
+
+def _reasons(bits: int) -> list[str]:
+    return [name for bit, name in THROTTLE_REASONS.items() if bits & bit]
+
+
+def gpu_throttle(t: RankTable, a: Alignment | None = None) -> list[Finding]:
+    """Straggling ranks whose GPU runs below its peers' clocks with a slowdown reason (thermal, power, ...):
+    the straggler's root cause is its GPU's clock, not its work."""
+    found = straggling(t)
+    if found is None:
+        return []
+    rows, z, excess, _work, _comm_med = found
+    health = [p.gpu_health for p in t.patterns]
+    ratio = np.array([h.sm_clock_mhz / h.max_sm_clock_mhz if h and h.max_sm_clock_mhz else np.nan for h in health])
+    if np.count_nonzero(np.isfinite(ratio)) < MIN_RANKS:
+        return []
+    peers = peers_median(ratio)
+    step = t.job_step_s
+    out = []
+    for i in rows:
+        h = health[i]
+        if h is None or not np.isfinite(ratio[i]) or peers - ratio[i] < CLOCK_DROP or not _reasons(h.throttle_reasons):
+            continue
+        reasons = _reasons(h.throttle_reasons)
+        cost = float(np.clip(delay(a, i, float(excess[i])) / step, 0.0, 1.0))
+        out.append(Finding(
+            kind="gpu_throttle", ranks=[int(t.rank[i])], function=None, component="gpu", score=float(z[i]), cost=cost,
+            summary=(f"rank {t.rank[i]}'s GPU {h.index} runs at {h.sm_clock_mhz} MHz ({ratio[i]:.0%} of its "
+                     f"{h.max_sm_clock_mhz} MHz) while its peers' run at {peers:.0%}, slowed by "
+                     f"{' and '.join(reasons)} ({h.temperature_c} C, {h.power_w} W); the rank computes "
+                     f"{ms(float(excess[i]))} longer per step and the others wait; costs {cost:.0%} of step time"),
+            evidence={"step_time_s": step, "gpu": h.index, "sm_clock_mhz": h.sm_clock_mhz,
+                      "max_sm_clock_mhz": h.max_sm_clock_mhz, "peers_clock_ratio": peers,
+                      "throttle_reasons": reasons, "temperature_c": h.temperature_c, "power_w": h.power_w,
+                      "xids": h.xids, "excess_s": float(excess[i])},
+        ))
+    return out
+
+
+def launch_bound(t: RankTable) -> list[Finding]:
+    """Ranks whose GPU idles between kernels while the host is not waiting for it: the host cannot launch
+    work fast enough (short kernels, the launch path dominates). Needs the CUPTI shim's GPU busy time."""
+    per_rank = []
+    for i, p in enumerate(t.patterns):
+        g = p.gpu
+        if g is None or g.kernels == 0:
+            continue
+        void = 1.0 - min(g.busy_s / p.window_s, 1.0)
+        sync_share = p.time_in(Role.SYNC) / p.window_s
+        mean_kernel = g.kernel_s / g.kernels
+        queued = bool(g.launches) and g.queue_p50_s >= QUEUE_AHEAD_S
+        if void >= VOID_MIN and sync_share <= LAUNCH_SYNC_MAX and mean_kernel <= SMALL_KERNEL_S and not queued:
+            per_rank.append({"rank": int(t.rank[i]), "void_share": void, "gpu_busy_s": g.busy_s,
+                             "window_s": p.window_s, "sync_share": sync_share, "mean_kernel_us": mean_kernel * 1e6,
+                             "kernels": g.kernels, "kernels_per_s": g.kernels / p.window_s})
+            if g.launches:  # joined launches: how long each waited for the GPU
+                per_rank[-1].update(launches=g.launches, queue_p50_us=g.queue_p50_s * 1e6,
+                                    queue_p99_us=g.queue_p99_s * 1e6)
+    if not per_rank:
+        return []
+    per_rank.sort(key=lambda r: r["rank"])
+    ranks = [r["rank"] for r in per_rank]
+    void = float(np.median([r["void_share"] for r in per_rank]))
+    mean_us = float(np.median([r["mean_kernel_us"] for r in per_rank]))
+    rate = float(np.median([r["kernels_per_s"] for r in per_rank]))  # launches are counted in deep mode only
+    # Kernel times in microseconds: plain() rounds evidence to 1e-6.
+    evidence = {"void_share": void, "mean_kernel_us": mean_us, "kernels_per_s": rate, "per_rank": per_rank}
+    queue = [r["queue_p50_us"] for r in per_rank if "queue_p50_us" in r]
+    if queue:
+        evidence["queue_p50_us"] = float(np.median(queue))
+    waits = f", each kernel starting {evidence['queue_p50_us']:.0f} us after its launch" if queue else ""
+    return [Finding(
+        kind="launch_bound", ranks=ranks, function="cuLaunchKernel", component="host",
+        score=void / VOID_MIN, cost=void,  # at most the idle share could be won back
+        summary=(f"{rank_list(ranks)}: the GPU is idle {void:.0%} of the time between short kernels "
+                 f"({mean_us:.0f} us on average, {rate:.0f} kernels/s{waits}) while the host does not wait for it: "
+                 f"the host cannot launch work fast enough (CUDA graphs or larger kernels help); "
+                 f"costs up to {void:.0%} of step time"),
+        evidence=evidence,
+    )]

@@ -1,0 +1,59 @@
+"""A regression: the whole job slower than its own baseline (analyzer/baseline.py), named by the function whose
+time per step grew the most.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Reference, StepProfile
+from rankscope.analyzer.metrics import RankTable
+from rankscope.analyzer.rules.stragglers import DATA_LOADING, PYTHON_SHARE
+from rankscope.analyzer.rules.wording import ms
+from rankscope.schema.finding import Finding
+
+BROAD_SHARE = 0.75  # a regression: at least this share of ranks shows the growth, not one rank
+
+
+def regression(t: RankTable, ref: Reference | None, threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
+    """The job is `threshold` slower than its baseline and the growth is on (nearly) every rank.
+
+    The caller asks only when no rank differs from its peers: a straggler slows the whole job too, but the
+    straggler is the cause, not a change of the job.
+    """
+    now = StepProfile.of(t)
+    if ref is None or now is None:
+        return []
+    base = ref.profile
+    grown = now.step_s - base.step_s
+    if not ref.slower(now.step_s, threshold):
+        return []
+    valid = np.isfinite(t.step_s)
+
+    # The probed functions and the host time outside them partition a step: which part grew the most?
+    parts = {name: (now.functions[name] - base.functions.get(name, 0.0), t.fn_s[valid, j], t.fn_roles[j])
+             for j, name in enumerate(t.fn_names)}
+    parts[None] = (now.host_s - base.host_s, t.host_s[valid], None)
+    name = max(parts, key=lambda k: parts[k][0])
+    growth, per_rank, role = parts[name]
+    before = base.host_s if name is None else base.functions.get(name, 0.0)
+    broad = np.count_nonzero(per_rank - before >= 0.5 * growth) / max(int(valid.sum()), 1)
+    if broad < BROAD_SHARE:
+        return []
+    python = sorted(((f, s - base.python.get(f, 0.0)) for f, s in now.python.items()), key=lambda x: -x[1])
+    function, component = name, role.component if role else "cpu"
+    if name is None and python and python[0][1] >= PYTHON_SHARE * grown:
+        function = python[0][0]  # host time grew: the Python function where it went names it
+        component = "input" if DATA_LOADING.search(function) else "python"
+    cost = float(np.clip(grown / now.step_s, 0.0, 1.0))
+    where = function or "host work outside CUDA and NCCL calls"
+    return [Finding(
+        kind="regression", ranks=sorted(int(r) for r in t.rank[valid]), function=function, component=component,
+        score=grown / ref.noise_s, cost=cost,
+        summary=(f"every rank is slower than the job's baseline: {ms(now.step_s)} per step instead of "
+                 f"{ms(base.step_s)} (+{grown / base.step_s:.0%}); {where} grew by {ms(growth)} per step; "
+                 f"costs {cost:.0%} of step time"),
+        evidence={"step_time_s": now.step_s, "baseline_step_s": base.step_s, "baseline_windows": ref.windows,
+                  "baseline_end": base.end, "baseline_noise_s": ref.noise_s, "grown_s": grown, "function_growth_s": growth,
+                  "function_baseline_s": before, "ranks_grown_share": broad,
+                  "python_growth": [{"function": f, "grown_s": g} for f, g in python[:3] if g > 0]},
+    )]
