@@ -26,6 +26,10 @@ MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard de
 # different times), and a broadcast ends on a receiver once the root's data arrived, on the root once all
 # received (DDP's per-step buffer broadcast: 10 ms and 150 ms apart), which mismatched the instances.
 NOT_LINED_UP = re.compile(r"send|recv|broadcast", re.I)
+# ...yet every rank must arrive at a broadcast, and a straggler may be late there only: between a step's
+# all-reduce and the next step's buffer broadcast, the root waits for it (lm-2: 35 ms a step) and both then
+# reach the all-reduce together. Broadcasts are lined up by the lined-up collectives around them instead.
+ROOTED = re.compile(r"broadcast", re.I)
 
 
 def peers_median(x: np.ndarray) -> float:
@@ -123,6 +127,19 @@ def _late_per_step(enter: np.ndarray, step_s: float) -> tuple[np.ndarray, np.nda
     return np.median(stretches, axis=1), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1)
 
 
+def _rooted_between(anchors: np.ndarray, rooted: list[np.ndarray]) -> np.ndarray:
+    """Enter instants (ranks x instances) of the rooted collectives that every rank entered exactly one of
+    between the same two lined-up instances (`anchors`: ranks x instances, enter instants); `rooted`: each
+    rank's rooted enters, sorted. Ranks run one collective sequence, so those are one instance."""
+    n, m = anchors.shape
+    if m < 2 or not all(r.size for r in rooted):
+        return np.zeros((n, 0))
+    anchors = anchors[:, np.argsort(anchors.min(axis=0), kind="stable")]
+    before = np.stack([np.searchsorted(r, a) for r, a in zip(rooted, anchors)])  # rooted enters before each
+    gaps = np.flatnonzero((np.diff(before, axis=1) == 1).all(axis=0))  # one in the gap after anchor j
+    return np.stack([r[before[i, gaps]] for i, r in enumerate(rooted)])
+
+
 def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = None) -> Alignment:
     """Line up the ranks' collectives instance by instance.
 
@@ -130,7 +147,8 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     were watched) are matched to a reference rank's by nearest `done` (same op, |delta| < half a step);
     instances that every compared rank saw are kept. Ranks that matched fewer than half of the reference's
     instances (a rank that stopped, or whose window missed them) are not compared, so that one of them
-    does not wipe out every instance. Vectorized: O(records log 16), no per-pair work.
+    does not wipe out every instance. Broadcasts count for arrival only, lined up by _rooted_between.
+    Vectorized: O(records log 16), no per-pair work.
     """
     n = len(patterns)
     # The group's own collectives, over the stretch every rank was watched (one attached later, or whose
@@ -201,7 +219,10 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     Ek, Dk, Bk = E[compared][:, kept], D[compared][:, kept], B[compared][:, kept]
 
     out = Alignment.empty(n)
-    out.arrival_late_s[compared], out.late_share[compared] = _late_per_step(Ek, step_s)
+    rooted = [np.sort([c.enter for c in p.collectives if c.enter >= since and ROOTED.search(c.op)])
+              for p, seen in zip(patterns, compared) if seen]
+    arrivals = np.concatenate([Ek, _rooted_between(Ek, rooted)], axis=1)
+    out.arrival_late_s[compared], out.late_share[compared] = _late_per_step(arrivals, step_s)
     out.finish_late_s[compared] = np.median(Dk - Dk.min(axis=0), axis=1)
     out.transfer_s[compared] = np.median(Dk - Ek.max(axis=0), axis=1)
     out.bytes[compared] = np.median(Bk, axis=1)

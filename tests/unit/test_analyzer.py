@@ -232,6 +232,24 @@ def test_alignment_tolerates_shifted_windows():
     assert np.isnan(a.finish_late_s[4])
 
 
+def test_a_rank_late_only_at_the_buffer_broadcast_arrives_last():
+    # lm-2: the straggler's extra work lands before the next step's buffer broadcast, whose root waits for it
+    # there; both then reach the all-reduce together. The broadcast's ends differ (not lined up by them), so
+    # it is lined up by the all-reduces around it.
+    ps = simulate(2, host_extra={1: 0.03})
+    for p, other in ((ps[0], ps[1]), (ps[1], ps[0])):
+        recs = []
+        for mine, theirs in zip(p.collectives, other.collectives):
+            arrive = max(mine.enter, theirs.enter)  # the root waits for the late receiver
+            recs += [CollectiveRecord("gloo_broadcast", 16_384, mine.enter, arrive + 0.0002),
+                     CollectiveRecord("ncclAllReduce", NBYTES, arrive + 0.001, mine.done)]
+        p.collectives = recs
+    a = align_collectives(ps)
+    assert a.arrival_late_s[1] == pytest.approx(0.03, abs=0.003) and a.arrival_late_s[0] < 0.001
+    assert a.late_share[1] > 0.9 and a.op == "ncclAllReduce"
+    assert [(f["kind"], f["ranks"]) for f in findings(ps)] == [("compute_straggler", [1])]
+
+
 # --- rules and document --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,seed", [(4, 1), (8, 2), (16, 3)])
