@@ -2,6 +2,7 @@
 
     scripts/bench accuracy [--repeats N] [--windows K] [--shapes A,B] [--faults X,Y] [--json PATH]
                            [--misses DIR]   (root)
+    scripts/bench accuracy --table RESULTS.json...   (the table of earlier runs, merged)
 
 Each case is a fresh torchrun job of one shape (tests/jobs/: user-style training code, faults injected from
 outside the job's code by tests/jobs/inject/sitecustomize.py), or the simulated GPU job (rankscope.sim: its
@@ -12,7 +13,7 @@ it again: K runs from one fresh job, each a new window; a hang is diagnosed once
 Every figure is checked against the job's own truth: its step log (every optimizer step's end) and the
 injected fault.
 
-Per case: runs, fresh jobs, right verdicts (the top finding's kind and ranks; for a healthy job, no
+Per case: the job's own step time (median), runs, fresh jobs, right verdicts (the top finding's kind and ranks; for a healthy job, no
 finding), false findings (any other finding), step-time error (the document's step time against the job's own
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
 1 - healthy step / faulty step, the healthy step measured on the same shape in the same run), and, for agent
@@ -315,7 +316,9 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         step = [abs(r.step_err) for r in rs if r.step_err is not None]
         cost = [r.cost_err for r in rs if r.cost_err is not None]
         ttf = [r.to_finding_s for r in rs if r.to_finding_s is not None]
+        truth = [r.truth_step_s for r in rs if r.truth_step_s]
         rows.append({"shape": key[0], "fault": key[1], "runs": len(rs), "jobs": len({r.job for r in rs}),
+                     "truth_step_s": med(truth),
                      "right": sum(r.right for r in rs), "step_err_worst": max(step) if step else None,
                      "false": sum(len(r.false) for r in rs), "errors": sum(bool(r.error) for r in rs),
                      "step_err": med(step), "cost_err": med(cost), "to_finding_s": med(ttf),
@@ -325,13 +328,14 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
-    lines = ["| shape | fault | right | jobs | false findings | step-time error (worst) | cost error | "
-             "time to finding | seen |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | fault | step | right | jobs | false findings | step-time error (worst) | cost error | "
+             "time to finding | seen |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ttf = "-" if r["to_finding_s"] is None else f"{r['to_finding_s']:.1f} s"
         step = "-" if r["step_err"] is None else f"{r['step_err']:.0%} ({r['step_err_worst']:.0%})"
-        lines.append(f"| {r['shape']} | {r['fault']} | {r['right']}/{r['runs']} | {r['jobs']} | {r['false']} | "
-                     f"{step} | {pct(r['cost_err'])} | {ttf} | {'; '.join(r['seen'])[:80]} |")
+        truth = "-" if r.get("truth_step_s") is None else f"{r['truth_step_s'] * 1e3:.0f} ms"
+        lines.append(f"| {r['shape']} | {r['fault']} | {truth} | {r['right']}/{r['runs']} | {r['jobs']} | "
+                     f"{r['false']} | {step} | {pct(r['cost_err'])} | {ttf} | {'; '.join(r['seen'])[:80]} |")
     return "\n".join(lines)
 
 
@@ -343,7 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default=",".join(f.name for f in FAULTS))
     ap.add_argument("--json", default="accuracy-results.json")
     ap.add_argument("--misses", default="accuracy-misses", help="where wrong verdicts keep their patterns and document")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' JSON files instead")
     args = ap.parse_args(argv)
+    if args.table:
+        runs = [Run(**{k: v for k, v in r.items() if k not in ("step_err", "cost_err")})
+                for f in args.table for r in json.loads(Path(f).read_text())["runs"]]
+        print(table(summarize(runs)))
+        return 0
     if os.geteuid() != 0:
         print("bench_accuracy: needs root (eBPF)", file=sys.stderr)
         return 2
