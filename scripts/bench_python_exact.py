@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "syste
 
 from test_python_sampler import INTERPRETERS  # noqa: E402
 
-from rankscope.agent.interpreters.cpython import inspect  # noqa: E402
+from rankscope.agent.interpreters.cpython.process import inspect  # noqa: E402
 from rankscope.agent.sources.python_exact import PythonTimer, TracedFunction
 
 LOOP = r'''

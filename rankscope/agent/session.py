@@ -1,4 +1,5 @@
-"""An observation session: the processes watched, the probe program and the collector, window by window.
+"""An observation session: the processes watched, the probe program and its collector (which make each
+window's patterns), and the sources that fill in the rest, window by window.
 
 Used the same way by `rankscope diagnose` (one window) and the node agent (a window every few seconds).
 A process that exits is reported once as exited, with what was collected up to its exit, then forgotten.
@@ -16,8 +17,10 @@ from rankscope.agent.loader.program import ProbeProgram
 from rankscope.agent.sources.collector import Collector
 from rankscope.agent.sources.gpu import GpuViews
 from rankscope.agent.sources.probes import KINDS
-from rankscope.agent.sources.python_exact import PythonTimer, TracedFunction
-from rankscope.agent.sources.python_sampler import PythonAttachError, PythonSampler
+from rankscope.agent.sources.python_exact import PythonTiming, TracedFunction
+from rankscope.agent.sources.python_profile import PythonFrames
+from rankscope.agent.sources.python_sampler import PythonSampler
+from rankscope.agent.sources.source import Source
 from rankscope.schema.patterns import RankPattern
 
 log = logging.getLogger(__name__)
@@ -36,14 +39,17 @@ class Session:
     def __init__(self, program: ProbeProgram | None = None, traced: tuple[TracedFunction, ...] = (),
                  detail: Detail = LIGHT):
         self.program = program or ProbeProgram()
-        self.python = PythonSampler(frequency=detail.python_hz)
-        self.timer = PythonTimer(traced)
-        self.timer.set_functions(detail.hot_probes)
         self.program.hot = detail.hot_probes
-        self.collector = Collector(self.program, self.python, self.timer, host_name())
+        self.collector = Collector(self.program, host_name())
         self.collector.detail = detail
         self.targets: dict[int, Target] = {}
-        self.gpu = GpuViews(launches=detail.hot_probes)
+        sampler = PythonSampler(frequency=detail.python_hz)
+        # Attached in this order (the timer times what the sampler found), filled in this order.
+        self.sources: list[Source] = [
+            PythonFrames(sampler, detail),
+            PythonTiming(sampler, traced, detail),
+            GpuViews(launches=detail.hot_probes),
+        ]
 
     def add(self, pid: int) -> Target:
         """Inspect and attach to `pid`; TargetError or ProbeError say why not."""
@@ -56,31 +62,18 @@ class Session:
             self.program.detach(pid)
             raise TargetError(f"process {pid} exited while attaching")
         self.targets[pid] = target
-        self._sample_python(target)
-        self.gpu.attach(pid)
+        for source in self.sources:
+            source.attach(target)
         return target
-
-    def _sample_python(self, target: Target) -> None:
-        """Python frames are a bonus: a process whose interpreter cannot be read is still watched."""
-        try:
-            target.python = self.python.attach(target.pid)
-        except PythonAttachError as e:
-            target.python_error = str(e)
-            log.warning("pid %d: no Python frames: %s", target.pid, e)
-            return
-        try:
-            self.timer.attach(self.python.interpreter(target.pid), target.identity.job)
-        except PythonAttachError as e:
-            log.warning("pid %d: no exact Python timing: %s", target.pid, e)
 
     def window(self) -> list[RankPattern]:
         """The patterns of every watched process since the previous window."""
         exited = {pid for pid, t in self.targets.items() if not t.alive()}
         for pid in exited:
-            self.program.detach(pid)
-            self.python.detach(pid)
+            self._detach(pid)
         patterns = self.collector.collect(list(self.targets.values()), exited)
-        self.gpu.fill(patterns)
+        for source in self.sources:
+            source.fill(patterns)
         for pid in exited:
             log.info("pid %d exited", pid)
             self._forget(pid)
@@ -90,28 +83,30 @@ class Session:
         """What the next windows record (call right after window(): samples are counted at one rate)."""
         if detail != self.collector.detail:
             log.info("detail: %s", detail.level)
-            self.python.set_frequency(detail.python_hz)
-            self.timer.set_functions(detail.hot_probes)
+            for source in self.sources:
+                source.set_detail(detail)
             self.program.set_hot(detail.hot_probes)
-            self.gpu.set_launches(detail.hot_probes)
             self.collector.detail = detail
 
     def remove(self, pid: int) -> None:
         """Stop watching `pid` (its data since the last window is dropped)."""
         if pid in self.targets:
-            self.program.detach(pid)
-            self.python.detach(pid)
+            self._detach(pid)
             self._forget(pid)
+
+    def _detach(self, pid: int) -> None:
+        self.program.detach(pid)
+        for source in self.sources:
+            source.detach(pid)
 
     def _forget(self, pid: int) -> None:
         del self.targets[pid]
-        self.timer.detach(pid)  # after the last read: its uprobes leave with the process anyway
         self.collector.forget(pid)
-        self.gpu.forget(pid)
+        for source in self.sources:
+            source.forget(pid)
         self.program.purge(pid)
 
     def close(self) -> None:
-        self.timer.close()
-        self.gpu.close()
-        self.python.close()
+        for source in reversed(self.sources):
+            source.close()
         self.program.close()

@@ -1,9 +1,12 @@
 // Shared by every probe kind: which processes are watched, per-function time accounting, and the
 // collective bookkeeping that lets a later sync complete an asynchronous collective.
 // Everything is aggregated here in the kernel; user space reads the maps once a window.
+#ifndef RANKSCOPE_COMMON_H
+#define RANKSCOPE_COMMON_H
 #include <uapi/linux/ptrace.h>
 
-#define HIST_SLOTS 40   // log2(ns) buckets: 1 ns .. ~18 min
+#include "histogram.h"
+
 #define RING_SLOTS 64   // last collectives kept per process, for completing asynchronous ones
 #define DONE_PAGES 1024 // completed-collective stream: 4 MiB, ~87k records between two reads
 
@@ -92,10 +95,7 @@ static __always_inline struct fn_val *stats_for(u32 fn) {
 
 static __always_inline void add_latency(struct fn_val *v, u64 ns) {
     __sync_fetch_and_add(&v->total_ns, ns);
-    u32 slot = bpf_log2l(ns);
-    if (slot >= HIST_SLOTS)
-        slot = HIST_SLOTS - 1;
-    __sync_fetch_and_add(&v->hist[slot], 1);
+    __sync_fetch_and_add(&v->hist[hist_slot(ns)], 1);
     if (ns > v->max_ns)
         v->max_ns = ns;  // racy max is fine: a window's max, not a ledger
 }
@@ -217,10 +217,7 @@ static __always_inline int sync_return(u32 fn) {
         if (i == 0)
             __sync_fetch_and_add(&v->total_ns, ns);
         u64 lat = now - rec->enter_ns;
-        u32 slot = bpf_log2l(lat);
-        if (slot >= HIST_SLOTS)
-            slot = HIST_SLOTS - 1;
-        __sync_fetch_and_add(&v->hist[slot], 1);
+        __sync_fetch_and_add(&v->hist[hist_slot(lat)], 1);
         if (lat > v->max_ns)
             v->max_ns = lat;
     }
@@ -290,3 +287,5 @@ static __always_inline int lower_enter(u32 fn, u64 bytes) {
 #define COLLECTIVE(sym, bytes_expr, blocking)                             \
     int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, (bytes_expr)); } \
     int return_##sym(struct pt_regs *ctx) { return collective_return(FN_##sym, (blocking)); }
+
+#endif

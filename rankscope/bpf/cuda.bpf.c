@@ -1,6 +1,7 @@
 // CUDA driver API (libcuda.so.1): launches are counted, host waits and copies are timed.
 // Argument positions follow the driver API's C signatures (x86-64 SysV). The driver is the lower layer
 // under the CUDA runtime (cudart.bpf.c): its waits and copies inside a runtime call are the runtime's.
+#include "common.h"
 
 // cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra)
 COUNTED(cuLaunchKernel, 0)

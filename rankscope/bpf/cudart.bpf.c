@@ -2,6 +2,7 @@
 // work through the driver (cuda.bpf.c), so these are the upper layer: while one runs on a thread, the
 // driver calls it makes are its own and not accounted again. Launches are left to the driver, where the
 // runtime's and direct driver launches (Triton, NVRTC) all arrive.
+#include "common.h"
 
 UPPER_SYNC(cudaStreamSynchronize)
 UPPER_SYNC(cudaStreamSynchronize_ptsz)

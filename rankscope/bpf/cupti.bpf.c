@@ -5,7 +5,8 @@
 // Composed after bpf/cupti_launch.bpf.c (join_kernel).
 #include <uapi/linux/ptrace.h>
 
-#define GPU_HIST_SLOTS 40  // log2(ns) buckets, as the uprobe histograms
+#include "histogram.h"
+
 
 struct act_key {
     u32 pid;
@@ -16,7 +17,7 @@ struct act_val {
     u64 count;
     u64 total_ns;
     u64 bytes;
-    u64 hist[GPU_HIST_SLOTS];
+    u64 hist[HIST_SLOTS];
 };
 BPF_HASH(gpu_activity, struct act_key, struct act_val, 4096);
 BPF_ARRAY(act_zero, struct act_val, 1);  // never written: a new aggregate's zeros, off the 512-byte stack
@@ -73,10 +74,7 @@ int on_activity(struct pt_regs *ctx) {
         __sync_fetch_and_add(&v->count, 1);
         __sync_fetch_and_add(&v->total_ns, ns);
         __sync_fetch_and_add(&v->bytes, r.bytes);
-        u32 slot = bpf_log2l(ns);
-        if (slot >= GPU_HIST_SLOTS)
-            slot = GPU_HIST_SLOTS - 1;
-        __sync_fetch_and_add(&v->hist[slot], 1);
+        __sync_fetch_and_add(&v->hist[hist_slot(ns)], 1);
     }
 
     struct dev_key dk = {.pid = r.pid, .device = r.device};

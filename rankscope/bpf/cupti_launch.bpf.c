@@ -7,7 +7,8 @@
 // Small values only: on_activity's stack already holds the activity record and its aggregate.
 #include <uapi/linux/ptrace.h>
 
-#define QUEUE_HIST_SLOTS 40  // log2(ns) buckets, as the GPU activity histograms
+#include "histogram.h"
+
 
 #define JOIN_LAUNCH 1
 #define JOIN_KERNEL 2
@@ -37,7 +38,7 @@ struct queue_slot {
     u32 pid;
     u32 slot;  // bpf_log2l(delay ns)
 };
-BPF_HASH(launch_queue_hist, struct queue_slot, u64, 1024 * QUEUE_HIST_SLOTS);
+BPF_HASH(launch_queue_hist, struct queue_slot, u64, 1024 * HIST_SLOTS);
 BPF_ARRAY(join_on, u32, 1);  // set while the launch probe is attached: kernels wait for launches only then
 
 // One half of a launch-kernel pair arrived. One CUPTI thread delivers a process's buffers: no race to guard.
@@ -64,9 +65,7 @@ static __always_inline void join(u32 pid, u32 correlation, u32 side, u64 ts) {
         return;
     __sync_fetch_and_add(&q->joined, 1);
     __sync_fetch_and_add(&q->total_ns, delay);
-    struct queue_slot qs = {.pid = pid, .slot = bpf_log2l(delay)};
-    if (qs.slot >= QUEUE_HIST_SLOTS)
-        qs.slot = QUEUE_HIST_SLOTS - 1;
+    struct queue_slot qs = {.pid = pid, .slot = hist_slot(delay)};
     launch_queue_hist.increment(qs);
 }
 

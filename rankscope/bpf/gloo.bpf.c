@@ -3,6 +3,7 @@
 // counted. One of the process group's worker threads then runs gloo::<op>, which returns only when every
 // rank has taken part: a blocking collective, timed, complete when it returns.
 // Probe names are C identifiers; agent/sources/probes/gloo.py maps them to the mangled C++ symbols.
+#include "common.h"
 
 // Payload of a gloo options object: its element count and element size (two adjacent size_t) at
 // `offset`. The layouts (x86-64, libstdc++) of gloo as bundled with torch 2.13:

@@ -1,5 +1,6 @@
 // NCCL (libnccl.so.2): collectives with their payload, and communicator set-up, which tells each
 // process its rank, the communicator size and an id shared by every rank of the job.
+#include "common.h"
 
 static __always_inline u64 nccl_type_size(u64 dtype) {
     switch (dtype) {

@@ -3,8 +3,10 @@
 //   rankscope:nccl_coll(comm, rank, func, bytes, gpu_ns, seq): one collective's GPU-side span;
 //   rankscope:nccl_link(comm, rank, peer, send, steps, bytes, wire_ns, peer_wait_ns): one link's network steps
 //   since the plugin's previous hand-over (the plugin sums steps in place; the probe fires once a period).
-// Aggregated here per process; counters only grow: the agent reads differences. Composed after
-// bpf/cupti.bpf.c (GPU_HIST_SLOTS).
+// Aggregated here per process; counters only grow: the agent reads differences.
+#include <uapi/linux/ptrace.h>
+
+#include "histogram.h"
 
 struct coll_key {
     u32 pid;
@@ -15,7 +17,7 @@ struct coll_val {
     u64 count;
     u64 total_ns;
     u64 bytes;
-    u64 hist[GPU_HIST_SLOTS];
+    u64 hist[HIST_SLOTS];
 };
 BPF_HASH(nccl_coll_gpu, struct coll_key, struct coll_val, 256);
 BPF_ARRAY(coll_zero, struct coll_val, 1);  // a new aggregate's zeros, off the 512-byte stack
@@ -49,10 +51,7 @@ int on_nccl_coll(struct pt_regs *ctx) {
     __sync_fetch_and_add(&v->count, 1);
     __sync_fetch_and_add(&v->total_ns, ns);
     __sync_fetch_and_add(&v->bytes, bytes);
-    u32 slot = bpf_log2l(ns);
-    if (slot >= GPU_HIST_SLOTS)
-        slot = GPU_HIST_SLOTS - 1;
-    __sync_fetch_and_add(&v->hist[slot], 1);
+    __sync_fetch_and_add(&v->hist[hist_slot(ns)], 1);
     return 0;
 }
 

@@ -7,6 +7,7 @@
 // Tracepoints, not kprobes: they need no kprobe support in the kernel (this project's hosts have none).
 // No kernel headers either: every field is read at the offset the running kernel's BTF gives, passed in as
 // -D defines by agent/sources/probes/net.py (SK_*: struct sock_common; TP_*: struct tcp_sock).
+#include "common.h"
 
 #define IPPROTO_TCP_ 6
 #define AF_INET6_ 10

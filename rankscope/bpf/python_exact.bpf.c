@@ -7,10 +7,11 @@
 // One program for every CPython version: the offsets come per process in pyx_targets.
 #include <uapi/linux/ptrace.h>
 
+#include "histogram.h"
+
 #define PYX_NAMES 8        // co_names timed (forward, __next__, the user's)
 #define PYX_NAME_WORDS 4   // 32 bytes of a name are compared; longer ones match by prefix and length
 #define PYX_DEPTH 8        // timed calls nested on one thread
-#define PYX_HIST 40        // log2(ns) buckets, as fn_stats
 
 struct pyx_target {
     u32 frame_code;          // frame -> code object (f_code, f_executable)
@@ -41,7 +42,7 @@ struct pyx_val {
     u64 count;
     u64 total_ns;
     u64 max_ns;
-    u64 hist[PYX_HIST];
+    u64 hist[HIST_SLOTS];
 };
 BPF_HASH(pyx_stats, struct pyx_code_key, struct pyx_val, 4096);
 
@@ -95,10 +96,7 @@ static __always_inline void pyx_add(struct pyx_val *v, u64 ns) {
         return;
     __sync_fetch_and_add(&v->count, 1);
     __sync_fetch_and_add(&v->total_ns, ns);
-    u32 slot = bpf_log2l(ns);
-    if (slot >= PYX_HIST)
-        slot = PYX_HIST - 1;
-    __sync_fetch_and_add(&v->hist[slot], 1);
+    __sync_fetch_and_add(&v->hist[hist_slot(ns)], 1);
     if (ns > v->max_ns)
         v->max_ns = ns;  // racy max is fine: user space bounds a window's max by its histogram
 }

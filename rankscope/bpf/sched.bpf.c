@@ -1,6 +1,7 @@
 // Scheduler view of every watched process's threads, from tracepoints: time on CPU, time runnable but
 // waiting for a CPU (run-queue delay), time asleep (voluntary) or blocked in uninterruptible waits (I/O),
 // preemptions, and which tasks held the CPU while a watched thread waited for it.
+#include "common.h"
 
 #define TASK_INTERRUPTIBLE 0x1
 #define TASK_UNINTERRUPTIBLE 0x2
@@ -61,10 +62,7 @@ static __always_inline u64 close_state(struct thread_state *st, u32 pid, u32 tid
     case ON_CPU: __sync_fetch_and_add(&v->on_cpu_ns, ns); break;
     case RUNNABLE: {
         __sync_fetch_and_add(&v->runq_ns, ns);
-        u32 slot = bpf_log2l(ns);
-        if (slot >= HIST_SLOTS)
-            slot = HIST_SLOTS - 1;
-        __sync_fetch_and_add(&v->runq_hist[slot], 1);
+        __sync_fetch_and_add(&v->runq_hist[hist_slot(ns)], 1);
         break;
     }
     case ASLEEP: __sync_fetch_and_add(&v->sleep_ns, ns); break;

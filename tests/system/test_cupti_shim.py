@@ -173,7 +173,7 @@ def test_gpu_views_fill_patterns_from_shim_and_nvml(start_driver):
     views = GpuViews(GpuHealthReader(nvml))
     pattern = RankPattern(job="j", rank=0, world_size=1, pid=driver.pid, host="h", window_start=0, window_end=1)
     try:
-        assert views.attach(driver.pid)
+        assert views.watch(driver.pid)
         assert driver.emit(4)[0] == 4 * RECORDS_PER_BUFFER
         wait_until(lambda: sum(a.count for a in views._shim[driver.pid][0].activity()) == 12, 5, "records")
         views.fill([pattern])
@@ -263,7 +263,7 @@ def test_gpu_views_join_launches_in_deep_mode_only(start_driver):
     views = GpuViews(GpuHealthReader(ReplayNvml(READINGS)))
     pattern = RankPattern(job="j", rank=0, world_size=1, pid=driver.pid, host="h", window_start=0, window_end=1)
     try:
-        assert views.attach(driver.pid)
+        assert views.watch(driver.pid)
         assert not driver.launch(KERNEL_FIRST).api_wanted
         views.fill([pattern])
         assert (pattern.gpu.kernels, pattern.gpu.launches) == (1, None)  # light mode: not measured
@@ -309,4 +309,4 @@ def test_process_without_the_shim_is_refused_clearly():
     with pytest.raises(ProbeError, match="does not load the rankscope CUPTI shim"):
         CuptiReader(os.getpid())
     views = GpuViews(GpuHealthReader(ReplayNvml(READINGS)))
-    assert not views.attach(os.getpid())
+    assert not views.watch(os.getpid())

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from rankscope.agent.interpreters import NATIVE_THREAD, SPECIAL_FRAMES, TRUNCATED, Frame, cpython
+from rankscope.agent.host.procfs import ProcessMemory
+from rankscope.agent.interpreters import NATIVE_THREAD, SPECIAL_FRAMES, TRUNCATED, Frame
+from rankscope.agent.interpreters.cpython import layouts, process
 from rankscope.agent.sources.python_sampler import PythonSampler, StackTime, UnsupportedInterpreter
 
 PYENV = Path.home() / ".pyenv" / "versions"
@@ -352,7 +354,7 @@ def test_old_cpython_is_refused(procs, tmp_path, version):
     script.write_text(PY2_TARGET)
     p, _ = start(procs, [str(exe), str(script)])
     with pytest.raises(UnsupportedInterpreter, match=rf"CPython {version.rsplit('.', 1)[0]}, which is not supported"):
-        cpython.inspect(p.pid)
+        process.inspect(p.pid)
 
 
 @needs_root
@@ -360,7 +362,7 @@ def test_a_process_that_is_not_python_is_refused(procs):
     p = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     procs.append(p)  # Popen returns once cat has been exec'd
     with pytest.raises(UnsupportedInterpreter, match="runs no CPython interpreter: no _PyRuntime"):
-        cpython.inspect(p.pid)
+        process.inspect(p.pid)
 
 
 FAKE = r'''
@@ -396,19 +398,19 @@ def test_odd_binary_claiming_to_be_cpython_is_refused(procs, tmp_path, hexversio
                    check=True)
     p, _ = start(procs, [str(exe)])
     with pytest.raises(UnsupportedInterpreter, match=message):
-        cpython.inspect(p.pid)
+        process.inspect(p.pid)
 
 
 @needs_root
 def test_a_wrong_layout_does_not_verify(procs, tmp_path):
     """The live checks catch another version's offsets (here 3.12's on a 3.11 process)."""
     p, _ = start(procs, [str(interpreter("3.11")), str(target_script(tmp_path))])
-    found = cpython.inspect(p.pid)
+    found = process.inspect(p.pid)
     assert found.layout.source == "table" and found.layout.version == (3, 11)
-    mem = cpython.ProcessMemory(p.pid)
+    mem = ProcessMemory(p.pid)
     try:
         with pytest.raises(UnsupportedInterpreter, match="does not verify"):
-            cpython.verify(mem, p.pid, found.runtime, cpython.TABLE[(3, 12)], found.version)
+            process.verify(mem, p.pid, found.runtime, layouts.TABLE[(3, 12)], found.version)
     finally:
         mem.close()
 
@@ -416,9 +418,9 @@ def test_a_wrong_layout_does_not_verify(procs, tmp_path):
 @needs_root
 def test_313_offsets_come_from_the_interpreter_itself(procs, tmp_path):
     p, _ = start(procs, [str(interpreter("3.13")), str(target_script(tmp_path))])
-    found = cpython.inspect(p.pid)
+    found = process.inspect(p.pid)
     assert found.layout.source == "_Py_DebugOffsets"
-    table = cpython.TABLE[(3, 13)]
+    table = layouts.TABLE[(3, 13)]
     assert [found.layout.runtime_interp_head, found.layout.interp_tstate_head, found.layout.tstate_frame] == [
         table.runtime_interp_head, table.interp_tstate_head, table.tstate_frame]
 
@@ -428,23 +430,23 @@ def test_313_offsets_come_from_the_interpreter_itself(procs, tmp_path):
 
 def _debug_blob(minor: int, variant: str, free_threaded: int = 0) -> tuple[bytes, dict[str, int]]:
     """A _Py_DebugOffsets image of one variant: each field at 8 x its place in its section, invariants kept."""
-    layout = cpython._DEBUG_LAYOUTS[(3, minor)][variant]
+    layout = layouts._DEBUG_LAYOUTS[(3, minor)][variant]
     values: dict[str, int] = {"version": (3 << 24) | (minor << 16) | 0xF0, "free_threaded": free_threaded}
     for sec, fs in layout[1:]:
-        sec_values = {f"{sec}.{f}": cpython._DEBUG_INVARIANTS.get(f"{sec}.{f}", 8 * i) for i, f in enumerate(fs)}
+        sec_values = {f"{sec}.{f}": layouts._DEBUG_INVARIANTS.get(f"{sec}.{f}", 8 * i) for i, f in enumerate(fs)}
         sec_values[f"{sec}.size"] = 16 if sec == "pyobject" else max(sec_values.values()) + 8
         values.update(sec_values)
     names = [f"{sec}.{f}" if sec else f for sec, fs in layout for f in fs]
-    return cpython.DEBUG_COOKIE + b"".join(values[n].to_bytes(8, "little") for n in names), values
+    return layouts.DEBUG_COOKIE + b"".join(values[n].to_bytes(8, "little") for n in names), values
 
 
-@pytest.mark.parametrize("variant", list(cpython._DEBUG_LAYOUTS[(3, 14)]))
+@pytest.mark.parametrize("variant", list(layouts._DEBUG_LAYOUTS[(3, 14)]))
 def test_314_debug_offsets_variants_are_told_apart(variant):
     raw, values = _debug_blob(14, variant)
-    raw += bytes(cpython.debug_offsets_size(14) - len(raw))
-    d = cpython.parse_debug_offsets(raw, 14)
+    raw += bytes(layouts.debug_offsets_size(14) - len(raw))
+    d = layouts.parse_debug_offsets(raw, 14)
     assert d["thread_state.native_thread_id"] == values["thread_state.native_thread_id"]
-    layout = cpython.layout_from_debug_offsets(d, 14)
+    layout = layouts.layout_from_debug_offsets(d, 14)
     assert layout.tstate_frame == values["thread_state.current_frame"]
     assert layout.code_qualname == values["code_object.qualname"]
     assert "-DPY_CODE_TAG_MASK=3" in layout.cflags() and layout.owner_skip_from == 3
@@ -453,13 +455,13 @@ def test_314_debug_offsets_variants_are_told_apart(variant):
 def test_free_threaded_build_is_refused():
     raw, _ = _debug_blob(13, "3.13", free_threaded=1)
     with pytest.raises(UnsupportedInterpreter, match="free-threaded"):
-        cpython.layout_from_debug_offsets(cpython.parse_debug_offsets(raw, 13), 13)
+        layouts.layout_from_debug_offsets(layouts.parse_debug_offsets(raw, 13), 13)
 
 
 def test_debug_offsets_that_make_no_sense_are_refused():
     raw, _ = _debug_blob(13, "3.13")
     with pytest.raises(UnsupportedInterpreter, match="not understood"):
-        cpython.parse_debug_offsets(raw[:8] + bytes(8) + raw[8:], 13)  # shifted by one field
+        layouts.parse_debug_offsets(raw[:8] + bytes(8) + raw[8:], 13)  # shifted by one field
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""/proc/PID as the agent reads it, in one place: the files a process maps, its cgroup and its memory.
+"""/proc/PID as the agent reads it, in one place: the files a process maps, its threads, its cgroup and its
+memory.
 
 Paths are the process's own; `host_path` reaches them from the host through /proc/PID/root, so processes in
 containers work too. Errors are OSError as the kernel gives them (FileNotFoundError: no such process;
@@ -49,6 +50,32 @@ def cgroup(pid: int) -> str:
     """/proc/PID/cgroup's text."""
     with open(f"/proc/{pid}/cgroup") as f:
         return f.read()
+
+
+def task_status(pid: int) -> dict[int, dict[str, str]]:
+    """tid -> the fields of /proc/PID/task/TID/status, for every thread still there."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                out[int(tid)] = dict((k, v.strip()) for k, v in (line.split(":", 1) for line in f if ":" in line))
+        except OSError:
+            continue
+    return out
+
+
+def ns_tid_map(pid: int) -> dict[int, int]:
+    """The process's threads: id in its own pid namespace -> id on the host (NSpid's last and first fields)."""
+    out = {}
+    for status in task_status(pid).values():
+        ids = status.get("NSpid", "").split()
+        if ids:
+            out[int(ids[-1])] = int(ids[0])
+    return out
 
 
 class ProcessMemory:

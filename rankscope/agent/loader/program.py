@@ -58,10 +58,9 @@ def function_ids(kinds: tuple[ProbeKind, ...]) -> dict[str, int]:
 
 
 def _source(kinds: tuple[ProbeKind, ...]) -> str:
+    """One program of every kind's BPF text; each includes the headers it uses (guarded: included once)."""
     bpf_dir = resources.files("rankscope.bpf")
-    parts = [(bpf_dir / "common.h").read_text()]
-    parts += [(bpf_dir / kind.source).read_text() for kind in kinds]
-    return "\n".join(parts)
+    return "\n".join((bpf_dir / kind.source).read_text() for kind in kinds)
 
 
 def hostable(kinds: tuple[ProbeKind, ...]) -> tuple[tuple[ProbeKind, ...], list[str]]:

@@ -1,4 +1,5 @@
-"""Turns the kernel's cumulative maps into one RankPattern per watched process per window.
+"""Turns the uprobe program's cumulative maps into one RankPattern per watched process per window (the other
+sources then fill in their parts: sources/source.py).
 
 The kernel only ever adds; the collector keeps the previous reading and reports differences, so a
 window's numbers never depend on a reset racing with the probes, and nothing collected is lost.
@@ -17,9 +18,6 @@ from rankscope.agent.loader import histograms
 from rankscope.agent.loader.program import DONE_RECORD, ProbeProgram
 from rankscope.agent.sources.probes import net, sched
 from rankscope.agent.sources.probes.nccl import communicators, world_communicator
-from rankscope.agent.sources.python_exact import PythonTimer
-from rankscope.agent.sources.python_profile import summarize
-from rankscope.agent.sources.python_sampler import PythonSampler
 from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
 
 STALLED_SAMPLES = 5  # /proc reads of a stalled rank: its state by majority
@@ -49,10 +47,8 @@ class _ProcessCursor:
 
 
 class Collector:
-    def __init__(self, program: ProbeProgram, python: PythonSampler, timer: PythonTimer, host: str):
+    def __init__(self, program: ProbeProgram, host: str):
         self.program = program
-        self.python = python
-        self.timer = timer
         self.host = host
         self._cursors: dict[int, _ProcessCursor] = {}
         self._window_start = time.time()
@@ -77,9 +73,6 @@ class Collector:
         blocked_in = self._blocked_in(stalled) if stalled else {}
         pending_op = self._pending_ops({pid: pending[pid] for pid in stalled if pid in pending})
         threads = sched.threads(bpf)
-        stacks = self.python.read()
-        timed = self.timer.read()
-        gc_usdt = self.timer.read_gc()
         thieves = sched.thieves(bpf)
         sockets = net.sockets(bpf)
 
@@ -97,8 +90,7 @@ class Collector:
                 job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
                 # A rank attached during this window has been accounted only since then.
                 window_start=max(start, t.attached_at), window_end=now, state="exited" if t.pid in exited else "running",
-                functions=self._functions(cursor, stats.get(t.pid, {})) | (
-                    {gc_usdt[t.pid].name: gc_usdt[t.pid]} if t.pid in gc_usdt else {}),
+                functions=self._functions(cursor, stats.get(t.pid, {})),
                 collectives=collectives,
                 identity_source=ident.source,
                 sched=cursor.sched.thread_times(threads.get(t.pid, {})),
@@ -106,8 +98,6 @@ class Collector:
                 major_faults=max(faults - cursor.major_faults, 0),
                 last_progress=cursor.last_progress,
                 since=t.attached_at,
-                python=summarize(stacks.get(t.pid, {}), self.python.frequency, self.detail.top_python),
-                python_timed=timed.get(t.pid, []),
                 where=self._where(t.pid, pending_op.get(t.pid) or blocked_in.get(t.pid), stalled=self._stalled(t, now)),
                 tcp=cursor.tcp.flows(sockets.get(t.pid, {})),
             ))

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import logging
 
+from rankscope.agent.detail import Detail
+from rankscope.agent.host.targets import Target
 from rankscope.agent.loader.program import ProbeError
 from rankscope.agent.sources.nvml import GpuHealthReader
 from rankscope.agent.sources.probes.cupti import ActivityWindow, CuptiReader, shim_path
 from rankscope.agent.sources.probes.nccl_profiler import CommWindow
+from rankscope.agent.sources.source import Source
 from rankscope.schema.patterns import RankPattern
 
 log = logging.getLogger(__name__)
 
 
-class GpuViews:
+class GpuViews(Source):
     def __init__(self, health: GpuHealthReader | None = None, launches: bool = False):
         self._shim: dict[int, tuple[CuptiReader, ActivityWindow, CommWindow]] = {}
         self._launches = launches  # join kernels to their launches (deep mode: CUPTI then records each API call)
@@ -23,7 +26,10 @@ class GpuViews:
         self._health = health
         self._device_of: dict[int, int] = {}
 
-    def attach(self, pid: int) -> bool:
+    def attach(self, target: Target) -> None:
+        self.watch(target.pid)
+
+    def watch(self, pid: int) -> bool:
         """Reads the shim's records of `pid` if it loads the shim; True when attached. Called every window:
         CUDA loads the shim at cuInit, which may come after the agent attached."""
         if pid in self._shim or pid in self._refused or shim_path(pid) is None:
@@ -37,6 +43,9 @@ class GpuViews:
         self._shim[pid] = (reader, ActivityWindow(), CommWindow())
         self._follow(pid, reader)
         return True
+
+    def set_detail(self, detail: Detail) -> None:
+        self.set_launches(detail.hot_probes)
 
     def set_launches(self, on: bool) -> None:
         """Deep mode on or off: the shims of every process hand over kernel launches, or stop."""
@@ -60,7 +69,7 @@ class GpuViews:
         """Adds this window's GPU activity and GPU health to each pattern it has them for."""
         for p in patterns:
             if p.state == "running":
-                self.attach(p.pid)
+                self.watch(p.pid)
             if p.pid in self._shim:
                 reader, window, comm = self._shim[p.pid]
                 p.gpu = window.next(reader.activity(), reader.busy_ns(),

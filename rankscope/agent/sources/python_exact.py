@@ -33,13 +33,19 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 
+from rankscope.agent.detail import Detail
 from rankscope.agent.host.symbols import SymbolError, exported_functions, functions, sdt_probes
+from rankscope.agent.host.targets import Target
 from rankscope.agent.interpreters import SPECIAL_FRAMES, Frame
-from rankscope.agent.interpreters.cpython import CodeResolver, Interpreter, PythonAttachError
+from rankscope.agent.interpreters.cpython.code import CodeResolver
+from rankscope.agent.interpreters.cpython.errors import PythonAttachError
+from rankscope.agent.interpreters.cpython.process import Interpreter
 from rankscope.agent.loader import histograms, usdt
 from rankscope.agent.loader.bcc import compile_bpf
 from rankscope.agent.sources.python_profile import function_name
-from rankscope.schema.patterns import FunctionStats, PyTimed, Role
+from rankscope.agent.sources.python_sampler import PythonSampler
+from rankscope.agent.sources.source import Source
+from rankscope.schema.patterns import FunctionStats, PyTimed, RankPattern, Role
 
 log = logging.getLogger(__name__)
 
@@ -383,3 +389,40 @@ class PythonTimer:
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
+
+
+class PythonTiming(Source):
+    """Each rank's exactly timed Python functions (`python_timed` in the pattern) and, on interpreters
+    without gc_collect_main, its garbage collections (`gc__start` among its functions). Times the processes
+    the frame sampler reads (it finds their interpreter), so it is listed after PythonFrames."""
+
+    def __init__(self, sampler: PythonSampler, traced: tuple[TracedFunction, ...], detail: Detail):
+        self.sampler = sampler
+        self.timer = PythonTimer(traced)
+        self.timer.set_functions(detail.hot_probes)
+
+    def attach(self, target: Target) -> None:
+        interp = self.sampler.interpreter(target.pid)
+        if interp is None:  # no Python frames either (PythonFrames said why)
+            return
+        try:
+            self.timer.attach(interp, target.identity.job)
+        except PythonAttachError as e:
+            log.warning("pid %d: no exact Python timing: %s", target.pid, e)
+
+    def set_detail(self, detail: Detail) -> None:
+        self.timer.set_functions(detail.hot_probes)
+
+    def fill(self, patterns: list[RankPattern]) -> None:
+        timed = self.timer.read()
+        gc = self.timer.read_gc()
+        for p in patterns:
+            p.python_timed = timed.get(p.pid, [])
+            if p.pid in gc:
+                p.functions[gc[p.pid].name] = gc[p.pid]
+
+    def forget(self, pid: int) -> None:
+        self.timer.detach(pid)  # after the last read: its uprobes leave with the process anyway
+
+    def close(self) -> None:
+        self.timer.close()

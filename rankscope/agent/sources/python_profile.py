@@ -7,12 +7,18 @@ main thread (any other root) are summarized: that is the thread that paces the t
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 
+from rankscope.agent.detail import Detail
+from rankscope.agent.host.targets import Target
 from rankscope.agent.interpreters import SPECIAL_FRAMES, Frame
-from rankscope.agent.sources.python_sampler import StackTime
-from rankscope.schema.patterns import PyFunction
+from rankscope.agent.sources.python_sampler import PythonAttachError, PythonSampler, StackTime
+from rankscope.agent.sources.source import Source
+from rankscope.schema.patterns import PyFunction, RankPattern
+
+log = logging.getLogger(__name__)
 
 
 def function_name(frame: Frame) -> str:
@@ -41,3 +47,34 @@ def summarize(stacks: Mapping[tuple[Frame, ...], StackTime], frequency: float, t
             total_s[frame] = total_s.get(frame, 0.0) + wall
     top = sorted((f for f in self_s if f not in SPECIAL_FRAMES), key=lambda f: -self_s[f])[:top]
     return [PyFunction(name=function_name(f), self_s=self_s[f], total_s=total_s[f], cpu_s=cpu_s[f]) for f in top]
+
+
+class PythonFrames(Source):
+    """Each rank's Python profile (`python` in the pattern), from the frame sampler."""
+
+    def __init__(self, sampler: PythonSampler, detail: Detail):
+        self.sampler = sampler
+        self.detail = detail
+
+    def attach(self, target: Target) -> None:
+        """Python frames are a bonus: a process whose interpreter cannot be read is still watched."""
+        try:
+            target.python = self.sampler.attach(target.pid)
+        except PythonAttachError as e:
+            target.python_error = str(e)
+            log.warning("pid %d: no Python frames: %s", target.pid, e)
+
+    def set_detail(self, detail: Detail) -> None:
+        self.sampler.set_frequency(detail.python_hz)
+        self.detail = detail
+
+    def fill(self, patterns: list[RankPattern]) -> None:
+        stacks = self.sampler.read()
+        for p in patterns:
+            p.python = summarize(stacks.get(p.pid, {}), self.sampler.frequency, self.detail.top_python)
+
+    def detach(self, pid: int) -> None:
+        self.sampler.detach(pid)
+
+    def close(self) -> None:
+        self.sampler.close()

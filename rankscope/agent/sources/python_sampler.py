@@ -40,11 +40,14 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 
+from rankscope.agent.host import procfs
 from rankscope.agent.host.kernel_btf import BTFError, kernel_offset
 from rankscope.agent.interpreters import NATIVE_THREAD, NO_PYTHON_FRAME, TRUNCATED, UNKNOWN_CODE, UNREADABLE, Frame
-from rankscope.agent.interpreters.cpython import (CodeResolver, Interpreter, InterpreterNotReady, Layout,
-                                                  PythonAttachError, UnsupportedInterpreter, inspect, ns_tid_map,
-                                                  open_memory, pthread_tid_offset, task_status, thread_stacks)
+from rankscope.agent.interpreters.cpython.code import CodeResolver
+from rankscope.agent.interpreters.cpython.errors import InterpreterNotReady, PythonAttachError, UnsupportedInterpreter
+from rankscope.agent.interpreters.cpython.layouts import Layout
+from rankscope.agent.interpreters.cpython.process import Interpreter, inspect, open_memory
+from rankscope.agent.interpreters.cpython.threads import pthread_tid_offset, thread_stacks
 from rankscope.agent.loader.bcc import compile_bpf
 
 __all__ = [
@@ -195,7 +198,7 @@ class PythonSampler:
                 by_ns_tid = {st.thread_id: st for st in stacks}
         finally:
             mem.close()
-        ns_to_host = ns_tid_map(pid)
+        ns_to_host = procfs.ns_tid_map(pid)
         by_tid = {ns_to_host[ns]: st for ns, st in by_ns_tid.items() if ns in ns_to_host}
 
         from bcc.libbcc import lib
@@ -404,7 +407,7 @@ _ASLEEP = frozenset("SDITt")  # /proc states of a thread off CPU by its own doin
 def _thread_states(pid: int) -> dict[int, tuple[str, int, int]]:
     """tid -> (state letter, voluntary and involuntary context switches) of every thread of `pid`."""
     out = {}
-    for tid, fields in task_status(pid).items():
+    for tid, fields in procfs.task_status(pid).items():
         try:
             out[tid] = (fields["State"].split()[0], int(fields["voluntary_ctxt_switches"]),
                         int(fields["nonvoluntary_ctxt_switches"]))

@@ -32,7 +32,7 @@ from rankscope.schema.patterns import KERNEL_NAME_CHARS, TOP_KERNELS, GpuActivit
 
 SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
 PROVIDER, PROBE, LAUNCH_PROBE = "rankscope", "activity", "launch"
-BPF_SOURCES = ("cupti_launch.bpf.c", "cupti.bpf.c", "nccl_profiler.bpf.c")  # composed in this order
+BPF_SOURCES = ("cupti_launch.bpf.c", "cupti.bpf.c", "nccl_profiler.bpf.c")  # one program of the three
 # The shim's probes and their BPF functions. All but the launch probe (deep mode only) are attached for the
 # life of the reader; all but the activity probe may be absent from shims built before them.
 PROBE_FUNCTIONS = {PROBE: "on_activity", LAUNCH_PROBE: "on_launch", COLL_PROBE: "on_nccl_coll",
