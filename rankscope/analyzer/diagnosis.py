@@ -65,7 +65,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     found += launch_bound(table)
     # The link matrix (NCCL profiler plugin) names the precise link or node; the timing-based rule, from
     # collective instants, serves jobs without the plugin and adds only what the matrix does not cover.
-    measured = link_findings(table.patterns)
+    measured = link_findings(table.patterns, {r for f in found for r in f.ranks})
     covered = {r for f in measured for r in f.ranks}
     found += measured + [f for f in timed if not set(f.ranks) <= covered]
     if not found:  # no rank differs from its peers: has the whole job changed?

@@ -199,6 +199,18 @@ def test_a_slow_rank_in_a_small_tcp_ring_is_the_node(n):
     assert f"every link of rank {n - 1}" in f.summary and "10 MB/s vs 40 MB/s" in f.summary
 
 
+def test_tcp_links_of_a_straggler_are_not_judged():
+    # mlp-3-io, GC storm on rank 2: the CPU it holds slowed rank 0's loopback links to 80-115 MB/s beside
+    # 577 MB/s on the third link (2 -> 1): every link of rank 0 "slow" against the one link that does not
+    # touch it. Links touching the straggler are its CPU's pace, not a NIC's: left out, nothing is judged.
+    ps = job(3)
+    connect(ps, 0, 1, 100)
+    connect(ps, 1, 2, 80)
+    connect(ps, 2, 0, 577)
+    assert [f.ranks for f in link_findings(ps)] == [[1]]
+    assert link_findings(ps, stragglers={2}) == []
+
+
 def pipeline(stage_of: dict[int, int]) -> list[RankPattern]:
     """Patterns of two pipeline stages: a stage-1 rank's collectives carry other payloads than stage 0's."""
     ps = job(len(stage_of))

@@ -15,7 +15,6 @@ import ctypes.util
 import logging
 import re
 from functools import cache
-from importlib import resources
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -26,14 +25,13 @@ _MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \S+\s*(.*)$")
 
 
 def compile_bpf(text: str, cflags: list[str]) -> Any:
-    """bcc's BPF object for `text` (compiled, maps created); raises what bcc raises (a bare Exception).
-    `#include "x.h"` finds rankscope's shared BPF headers (rankscope/bpf/)."""
+    """bcc's BPF object for `text` (compiled, maps created); raises what bcc raises (a bare Exception)."""
     try:
         from bcc import BPF
     except ImportError as e:
         raise RuntimeError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
     try:
-        return BPF(text=text, cflags=[f"-I{resources.files('rankscope.bpf')}", *cflags])
+        return BPF(text=text, cflags=cflags)
     finally:
         _trim_heap()
         release_clean_pages(COMPILER_LIBRARIES)

@@ -13,10 +13,10 @@ import ctypes
 import logging
 import os
 from dataclasses import dataclass, field
-from importlib import resources
 
 import numpy as np
 
+from rankscope import bpf as bpf_sources
 from rankscope.agent.host.symbols import SymbolError, functions
 from rankscope.agent.host.targets import Target
 from rankscope.agent.loader.bcc import compile_bpf
@@ -58,9 +58,7 @@ def function_ids(kinds: tuple[ProbeKind, ...]) -> dict[str, int]:
 
 
 def _source(kinds: tuple[ProbeKind, ...]) -> str:
-    """One program of every kind's BPF text; each includes the headers it uses (guarded: included once)."""
-    bpf_dir = resources.files("rankscope.bpf")
-    return "\n".join((bpf_dir / kind.source).read_text() for kind in kinds)
+    return bpf_sources.text(*(kind.source for kind in kinds))
 
 
 def hostable(kinds: tuple[ProbeKind, ...]) -> tuple[tuple[ProbeKind, ...], list[str]]:

@@ -31,8 +31,8 @@ import os
 import struct
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 
+from rankscope import bpf as bpf_sources
 from rankscope.agent.detail import Detail
 from rankscope.agent.host.symbols import SymbolError, exported_functions, functions, sdt_probes
 from rankscope.agent.host.targets import Target
@@ -169,7 +169,7 @@ class PythonTimer:
     def bpf(self):
         if self._bpf is None:
             try:
-                bpf = compile_bpf((resources.files("rankscope.bpf") / "python_exact.bpf.c").read_text(), [])
+                bpf = compile_bpf(bpf_sources.text("python_exact.bpf.c"), [])
             except Exception as e:  # bcc raises bare Exception for compile and load failures
                 raise TimerError(f"cannot build the Python timer (root, kernel headers?): {e}") from e
             table = bpf["pyx_names"]

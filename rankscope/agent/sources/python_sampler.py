@@ -38,8 +38,8 @@ import os
 import struct
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 
+from rankscope import bpf as bpf_sources
 from rankscope.agent.host import procfs
 from rankscope.agent.host.kernel_btf import BTFError, kernel_offset
 from rankscope.agent.interpreters import NATIVE_THREAD, NO_PYTHON_FRAME, TRUNCATED, UNKNOWN_CODE, UNREADABLE, Frame
@@ -255,7 +255,7 @@ class PythonSampler:
                 flags.append(f"-DPY_TASK_FSBASE={kernel_offset('task_struct', 'thread.fsbase')}")
             except BTFError as e:
                 raise SamplerError(f"cannot sample CPython {layout.version[0]}.{layout.version[1]}: {e}") from e
-        text = (resources.files("rankscope.bpf") / "python.bpf.c").read_text()
+        text = bpf_sources.text("python.bpf.c")
         try:
             # Loading also attaches the sched_switch tracepoint program (bcc's TRACEPOINT_PROBE).
             bpf = compile_bpf(text, flags)

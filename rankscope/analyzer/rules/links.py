@@ -243,11 +243,14 @@ def _collectives_gpu(by_rank: dict[int, RankPattern], ranks: list[int]) -> list[
             for r in ranks for c in by_rank[r].collectives_gpu if c.count]
 
 
-def link_findings(patterns: Sequence[RankPattern]) -> list[Finding]:
+def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] = ()) -> list[Finding]:
     """`slow_link` findings from the link matrix: a rank all of whose links (two or more) are slow is the
-    suspect (its NIC or host), reported once; any other slow link is reported as exactly that pair."""
+    suspect (its NIC or host), reported once; any other slow link is reported as exactly that pair.
+    `stragglers`: ranks already found slow for their own reasons; their TCP links are not judged, since TCP
+    moves bytes at the pace the ends' CPUs allow (a GC storm on rank 2 of three on two cores left rank 0's
+    loopback links 5-7x slower than the third link)."""
     m = link_matrix(patterns)
-    judged = m.judged
+    judged = m.judged & ~(m.tcp & (np.isin(m.src, list(stragglers)) | np.isin(m.dst, list(stragglers))))
     if np.count_nonzero(judged) < MIN_LINKS:
         return []
     bw = m.bandwidth_Bps

@@ -18,8 +18,8 @@ from __future__ import annotations
 import ctypes
 import re
 from dataclasses import dataclass
-from importlib import resources
 
+from rankscope import bpf as bpf_sources
 from rankscope.agent.host import procfs
 from rankscope.agent.host.symbols import SymbolError, sdt_probes
 from rankscope.agent.host.targets import TargetError, mapped_libraries
@@ -140,8 +140,7 @@ class CuptiReader:
         probes = {probe: fn for probe, fn in PROBE_FUNCTIONS.items() if self._semaphores[probe]}
         try:
             readers, self._sites = _probe_sites(USDT, pid, probes)
-            text = "".join((resources.files("rankscope.bpf") / f).read_text() for f in BPF_SOURCES)
-            self._bpf = compile_bpf(readers + text, [])
+            self._bpf = compile_bpf(readers + bpf_sources.text(*BPF_SOURCES), [])
             self._fns = {fn: self._bpf.load_func(fn, BPF.KPROBE) for fn in probes.values()}
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
