@@ -89,7 +89,7 @@ SHAPES = [
     Shape("cnn-3", "cnn_classifier.py", 3, workers=2, note="many buckets, 2 loader workers per rank, Adam"),
     Shape("lm-2", "lm_accum.py", 2, note="transformer, AdamW, 4 micro-batches accumulated (no_sync)"),
     Shape("lm-2-long", "lm_accum.py", 2, args=("--d-model", "128", "--layers", "4"),
-          note="a 4-layer transformer: ~0.5 s steps, ~20 a window"),
+          note="a 4-layer transformer: ~0.2 s steps (0.65 s with a slow loader), ~15-45 a window"),
     Shape("pipe-4", "pipeline_stages.py", 4, loads=1,
           note="2 stages x 2 replicas, send/recv, new_group all-reduce; stage 0 (ranks 0, 1) loads the data"),
     Shape("sim-4", "", 4, sim=True,

@@ -75,6 +75,15 @@ def test_of_two_ranks_the_one_computing_longer_is_the_straggler(job):
     assert_step_time(j, doc)
 
 
+def test_a_straggler_late_only_at_the_buffer_broadcast_is_found(job):
+    """The transformer's DDP broadcasts its mask buffer at each forward: the root waits there for the rank
+    that computes longer after its optimizer step, and both reach the gradient all-reduce together."""
+    j = job("lm_accum.py", 2, "compute:1:0.03")
+    doc = diagnose(j)
+    assert verdict(doc) == [("compute_straggler", [1])], doc["findings"]
+    assert_step_time(j, doc)
+
+
 def test_of_two_ranks_the_one_blocked_before_its_collective_is_a_noncomm_hang(job):
     j = job("mlp_regression.py", 2, "hang:0:0@go")
     doc = diagnose(j, "--hang-timeout", "2", when_watching=j.go)

@@ -100,7 +100,9 @@ def _python_excess(names: list[str], per_step: np.ndarray, i: int, valid: np.nda
     known = valid & np.isfinite(per_step).all(axis=1)  # NaN rows: ranks not timed at all
     if not known[i] or known.sum() < 2:  # a rank timed among untimed peers would look slow in all it was timed in
         return None
-    extra = per_step[i] - np.median(per_step[known], axis=0)
+    others = known.copy()
+    others[i] = False  # against its peers only: of two ranks, a median over both halves the difference
+    extra = per_step[i] - np.median(per_step[others], axis=0)
     j = int(np.argmax(extra))
     return names[j] if extra[j] >= PYTHON_SHARE * excess else None
 
