@@ -193,14 +193,6 @@ def start_held_job(ranks: int, tmp: Path, **kwargs):
     return job, hold
 
 
-def unwatch(session, pid: int) -> None:
-    """Stop watching `pid` in an in-process Session (its probes go with their last watched user)."""
-    session.program.detach(pid)
-    session.targets.pop(pid, None)
-    session.collector.forget(pid)
-    session.program.purge(pid)
-
-
 class Storm:
     """The C load generator (bench_storm.c), driven one command at a time over its stdin."""
 
@@ -414,7 +406,7 @@ def bench_launch(ctx: Context) -> tuple[list[Row], dict]:
                         pats = [p for p in session.window() if p.pid == pid]
                         fn = pats[0].functions.get("cuLaunchKernel") if pats else None
                         counted.append((fn.count if fn else 0) / (n_free + n_work))
-                        unwatch(session, pid)
+                        session.remove(pid)
                     log(f"launch: {level}: phase {i + 1}/{len(order)} {phase}: {free_cpu[-1] / n_free:.0f} ns/launch "
                         f"free-running, {n_work / (w / 1e9):,.0f} launches/s paced")
             finally:
@@ -509,7 +501,7 @@ def bench_sched(ctx: Context) -> tuple[list[Row], dict]:
                         session.window()
                     elif state == "loaded":
                         for pid in list(session.targets):
-                            unwatch(session, pid)
+                            session.remove(pid)
                     for ev in SCHED_EVENTS:
                         if state == "noop_tp":
                             noop.attach_tracepoint(tp=f"sched:{ev}", fn_name="noop_tp")
