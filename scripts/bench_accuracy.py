@@ -380,12 +380,16 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"{repeat + 1}/{args.repeats} {shape.name} {fault.name}: "
                             f"{'right' if run.right else 'WRONG'} {run.findings or '-'} step {run.step_s} vs "
                             f"{run.truth_step_s} cost {run.cost} vs {run.truth_cost} {run.error}")
-    rows = summarize(runs)
-    print(table(rows))
-    Path(args.json).write_text(json.dumps({"shapes": [asdict(s) for s in shapes], "rows": rows,
-                                           "runs": [asdict(r) | {"step_err": r.step_err, "cost_err": r.cost_err}
-                                                    for r in runs]}, indent=1))
+                    save(Path(args.json), shapes, runs)
+    print(table(summarize(runs)))
     return 0
+
+
+def save(path: Path, shapes: list[Shape], runs: list[Run]) -> None:
+    """The results so far (rewritten after every case: a matrix cut short keeps what it measured)."""
+    path.write_text(json.dumps({"shapes": [asdict(s) for s in shapes], "rows": summarize(runs),
+                                "runs": [asdict(r) | {"step_err": r.step_err, "cost_err": r.cost_err}
+                                         for r in runs]}, indent=1))
 
 
 if __name__ == "__main__":
