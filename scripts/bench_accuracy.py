@@ -18,7 +18,8 @@ finding), false findings (any other finding), step-time error (the document's st
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
 1 - healthy step / faulty step, the healthy step measured on the same shape in the same run), and, for agent
 cases, time to the finding.
-A wrong diagnose verdict, a false finding or a step time off by more than 10% keeps its evidence in --misses:
+A wrong diagnose verdict, a false finding, a step time off by more than 10% or a cost off by more than 30% keeps
+its evidence in --misses:
 the patterns observed (diagnose --save-patterns), the document and diagnose's log, to analyze offline with
 rankscope.analyzer.
 """
@@ -47,12 +48,14 @@ from rankscope.sim.harness import free_port, wait_until  # noqa: E402
 
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
 WARMUP_S = 8.0
+VICTIM_CPU = 1  # pinned cases: the victim's CPU, the hog's too
 DURATION_S = 10.0
 HANG_TIMEOUT_S = 4.0
 AGENT_WINDOW_S = 2.0
 AGENT_HEALTHY_WINDOWS = 10
 REGRESSION_TIMEOUT_S = 40.0
-STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does
+STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does...
+COST_KEPT = 0.30  # ...and so does a cost this far from the what-if truth (the issue's bar: within +-30%)
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,15 @@ class Shape:
     note: str = ""
     sim: bool = False  # the simulated GPU job (script unused): its faults are rankscope.sim.faults specs
     faults: tuple[str, ...] = ()  # the faults the shape can take (default: all)
+    idle_cpu: bool = False  # its ranks leave CPU idle (storage latency): the victim can have a core of its own
 
     @property
     def victim_rank(self) -> int:
         return self.victim if self.victim >= 0 else self.ranks - 1
 
     def takes(self, fault: Fault) -> bool:
-        return fault.min_ranks <= self.ranks <= fault.max_ranks and (not self.faults or fault.name in self.faults)
+        fits = fault.min_ranks <= self.ranks <= fault.max_ranks or (fault.pinned and self.idle_cpu)
+        return fits and (not self.faults or fault.name in self.faults)
 
     def target(self, fault: str) -> int:
         return self.loads if fault == "loader" and self.loads >= 0 else self.victim_rank
@@ -84,7 +89,8 @@ class Shape:
 
 SHAPES = [
     Shape("mlp-2", "mlp_regression.py", 2, note="2 ranks, 1 bucket, in-process loader, CPU-bound"),
-    Shape("mlp-3-io", "mlp_regression.py", 3, base="loader:*:0.008", note="3 ranks, storage latency: idle CPU"),
+    Shape("mlp-3-io", "mlp_regression.py", 3, base="loader:*:0.008", idle_cpu=True,
+          note="3 ranks, storage latency: idle CPU"),
     Shape("mlp-4", "mlp_regression.py", 4, note="4 CPU-bound ranks on 2 cores"),
     Shape("cnn-3", "cnn_classifier.py", 3, workers=2, note="many buckets, 2 loader workers per rank, Adam"),
     Shape("lm-2", "lm_accum.py", 2, note="transformer, AdamW, 4 micro-batches accumulated (no_sync)"),
@@ -103,7 +109,7 @@ class Fault:
     name: str
     expect: str | None  # the finding kind that names it (None: healthy, no finding)
     mode: str = "diagnose"  # or "agent"
-    pinned: bool = False  # each rank pinned to CPU rank % 2 (a hog needs a CPU to take)
+    pinned: bool = False  # the victim pinned alone to CPU 1, the other ranks to CPU 0 (a hog needs a CPU to take)
     max_ranks: int = 64
     min_ranks: int = 2
 
@@ -115,6 +121,7 @@ FAULTS = [
     Fault("gc", "python_gc"),
     Fault("hang", "noncomm_hang"),
     Fault("sigstop", "noncomm_hang"),
+    # Of more ranks than two on two cores, the victim has a core of its own only where the job leaves CPU idle.
     Fault("hog", "cpu_contention", pinned=True, max_ranks=2),
     # The victim's traffic shaped to 100 Mbit/s each way (tests/jobs/launch.py: SlowLink). Two ranks have one
     # link each way, both the victim's: nothing to compare it with.
@@ -196,7 +203,7 @@ def score(shape: Shape, fault: Fault, findings: list[dict]) -> tuple[bool, list[
 def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun,
                   healthy_step: float | None, misses: Path, window: int = 0) -> Run:
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
-    hog = hog_on(shape.victim_rank % 2) if fault.name == "hog" else None
+    hog = hog_on(VICTIM_CPU) if fault.name == "hog" else None
     saved = job.truth.parent / f"{job.run_id}-{window}.msgpack"
     try:
         extra = ["--hang-timeout", str(HANG_TIMEOUT_S)] if fault.expect == "noncomm_hang" else []
@@ -226,7 +233,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         if doc["findings"] and right and fault.expect and healthy_step and run.truth_step_s:
             run.cost = doc["findings"][0]["cost"]
             run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
-    if not right or false or abs(run.step_err or 0.0) > STEP_KEPT:
+    if not right or false or abs(run.step_err or 0.0) > STEP_KEPT or abs(run.cost_err or 0.0) > COST_KEPT:
         misses.mkdir(parents=True, exist_ok=True)
         name = f"{shape.name}-{fault.name}-{job.run_id}-{window}"
         shutil.copyfile(saved, misses / f"{name}.msgpack")
@@ -234,51 +241,67 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
     return run
 
 
-def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun, tmp: Path) -> Run:
+def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun, tmp: Path, misses: Path) -> Run:
+    """The agent over the job, window after window; a wrong verdict keeps every window's document and patterns
+    and the agent's log in `misses`."""
     port = free_port()
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     with open(tmp / f"agent-{job.run_id}.log", "wb") as agent_log:
         agent = subprocess.Popen([*RANKSCOPE, "agent", "--pid", pids, "--listen", f"127.0.0.1:{port}",
                                   "--window", str(AGENT_WINDOW_S)], stdout=agent_log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/v1/diagnosis?job={job.run_id}"
+    url = f"http://127.0.0.1:{port}/v1"
 
     def window() -> dict | None:  # the next window's document
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
+            with urllib.request.urlopen(f"{url}/diagnosis?job={job.run_id}", timeout=5) as r:
                 doc = json.loads(r.read())
         except OSError:
             return None
         return doc if doc.get("job") == job.run_id and (doc["window"]["end"] or 0) > seen[-1] else None
 
+    def next_window() -> dict:
+        doc = wait_until(window, 30, "the agent's next window", interval=0.2)
+        seen.append(doc["window"]["end"])
+        docs.append(doc)
+        request = urllib.request.Request(f"{url}/patterns", headers={"Accept": "application/msgpack"})
+        with urllib.request.urlopen(request, timeout=5) as r:  # the window's (or, rarely, the next one's)
+            patterns.append(r.read())
+        return doc
+
     seen = [0.0]
-    docs = []
+    docs: list[dict] = []
+    patterns: list[bytes] = []
     try:
-        windows = AGENT_HEALTHY_WINDOWS if fault.expect is None else 4
-        for _ in range(windows):
-            doc = wait_until(window, 30, "the agent's next window", interval=0.2)
-            seen.append(doc["window"]["end"])
-            docs.append(doc)
+        for _ in range(AGENT_HEALTHY_WINDOWS if fault.expect is None else 4):
+            next_window()
         findings = [f for d in docs for f in d["findings"]]
         if fault.expect is None:
             right, false = score(shape, fault, findings)
             steps = [d["step_time_s"] for d in docs if d["step_time_s"]]
             start, end = docs[0]["window"]["start"], docs[-1]["window"]["end"]
             job.wait_written(end)
-            return Run(shape.name, fault.name, right, false, [label(f) for f in findings],
-                       step_s=statistics.fmean(steps) if steps else None, truth_step_s=job.step_time(start, end),
-                       job=job.run_id)
-        onset = job.go()
-        found = None
-        while time.time() - onset < REGRESSION_TIMEOUT_S and found is None:
-            doc = wait_until(window, 30, "the agent's next window", interval=0.2)
-            seen.append(doc["window"]["end"])
-            docs.append(doc)
-            findings += doc["findings"]
-            found = next((f for f in doc["findings"] if f["kind"] == "regression"), None)
-        right, false = score(shape, fault, [found] if found else [])
-        false += [label(f) for f in findings if f is not found and f["kind"] != "regression"]
-        return Run(shape.name, fault.name, right, false, [label(f) for f in findings],
-                   to_finding_s=time.time() - onset if found else None, job=job.run_id)
+            run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
+                      step_s=statistics.fmean(steps) if steps else None, truth_step_s=job.step_time(start, end),
+                      job=job.run_id)
+        else:
+            onset = job.go()
+            found = None
+            while time.time() - onset < REGRESSION_TIMEOUT_S and found is None:
+                doc = next_window()
+                findings += doc["findings"]
+                found = next((f for f in doc["findings"] if f["kind"] == "regression"), None)
+            right, false = score(shape, fault, [found] if found else [])
+            false += [label(f) for f in findings if f is not found and f["kind"] != "regression"]
+            run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
+                      to_finding_s=time.time() - onset if found else None, job=job.run_id)
+        if not run.right or run.false:
+            misses.mkdir(parents=True, exist_ok=True)
+            name = f"{shape.name}-{fault.name}-{job.run_id}"
+            for i, raw in enumerate(patterns):
+                (misses / f"{name}-{i}.msgpack").write_bytes(raw)
+            (misses / f"{name}.json").write_text(json.dumps({"run": asdict(run), "documents": docs}, indent=1))
+            shutil.copyfile(tmp / f"agent-{job.run_id}.log", misses / f"{name}.log")
+        return run
     finally:
         agent.send_signal(signal.SIGINT)
         try:
@@ -300,10 +323,10 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
                            slow_link=launch.SlowLink(shape.victim_rank) if fault.name == "slowlink" else None)
     try:
         if fault.pinned:
-            launch.pin(job, {r: r % 2 for r in range(shape.ranks)})
+            launch.pin(job, {r: VICTIM_CPU if r == shape.victim_rank else 0 for r in range(shape.ranks)})
         launch.settle(job, WARMUP_S)
         if fault.mode == "agent":
-            return [agent_case(shape, fault, job, tmp)]
+            return [agent_case(shape, fault, job, tmp, misses)]
         once = fault.expect == "noncomm_hang"
         return [diagnose_case(shape, fault, job, healthy_step, misses, w) for w in range(1 if once else windows)]
     finally:

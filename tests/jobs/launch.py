@@ -185,11 +185,15 @@ def start(script: str, ranks: int, args: list[str], workdir: Path, fault: str = 
             launch([*torchrun, "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"])
         else:
             job.netns = ns = _Netns.create(run_id[-6:], slow_link.rate)
+            # torchrun sets OMP_NUM_THREADS=1 for several ranks of one node, not for one: left to 2 intra-op
+            # threads each (spinning OpenMP waits), cnn-3's ranks computed 8x slower than under one torchrun,
+            # and that, not the link, made the "slow link" job's 0.5 s steps. The ranks share this node's cores.
+            omp = {"OMP_NUM_THREADS": child_env.get("OMP_NUM_THREADS", "1")}
             for rank in range(ranks):  # a node per rank: static rendezvous, node rank = global rank
                 inside = rank == slow_link.rank
                 launch([*(["nsenter", f"--net=/var/run/netns/{ns.name}"] if inside else []), *torchrun,
                         "--nnodes", str(ranks), "--node-rank", str(rank), "--nproc-per-node", "1",
-                        "--master-addr", ns.host_addr], GLOO_SOCKET_IFNAME=ns.ns_if if inside else ns.host_if)
+                        "--master-addr", ns.host_addr], GLOO_SOCKET_IFNAME=ns.ns_if if inside else ns.host_if, **omp)
         wait_until(steady, timeout, f"every rank of {path.name} to log {steady_steps} steps", interval=0.2)
         job.pids = {r: job.step_log(r)["pid"] for r in range(ranks)}
     except BaseException:

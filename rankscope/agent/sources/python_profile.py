@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 
 from rankscope.agent.detail import Detail
@@ -30,8 +31,25 @@ def _is_background(stack: tuple[Frame, ...]) -> bool:
     return bool(stack) and stack[0].filename.endswith("threading.py") and stack[0].qualname.endswith("_bootstrap")
 
 
+# The interpreter's own library (pyenv's .../lib/python3.12/, Debian's /usr/lib/python3.11/), not the packages
+# installed beside it.
+_STDLIB = re.compile(r"/lib/python3\.\d+/(?!(site|dist)-packages/)")
+
+
+def blamed(stack: tuple[Frame, ...]) -> Frame:
+    """The frame a stack's time is charged to: the innermost one outside the standard library. A main thread
+    waiting for its DataLoader workers sleeps in selectors.select, under multiprocessing's queue, under the
+    DataLoader's _try_get_data: the leaf names a mechanism, the caller names what waits (cnn-3's slow loader
+    read as a compute straggler "in selectors.py:select"). A stack of the standard library alone keeps its leaf."""
+    for frame in reversed(stack):
+        if not _STDLIB.search(frame.filename):
+            return frame
+    return stack[-1]
+
+
 def summarize(stacks: Mapping[tuple[Frame, ...], StackTime], frequency: float, top: int) -> list[PyFunction]:
-    """The `top` functions by self time (each ~30 bytes of pattern)."""
+    """The `top` functions by self time (each ~30 bytes of pattern); time in the standard library is the
+    self time of its caller (see blamed)."""
     self_s: dict[Frame, float] = {}
     cpu_s: dict[Frame, float] = {}
     total_s: dict[Frame, float] = {}
@@ -40,9 +58,9 @@ def summarize(stacks: Mapping[tuple[Frame, ...], StackTime], frequency: float, t
             continue
         on = t.samples / frequency
         wall = on + t.off_cpu_s
-        leaf = stack[-1]
-        self_s[leaf] = self_s.get(leaf, 0.0) + wall
-        cpu_s[leaf] = cpu_s.get(leaf, 0.0) + on
+        owner = blamed(stack)
+        self_s[owner] = self_s.get(owner, 0.0) + wall
+        cpu_s[owner] = cpu_s.get(owner, 0.0) + on
         for frame in set(stack):
             total_s[frame] = total_s.get(frame, 0.0) + wall
     top = sorted((f for f in self_s if f not in SPECIAL_FRAMES), key=lambda f: -self_s[f])[:top]
