@@ -23,3 +23,8 @@ def upper_bound_s(hist: list[int] | tuple[int, ...]) -> float:
 
 def minus(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> list[int]:
     return [x - y for x, y in zip(a, b)] if b else list(a)
+
+
+def window_max_s(max_ns: int, hist: list[int] | tuple[int, ...]) -> float:
+    """A window's largest value: the kernel keeps the largest since load, so bound it by the window's `hist`."""
+    return min(max_ns / 1e9, upper_bound_s(hist))

@@ -7,7 +7,6 @@ window's numbers never depend on a reset racing with the probes, and nothing col
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -16,6 +15,7 @@ from rankscope.agent.host.targets import Identity, Target, major_faults, thread_
 from rankscope.agent.host.thread_state import where
 from rankscope.agent.loader import histograms
 from rankscope.agent.loader.program import DONE_RECORD, ProbeProgram
+from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes import net, sched
 from rankscope.agent.sources.probes.nccl import communicators, world_communicator
 from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
@@ -27,19 +27,11 @@ STALLED_AFTER_S = 2.0
 _NONE_DONE = np.zeros(0, DONE_RECORD)
 
 
-@dataclass
-class _Cumulative:
-    count: int = 0
-    total_ns: int = 0
-    bytes: int = 0
-    hist: list[int] = field(default_factory=list)
-
-
 class _ProcessCursor:
     """What the previous window read of one process, so the next one reports differences."""
 
     def __init__(self, pid: int):
-        self.functions: dict[int, _Cumulative] = {}
+        self.functions: Deltas[int] = Deltas()  # fn -> (count, total_ns, bytes, hist)
         self.last_progress: float | None = None  # unix s of the last collective completion seen
         self.sched = sched.SchedReader(pid)
         self.tcp = net.TcpReader(net.jiffies_per_s())
@@ -118,19 +110,16 @@ class Collector:
     def _functions(self, cursor: _ProcessCursor, stats: dict[int, tuple]) -> dict[str, FunctionStats]:
         out = {}
         for fn, (count, total_ns, max_ns, nbytes, hist) in stats.items():
-            prev = cursor.functions.get(fn) or _Cumulative(hist=[0] * len(hist))
-            cursor.functions[fn] = _Cumulative(count, total_ns, nbytes, hist)
-            d_count = count - prev.count
-            if d_count <= 0 and total_ns == prev.total_ns:
+            d_count, d_ns, d_bytes, d_hist = cursor.functions.step(fn, (count, total_ns, nbytes, hist))
+            if d_count <= 0 and d_ns == 0:
                 continue
-            d_hist = histograms.minus(hist, prev.hist)
-            max_s = min(max_ns / 1e9, histograms.upper_bound_s(d_hist))
+            max_s = histograms.window_max_s(max_ns, d_hist)
             symbol = self.program.symbol_of.get(fn, f"fn{fn}")
             probe = self.program.probe_of[symbol]
             out[symbol] = FunctionStats(
-                name=symbol, role=probe.role, count=d_count, total_s=(total_ns - prev.total_ns) / 1e9,
+                name=symbol, role=probe.role, count=d_count, total_s=d_ns / 1e9,
                 max_s=max_s, p50_s=min(histograms.percentile_s(d_hist, 0.5), max_s),
-                p99_s=min(histograms.percentile_s(d_hist, 0.99), max_s), bytes=nbytes - prev.bytes,
+                p99_s=min(histograms.percentile_s(d_hist, 0.99), max_s), bytes=d_bytes,
             )
         return out
 

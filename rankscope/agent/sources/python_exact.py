@@ -42,6 +42,7 @@ from rankscope.agent.interpreters.cpython.errors import PythonAttachError
 from rankscope.agent.interpreters.cpython.process import Interpreter
 from rankscope.agent.loader import histograms, usdt
 from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.python_profile import function_name
 from rankscope.agent.sources.python_sampler import PythonSampler
 from rankscope.agent.sources.source import Source
@@ -125,19 +126,6 @@ class Selection:
 
 
 @dataclass
-class _Cumulative:
-    count: int = 0
-    total_ns: int = 0
-    hist: list[int] = field(default_factory=list)
-
-    def delta(self, count: int, total_ns: int, max_ns: int, hist: list[int]) -> tuple[int, float, float, list[int]]:
-        """What a cumulative reading adds to this one: (calls, seconds, max seconds, histogram)."""
-        d_hist = histograms.minus(hist, self.hist)
-        return (count - self.count, (total_ns - self.total_ns) / 1e9,
-                min(max_ns / 1e9, histograms.upper_bound_s(d_hist)), d_hist)
-
-
-@dataclass
 class _Watched:
     interp: Interpreter
     resolver: CodeResolver
@@ -145,9 +133,9 @@ class _Watched:
     events: list[bytes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
     too_hot: bool = False  # it or a peer entered eval too often to be timed: never probed again
     gc_probes: list[usdt.GuardedProbe] = field(default_factory=list)  # the GC's USDT sites, where used
-    seen: dict[int, _Cumulative] = field(default_factory=dict)  # code -> cumulative stats at the last read
+    seen: Deltas[int] = field(default_factory=Deltas)  # code -> (count, total_ns, hist) at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
-    gc: _Cumulative = field(default_factory=_Cumulative)
+    gc: Deltas[None] = field(default_factory=Deltas)  # one key: the process's collections
     entries: int = 0  # eval entries probed, at the last read (or 0 when the probes went in)
     read_at: float = field(default_factory=time.monotonic)  # ... and when
 
@@ -319,13 +307,11 @@ class PythonTimer:
                 verdicts[key] = ctypes.c_uint8(VERDICT_SKIP)
                 stats.pop(key, None)
                 continue
-            hist = list(val.hist)
-            prev = w.seen.get(key.code) or _Cumulative()
-            w.seen[key.code] = _Cumulative(val.count, val.total_ns, hist)
-            count, total_s, max_s, _ = prev.delta(val.count, val.total_ns, val.max_ns, hist)
+            count, total_ns, hist = w.seen.step(key.code, (val.count, val.total_ns, list(val.hist)))
             if count <= 0:
                 continue
-            row = PyTimed(name=function_name(frame), count=count, total_s=total_s, max_s=max_s)
+            row = PyTimed(name=function_name(frame), count=count, total_s=total_ns / 1e9,
+                          max_s=histograms.window_max_s(val.max_ns, hist))
             rows = per_pid.setdefault(key.pid, {})
             if row.name in rows:  # code objects of one name (a function redefined, same-named classes)
                 rows[row.name] = rows[row.name].merged(row)
@@ -366,14 +352,13 @@ class PythonTimer:
             w = self._watched.get(key.value)
             if w is None:
                 continue
-            hist = list(val.hist)
-            count, total_s, max_s, d_hist = w.gc.delta(val.count, val.total_ns, val.max_ns, hist)
-            w.gc = _Cumulative(val.count, val.total_ns, hist)
+            count, total_ns, hist = w.gc.step(None, (val.count, val.total_ns, list(val.hist)))
             if count > 0:
+                max_s = histograms.window_max_s(val.max_ns, hist)
                 out[key.value] = FunctionStats(
-                    name=GC_NAME, role=Role.GC, count=count, total_s=total_s, max_s=max_s,
-                    p50_s=min(histograms.percentile_s(d_hist, 0.5), max_s),
-                    p99_s=min(histograms.percentile_s(d_hist, 0.99), max_s))
+                    name=GC_NAME, role=Role.GC, count=count, total_s=total_ns / 1e9, max_s=max_s,
+                    p50_s=min(histograms.percentile_s(hist, 0.5), max_s),
+                    p99_s=min(histograms.percentile_s(hist, 0.99), max_s))
         return out
 
     def counters(self) -> dict[str, int]:

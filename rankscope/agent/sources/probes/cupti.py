@@ -25,8 +25,9 @@ from rankscope.agent.host.symbols import SymbolError, sdt_probes
 from rankscope.agent.host.targets import TargetError, mapped_libraries
 from rankscope.agent.loader import usdt
 from rankscope.agent.loader.bcc import compile_bpf
-from rankscope.agent.loader.histograms import minus, percentile_s
+from rankscope.agent.loader.histograms import percentile_s
 from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.nccl_profiler import COLL_PROBE, LINK_PROBE, CollTotals, LinkTotals
 from rankscope.schema.patterns import KERNEL_NAME_CHARS, TOP_KERNELS, GpuActivity, GpuKernel
 
@@ -268,35 +269,29 @@ class ActivityWindow:
     """Turns a reader's cumulative totals into one window's GpuActivity (the kernel maps only grow)."""
 
     def __init__(self) -> None:
-        self._activity: dict[tuple[int, str], ActivityStats] = {}
-        self._busy: dict[int, int] = {}
-        self._launches = LaunchStats(0, 0, ())
+        self._activity: Deltas[tuple[int, str]] = Deltas()  # (kind, name) -> (count, total_ns)
+        self._busy: Deltas[int] = Deltas()  # device -> (busy_ns,)
+        self._launches: Deltas[None] = Deltas()  # one key: (joined, hist), while launches are measured
 
     def next(self, activity: list[ActivityStats], busy: dict[int, int],
              launches: LaunchStats | None = None) -> GpuActivity:
         """`launches`: the reader's joined launches while its launch probe is on, else None (not measured)."""
         kernel_ns: dict[str, list[int]] = {}  # short name -> [count, ns]
         copy_ns = 0
-        for a in activity:
-            prev = self._activity.get((a.kind, a.name))
-            count = a.count - (prev.count if prev else 0)
-            ns = a.total_ns - (prev.total_ns if prev else 0)
+        added = self._activity.read(((a.kind, a.name), (a.count, a.total_ns)) for a in activity)
+        for a, (count, ns) in zip(activity, added):
             if a.kind in KERNEL_KINDS:
                 entry = kernel_ns.setdefault(short_kernel_name(a.name), [0, 0])
                 entry[0] += count
                 entry[1] += ns
             else:
                 copy_ns += ns
-        busy_ns = sum(b - self._busy.get(dev, 0) for dev, b in busy.items())
-        self._activity = {(a.kind, a.name): a for a in activity}
-        self._busy = dict(busy)
+        busy_ns = sum(b for b, in self._busy.read((dev, (b,)) for dev, b in busy.items()))
         top = sorted(((ns, name, count) for name, (count, ns) in kernel_ns.items() if count), reverse=True)
         gpu = GpuActivity(busy_s=busy_ns / 1e9, kernel_s=sum(ns for _, ns in kernel_ns.values()) / 1e9,
                           copy_s=copy_ns / 1e9, kernels=sum(c for c, _ in kernel_ns.values()),
                           top=[GpuKernel(name, count, ns / 1e9) for ns, name, count in top[:TOP_KERNELS]])
         if launches is not None:
-            hist = minus(launches.hist, self._launches.hist)
-            gpu.launches = launches.joined - self._launches.joined
+            gpu.launches, hist = self._launches.step(None, (launches.joined, launches.hist))
             gpu.queue_p50_s, gpu.queue_p99_s = percentile_s(hist, 0.5), percentile_s(hist, 0.99)
-            self._launches = launches
         return gpu

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rankscope.agent.loader.histograms import minus, percentile_s
+from rankscope.agent.loader.histograms import percentile_s
+from rankscope.agent.sources.deltas import Deltas
 from rankscope.schema.patterns import MAX_LINKS, CollectiveGpu, LinkStats
 
 COLL_PROBE, LINK_PROBE = "nccl_coll", "nccl_link"
@@ -41,30 +42,23 @@ class CommWindow:
     """Turns a reader's cumulative totals into one window's pattern fields (the kernel maps only grow)."""
 
     def __init__(self) -> None:
-        self._colls: dict[str, CollTotals] = {}
-        self._links: dict[tuple[int, int, int, bool], LinkTotals] = {}
+        self._colls: Deltas[str] = Deltas()  # func -> (count, total_ns, hist)
+        self._links: Deltas[tuple[int, int, int, bool]] = Deltas()  # (comm, rank, peer, send) -> the four sums
 
     def next(self, colls: list[CollTotals], links: list[LinkTotals]) -> tuple[list[CollectiveGpu], list[LinkStats]]:
         gpu = []
-        for c in colls:
-            prev = self._colls.get(c.func)
-            count = c.count - (prev.count if prev else 0)
+        added = self._colls.read((c.func, (c.count, c.total_ns, c.hist)) for c in colls)
+        for c, (count, total_ns, hist) in zip(colls, added):
             if count > 0:
-                hist = minus(c.hist, prev.hist if prev else ())
-                gpu.append(CollectiveGpu(op=f"nccl{c.func}", count=count,
-                                         total_s=(c.total_ns - (prev.total_ns if prev else 0)) / 1e9,
+                gpu.append(CollectiveGpu(op=f"nccl{c.func}", count=count, total_s=total_ns / 1e9,
                                          p99_s=percentile_s(hist, 0.99)))
         rows = []
-        for k in links:
-            prev = self._links.get((k.comm, k.rank, k.peer, k.send))
-            steps = k.steps - (prev.steps if prev else 0)
+        added = self._links.read(((k.comm, k.rank, k.peer, k.send), (k.steps, k.bytes, k.wire_ns, k.peer_wait_ns))
+                                for k in links)
+        for k, (steps, nbytes, wire_ns, peer_wait_ns) in zip(links, added):
             if steps > 0:
-                rows.append(LinkStats(comm=k.comm, rank=k.rank, peer=k.peer, send=k.send, steps=steps,
-                                      bytes=k.bytes - (prev.bytes if prev else 0),
-                                      wire_s=(k.wire_ns - (prev.wire_ns if prev else 0)) / 1e9,
-                                      peer_wait_s=(k.peer_wait_ns - (prev.peer_wait_ns if prev else 0)) / 1e9))
-        self._colls = {c.func: c for c in colls}
-        self._links = {(k.comm, k.rank, k.peer, k.send): k for k in links}
+                rows.append(LinkStats(comm=k.comm, rank=k.rank, peer=k.peer, send=k.send, steps=steps, bytes=nbytes,
+                                      wire_s=wire_ns / 1e9, peer_wait_s=peer_wait_ns / 1e9))
         gpu.sort(key=lambda c: -c.total_s)
         rows.sort(key=lambda k: -k.bytes)
         return gpu, rows[:MAX_LINKS]

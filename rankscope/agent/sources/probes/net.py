@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from rankscope.agent.host.kernel_btf import BTFError, kernel_bit_offset, kernel_offset
+from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.base import KindUnavailable, ProbeKind
 from rankscope.schema.patterns import TcpFlow
 
@@ -115,17 +116,20 @@ class TcpReader:
 
     def __init__(self, hz: int):
         self.hz = hz
-        self._prev: dict[int, tuple[tuple[int, ...], int]] = {}  # socket -> (counters, sends) last read
+        self._last: Deltas[int] = Deltas()  # socket -> (*SocketCounters.now, sends)
 
     def flows(self, now: dict[int, SocketCounters]) -> list[TcpFlow]:
         out = []
-        for sk, c in now.items():
-            prev, prev_sends = self._prev.get(sk, (c.base, 0))  # the kernel counts sends from first sight
-            d = [c.now[0] - prev[0], c.now[1] - prev[1], *((x - y) % _WRAP for x, y in zip(c.now[2:], prev[2:]))]
-            if max(d[0], d[1]) >= MIN_FLOW_BYTES:
-                out.append(TcpFlow(local=c.local, remote=c.remote, sends=c.sends - prev_sends, sent=d[0],
-                                   received=d[1], wire_s=(d[2] + d[4]) / self.hz, peer_wait_s=d[3] / self.hz,
+        # A socket first seen counts from the kernel's `base` (the socket's counters then); sends from zero.
+        added = self._last.read(((sk, (*c.now, c.sends)) for sk, c in now.items()),
+                               first={sk: (*c.base, 0) for sk, c in now.items()})
+        for c, (sent, received, *jiffies, sends) in zip(now.values(), added):
+            # The chrono timers are 32-bit and wrap: modulo 2^32, a wrapped timer's difference is still its
+            # increase. Only these fields wrap, so the modulo stays here rather than in Deltas.
+            busy, rwnd_limited, sndbuf_limited = (x % _WRAP for x in jiffies)
+            if max(sent, received) >= MIN_FLOW_BYTES:
+                out.append(TcpFlow(local=c.local, remote=c.remote, sends=sends, sent=sent, received=received,
+                                   wire_s=(busy + sndbuf_limited) / self.hz, peer_wait_s=rwnd_limited / self.hz,
                                    srtt_s=c.srtt_s))
-        self._prev = {sk: (c.now, c.sends) for sk, c in now.items()}
         out.sort(key=lambda f: -(f.sent + f.received))
         return out[:MAX_FLOWS]

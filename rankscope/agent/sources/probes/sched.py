@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from rankscope.agent.host import procfs
 from rankscope.agent.loader import histograms
+from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.base import ProbeKind
 from rankscope.schema.patterns import Neighbour, ThreadTimes
 
@@ -88,8 +89,8 @@ class SchedReader:
 
     def __init__(self, pid: int):
         self.pid = pid
-        self._threads: dict[int, ThreadCounters] = {}
-        self._thieves: dict[int, ThiefCounters] = {}
+        self._threads: Deltas[int] = Deltas()  # tid -> the six counters of ThreadTimes, runq_hist
+        self._thieves: Deltas[int] = Deltas()  # pid -> (waited_ns,)
         self._names: dict[int, str] = {}
 
     def _role(self, tid: int) -> str:
@@ -99,18 +100,13 @@ class SchedReader:
 
     def thread_times(self, now: dict[int, ThreadCounters]) -> dict[str, ThreadTimes]:
         acc: dict[str, list] = {}
-        for tid, c in now.items():
-            prev = self._threads.get(tid)
-            hist = histograms.minus(c.runq_hist, prev.runq_hist if prev else ())
-            d = [c.on_cpu_ns, c.runq_ns, c.sleep_ns, c.io_ns, c.reclaim_ns, c.preempted]
-            if prev:
-                d = [x - y for x, y in zip(d, (prev.on_cpu_ns, prev.runq_ns, prev.sleep_ns, prev.io_ns,
-                                               prev.reclaim_ns, prev.preempted))]
+        added = self._threads.read((tid, (c.on_cpu_ns, c.runq_ns, c.sleep_ns, c.io_ns, c.reclaim_ns, c.preempted,
+                                         c.runq_hist)) for tid, c in now.items())
+        for tid, (*d, hist) in zip(now, added):
             role = acc.setdefault(self._role(tid), [0, [0] * 6, [0] * len(hist)])
             role[0] += 1
             role[1] = [x + y for x, y in zip(role[1], d)]
             role[2] = [x + y for x, y in zip(role[2], hist)]
-        self._threads = dict(now)
         return {
             name: ThreadTimes(role=name, threads=n, on_cpu_s=d[0] / 1e9, runq_s=d[1] / 1e9, sleep_s=d[2] / 1e9,
                               io_s=d[3] / 1e9, reclaim_s=d[4] / 1e9, preempted=d[5],
@@ -120,12 +116,10 @@ class SchedReader:
 
     def neighbours(self, now: dict[int, ThiefCounters]) -> list[Neighbour]:
         waited = []
-        for pid, c in now.items():
-            prev = self._thieves.get(pid)
-            ns = c.waited_ns - (prev.waited_ns if prev else 0)
+        added = self._thieves.read((pid, (c.waited_ns,)) for pid, c in now.items())
+        for (pid, c), (ns,) in zip(now.items(), added):
             if ns > 0:
                 waited.append((ns, pid, c.name))
-        self._thieves = dict(now)
         waited.sort(reverse=True)
         return [Neighbour(name=name, pid=pid, cgroup=cgroup_of(pid), waited_s=ns / 1e9)
                 for ns, pid, name in waited[:NEIGHBOURS]]
