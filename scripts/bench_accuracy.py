@@ -1,7 +1,7 @@
 """The accuracy matrix: does rankscope name the right rank and cause on real PyTorch jobs of many shapes?
 
     scripts/bench accuracy [--repeats N] [--windows K] [--shapes A,B] [--faults X,Y] [--json PATH]
-                           [--misses DIR]   (root)
+                           [--misses DIR] [--keep-all] [--load N]   (root)
     scripts/bench accuracy --table RESULTS.json...   (the table of earlier runs, merged)
 
 Each case is a fresh torchrun job of one shape (tests/jobs/: user-style training code, faults injected from
@@ -16,16 +16,17 @@ injected fault.
 Per case: the job's own step time (median), runs, fresh jobs, right verdicts (the top finding's kind and ranks; for a healthy job, no
 finding), false findings (any other finding), step-time error (the document's step time against the job's own
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
-1 - healthy step / faulty step, the healthy step measured on the same shape in the same run), and, for agent
-cases, time to the finding.
+1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a hog, on the
+same pinned job before the hog starts), and, for agent cases, time to the finding.
 A wrong diagnose verdict, a false finding, a step time off by more than 10% or a cost off by more than 30% keeps
-its evidence in --misses:
-the patterns observed (diagnose --save-patterns), the document and diagnose's log, to analyze offline with
-rankscope.analyzer.
+its evidence in --misses: the patterns observed (diagnose --save-patterns), the document and diagnose's log (an
+agent case: every window's document and patterns, and the agent's log), to analyze offline with
+rankscope.analyzer; --keep-all keeps every run's, right or wrong (a corpus to try a rule change on).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,9 +51,11 @@ from rankscope.sim.harness import free_port, wait_until  # noqa: E402
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
 WARMUP_S = 8.0
 VICTIM_CPU = 1  # pinned cases: the victim's CPU, the hog's too
+PINNED_REFERENCE_S = 6.0  # pinned cases: the job's own step before the hog starts, the cost's reference
 DURATION_S = 10.0
 HANG_TIMEOUT_S = 4.0
-AGENT_WINDOW_S = 2.0
+AGENT_WINDOW_S = 2.0  # the agent's window in the matrix (its default is 5 s)...
+AGENT_WINDOW_STEPS = 15  # ...or long enough for this many of the shape's healthy steps (lm-2-long: 4.5 s)
 AGENT_HEALTHY_WINDOWS = 10
 REGRESSION_TIMEOUT_S = 40.0
 STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does...
@@ -159,6 +163,23 @@ class Run:
         return self.cost / self.truth_cost - 1
 
 
+@dataclass(frozen=True)
+class Evidence:
+    """Where runs keep their patterns and documents: the wrong ones (a wrong verdict, a false finding, a step
+    time or cost off by more than STEP_KEPT or COST_KEPT), or `every` one."""
+
+    dir: Path
+    every: bool = False
+
+    def wanted(self, run: Run) -> bool:
+        off = abs(run.step_err or 0.0) > STEP_KEPT or abs(run.cost_err or 0.0) > COST_KEPT
+        return self.every or not run.right or bool(run.false) or off
+
+    def path(self, name: str) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return self.dir / name
+
+
 def log(msg: str) -> None:
     print(f"[accuracy {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -187,6 +208,31 @@ def hog_on(cpu: int) -> subprocess.Popen:
                             start_new_session=True)
 
 
+# A neighbour of the jobs on a loaded machine: busy, then idle, for random spells of 0.2-2 s each (another
+# job's bursts, a build, a test suite), unpinned at the jobs' priority. Seeded per process: runs repeat.
+NEIGHBOUR = """
+import random, sys, time
+rnd = random.Random(int(sys.argv[1]))
+while True:
+    end = time.monotonic() + rnd.uniform(0.2, 2.0)
+    while time.monotonic() < end:
+        pass
+    time.sleep(rnd.uniform(0.2, 2.0))
+"""
+
+
+@contextlib.contextmanager
+def neighbours(n: int) -> Iterator[None]:
+    """`n` neighbour processes for as long as the matrix runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(i)], start_new_session=True) for i in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def label(f: dict) -> str:
     return f"{f['kind']}{f['ranks']}"
 
@@ -201,7 +247,7 @@ def score(shape: Shape, fault: Fault, findings: list[dict]) -> tuple[bool, list[
 
 
 def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun,
-                  healthy_step: float | None, misses: Path, window: int = 0) -> Run:
+                  healthy_step: float | None, misses: Evidence, window: int = 0) -> Run:
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     hog = hog_on(VICTIM_CPU) if fault.name == "hog" else None
     saved = job.truth.parent / f"{job.run_id}-{window}.msgpack"
@@ -233,22 +279,23 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         if doc["findings"] and right and fault.expect and healthy_step and run.truth_step_s:
             run.cost = doc["findings"][0]["cost"]
             run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
-    if not right or false or abs(run.step_err or 0.0) > STEP_KEPT or abs(run.cost_err or 0.0) > COST_KEPT:
-        misses.mkdir(parents=True, exist_ok=True)
+    if misses.wanted(run):
         name = f"{shape.name}-{fault.name}-{job.run_id}-{window}"
-        shutil.copyfile(saved, misses / f"{name}.msgpack")
-        (misses / f"{name}.json").write_text(json.dumps({"run": asdict(run), "document": doc, "log": err}, indent=1))
+        shutil.copyfile(saved, misses.path(f"{name}.msgpack"))
+        misses.path(f"{name}.json").write_text(json.dumps({"run": asdict(run), "document": doc, "log": err}, indent=1))
     return run
 
 
-def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun, tmp: Path, misses: Path) -> Run:
+def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun, tmp: Path, misses: Evidence,
+               healthy_step: float | None) -> Run:
     """The agent over the job, window after window; a wrong verdict keeps every window's document and patterns
     and the agent's log in `misses`."""
     port = free_port()
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     with open(tmp / f"agent-{job.run_id}.log", "wb") as agent_log:
         agent = subprocess.Popen([*RANKSCOPE, "agent", "--pid", pids, "--listen", f"127.0.0.1:{port}",
-                                  "--window", str(AGENT_WINDOW_S)], stdout=agent_log, stderr=subprocess.STDOUT)
+                                  "--window", f"{max(AGENT_WINDOW_S, AGENT_WINDOW_STEPS * (healthy_step or 0)):.1f}"],
+                                 stdout=agent_log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
 
     def window() -> dict | None:  # the next window's document
@@ -294,13 +341,12 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             false += [label(f) for f in findings if f is not found and f["kind"] != "regression"]
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
                       to_finding_s=time.time() - onset if found else None, job=job.run_id)
-        if not run.right or run.false:
-            misses.mkdir(parents=True, exist_ok=True)
+        if misses.wanted(run):
             name = f"{shape.name}-{fault.name}-{job.run_id}"
             for i, raw in enumerate(patterns):
-                (misses / f"{name}-{i}.msgpack").write_bytes(raw)
-            (misses / f"{name}.json").write_text(json.dumps({"run": asdict(run), "documents": docs}, indent=1))
-            shutil.copyfile(tmp / f"agent-{job.run_id}.log", misses / f"{name}.log")
+                misses.path(f"{name}-{i}.msgpack").write_bytes(raw)
+            misses.path(f"{name}.json").write_text(json.dumps({"run": asdict(run), "documents": docs}, indent=1))
+            shutil.copyfile(tmp / f"agent-{job.run_id}.log", misses.path(f"{name}.log"))
         return run
     finally:
         agent.send_signal(signal.SIGINT)
@@ -311,7 +357,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             agent.wait()
 
 
-def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, misses: Path,
+def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, misses: Evidence,
              windows: int = 1) -> list[Run]:
     """One fresh job of the shape with the fault: its agent run, or `windows` diagnose runs in a row (a hang
     ends the job's steps: diagnosed once)."""
@@ -325,8 +371,15 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
         if fault.pinned:
             launch.pin(job, {r: VICTIM_CPU if r == shape.victim_rank else 0 for r in range(shape.ranks)})
         launch.settle(job, WARMUP_S)
+        if fault.pinned:  # the what-if of a hog is this job pinned as it is, without the hog: measured before it
+            # (an unpinned healthy job is slower: lm-2-long's ranks on a core each ran 0.24 s steps, unpinned 0.31)
+            start = time.time()
+            launch.settle(job, PINNED_REFERENCE_S)
+            end = time.time()
+            job.wait_written(end)
+            healthy_step = job.step_time(start, end) or healthy_step
         if fault.mode == "agent":
-            return [agent_case(shape, fault, job, tmp, misses)]
+            return [agent_case(shape, fault, job, tmp, misses, healthy_step)]
         once = fault.expect == "noncomm_hang"
         return [diagnose_case(shape, fault, job, healthy_step, misses, w) for w in range(1 if once else windows)]
     finally:
@@ -372,7 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default=",".join(f.name for f in FAULTS))
     ap.add_argument("--json", default="accuracy-results.json")
     ap.add_argument("--misses", default="accuracy-misses", help="where wrong verdicts keep their patterns and document")
+    ap.add_argument("--keep-all", action="store_true", help="keep every run's patterns and document in --misses")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' JSON files instead")
+    ap.add_argument("--load", type=int, default=0, metavar="N",
+                    help="a loaded machine: N busy processes beside the jobs, on and off at random (see neighbours)")
     args = ap.parse_args(argv)
     if args.table:
         runs = [Run(**{k: v for k, v in r.items() if k not in ("step_err", "cost_err")})
@@ -386,14 +442,15 @@ def main(argv: list[str] | None = None) -> int:
     faults = [f for f in FAULTS if f.name in args.faults.split(",")]
     runs: list[Run] = []
     healthy: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory(prefix="rankscope-accuracy-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rankscope-accuracy-") as tmp, neighbours(args.load):
         for repeat in range(args.repeats):
             for shape in shapes:
                 # The healthy run comes first: its step time scales the faults and is the cost's reference.
                 for fault in sorted(filter(shape.takes, faults), key=lambda f: f.name != "healthy"):
                     ref = statistics.median(healthy[shape.name]) if healthy.get(shape.name) else None
                     try:
-                        case = run_case(shape, fault, Path(tmp), ref, Path(args.misses), args.windows)
+                        case = run_case(shape, fault, Path(tmp), ref, Evidence(Path(args.misses), args.keep_all),
+                                        args.windows)
                     except Exception as e:  # noqa: BLE001  (a case that could not run is reported, not fatal)
                         case = [Run(shape.name, fault.name, False, [], [], error=f"{type(e).__name__}: {e}"[:300])]
                     for run in case:

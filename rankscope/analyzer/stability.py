@@ -4,7 +4,8 @@ One window of a busy machine can make any rank look late once; a real fault pers
 reported only when the same kind named the same ranks in the window before too (hysteresis), and it is
 withheld while it has been seen once; the document lists it under `unconfirmed`, so nothing is hidden.
 Hangs and node loss are reported at once: they are decided over their own timeout, not over one window.
-A regression is compared with the job's baseline over several windows already.
+A regression must hold too: the baseline spans many windows, but one window of a busy machine can be 10%
+slower than it.
 `rankscope diagnose` looks once, over a longer window, and reports what it saw.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from rankscope.analyzer.rules.hangs import HANGS
 
-AT_ONCE = HANGS | {"node_unreachable", "regression"}
+AT_ONCE = HANGS | {"node_unreachable"}
 CONFIRM_WINDOWS = 2  # consecutive windows a finding must hold in before it is reported
 
 

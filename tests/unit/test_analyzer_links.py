@@ -199,6 +199,16 @@ def test_a_slow_rank_in_a_small_tcp_ring_is_the_node(n):
     assert f"every link of rank {n - 1}" in f.summary and "10 MB/s vs 40 MB/s" in f.summary
 
 
+def test_the_neighbour_of_a_slow_rank_is_not_a_second_suspect():
+    # mlp-4 with rank 3 behind a 100 Mbit/s link (MB/s as measured): rank 0 sends to rank 3, and its other
+    # link, from rank 1, ran at the pace loopback TCP gets a CPU. Each of rank 0's links is slow against the
+    # two that do not touch it, one of which is rank 3's; its link to rank 3 is rank 3's, the surer suspect.
+    ps = job(4)
+    for src, dst, mbps in ((0, 3, 12.3), (3, 2, 12.5), (2, 1, 336), (1, 0, 46)):
+        connect(ps, src, dst, mbps)
+    assert [(f.kind, f.ranks) for f in link_findings(ps)] == [("slow_link", [3])]
+
+
 def test_tcp_links_of_a_straggler_are_not_judged():
     # mlp-3-io, GC storm on rank 2: the CPU it holds slowed rank 0's loopback links to 80-115 MB/s beside
     # 577 MB/s on the third link (2 -> 1): every link of rank 0 "slow" against the one link that does not

@@ -28,12 +28,22 @@ def test_a_finding_that_holds_is_reported_from_its_second_window():
     assert moved["j"]["findings"] == []
 
 
-def test_hangs_and_regressions_are_reported_at_once_and_jobs_are_kept_apart():
+def test_hangs_are_reported_at_once_and_jobs_are_kept_apart():
     c = Confirmer()
-    d = {"a": doc(("noncomm_hang", [1])), "b": doc(("regression", [0, 1]), ("cpu_contention", [0]))}
+    d = {"a": doc(("noncomm_hang", [1])), "b": doc(("node_unreachable", [0, 1]), ("cpu_contention", [0]))}
     c.confirm(d)
     assert [f["kind"] for f in d["a"]["findings"]] == ["noncomm_hang"]
-    assert [f["kind"] for f in d["b"]["findings"]] == ["regression"]
+    assert [f["kind"] for f in d["b"]["findings"]] == ["node_unreachable"]
     d = {"a": doc(("cpu_contention", [0]))}
     c.confirm(d)
     assert d["a"]["findings"] == []  # job b's streak is not job a's
+
+
+def test_a_regression_must_hold_too():
+    """One window slower than the baseline is noise as often as not: a healthy 2-rank transformer on a busy
+    2-core machine was 'regressed' in single windows."""
+    c = Confirmer()
+    for expected in ([], ["regression"]):
+        d = {"j": doc(("regression", [0, 1]))}
+        c.confirm(d)
+        assert [f["kind"] for f in d["j"]["findings"]] == expected

@@ -196,7 +196,29 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndar
 
     Leaving the rank's own links out matters in small jobs: in a ring of three, two of the three links touch
     the slow rank, and a median over all of them is theirs. In a role of many links one rank's few barely
-    move the median, so there the role's median stands in: one pass over 100,000 ranks' links."""
+    move the median, so there the role's median stands in: one pass over 100,000 ranks' links.
+    A link between two suspects is the worse one's: its neighbour is judged again without it (a pass per
+    such chain, usually one). In a ring of four, the rank sending to a slow rank has that link and one more,
+    and TCP over loopback runs at the pace its ends get a CPU: mlp-4's rank 0 had 12 MB/s to the slow rank 3
+    and 46 MB/s from rank 1, against 174 MB/s, and was a second suspect beside rank 3 (12-13 MB/s)."""
+    found: dict[int, float] = {}
+    judged = judged.copy()
+    while True:
+        suspects = _slow_node_pass(m, judged, role, bw)
+        if not suspects:
+            return found
+        surer = {r: (share, r) for r, (_, share) in suspects.items()}  # ties by rank: the surest always stays
+        waits = {max(int(src), int(dst), key=surer.__getitem__)  # a suspect sharing a link with a surer one
+                 for src, dst in zip(m.src[judged], m.dst[judged]) if src in suspects and dst in suspects}
+        kept = [r for r in suspects if r not in waits]
+        found.update((r, suspects[r][0]) for r in kept)
+        judged &= ~(np.isin(m.src, kept) | np.isin(m.dst, kept))
+
+
+def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndarray
+                    ) -> dict[int, tuple[float, float]]:
+    """One pass of _slow_nodes: rank -> (the throughput its links fell short of, the median share of it
+    they reached: the lower, the surer)."""
     median, count = _role_medians(judged, role, bw)
     factor = _slow_factor(m)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
@@ -211,8 +233,11 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndar
     ends, at = np.unique(end_rank, return_inverse=True)
     n_judged = np.bincount(at, weights=judged[link], minlength=ends.size)
     n_slow = np.bincount(at, weights=slow, minlength=ends.size)
-    return {int(ends[e]): float(np.median(reference[(at == e) & slow]))
-            for e in np.flatnonzero((n_judged >= MIN_NODE_LINKS) & (n_slow == n_judged))}
+    out = {}
+    for e in np.flatnonzero((n_judged >= MIN_NODE_LINKS) & (n_slow == n_judged)):
+        mine = (at == e) & slow
+        out[int(ends[e])] = (float(np.median(reference[mine])), float(np.median(bw[link[mine]] / reference[mine])))
+    return out
 
 
 def _comm_share(p: RankPattern) -> float:
