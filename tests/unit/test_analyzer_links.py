@@ -2,12 +2,14 @@
 (analyzer/rules/links.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_analyzer import findings, simulate
 
 from rankscope.analyzer.diagnosis import find
-from rankscope.analyzer.rules.links import _link_roles, link_findings, link_matrix
-from rankscope.schema.patterns import CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, TcpFlow
+from rankscope.analyzer.rules.links import LinkRoles, link_findings, link_matrix
+from rankscope.schema.patterns import CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, Role, TcpFlow
 
 COMM = 0x5EED_CAFE
 GBPS = 20e9  # a healthy link
@@ -54,9 +56,11 @@ def test_one_slow_link_is_exactly_that_pair():
     assert [(r["src"], r["dst"], r["measured_by"]) for r in ev["links"]] == [(3, 4, "sender")]
     assert f.score == pytest.approx(4.0)
     assert "link 3 -> 4 moves 5.0 GB/s vs 20.0 GB/s" in f.summary and "both ranks' other links are normal" in f.summary
-    # Cost: the ranks' COMM share of the window x the transfer time the link would save at the median pace.
-    share = ev["comm_share"]
-    assert 0.2 < share < 0.6 and f.cost == pytest.approx(share * 0.75)
+    # Cost: the ranks' COMM share of the window x the transfer time the link would save at the median pace,
+    # or, if less, the link's time on the wire beyond what its bytes need at that pace, over the window.
+    share, window = ev["comm_share"], ps[0].window_s
+    assert 0.2 < share < 0.6 and ev["extra_wire_s"] == pytest.approx(STEPS * STEP_BYTES * (1 / 5e9 - 1 / GBPS))
+    assert f.cost == pytest.approx(min(share * 0.75, ev["extra_wire_s"] / window))
     matrix = ev["link_matrix"]
     assert matrix["ranks"].tolist() == list(range(8)) and matrix["bandwidth_Bps"][3, 4] == pytest.approx(5e9)
 
@@ -199,6 +203,21 @@ def test_a_slow_rank_in_a_small_tcp_ring_is_the_node(n):
     assert f"every link of rank {n - 1}" in f.summary and "10 MB/s vs 40 MB/s" in f.summary
 
 
+def test_the_cost_of_a_slow_link_under_overlapped_buckets_is_its_extra_time_on_the_wire():
+    # cnn-3, rank 2 behind a 100 Mbit/s link: DDP's buckets all-reduce during the backward pass on two gloo
+    # threads, so COMM spans the window (step 70 ms against 56 healthy: a true cost of 0.21). The slow links
+    # moved 73 MB in 5.8 s of a 10 s window; at the others' 45 MB/s they would have taken 1.6 s: 0.42.
+    ps = job(3)
+    sent = int(0.58 * ps[0].window_s * 12.5e6)  # busy 58% of the window at 12.5 MB/s
+    for src, dst, mbps in ((0, 2, 12.5), (2, 1, 13.0), (1, 0, 45.0)):
+        connect(ps, src, dst, mbps, sent=sent)
+    for p in ps:
+        p.functions = {n: replace(f, total_s=p.window_s) if f.role == Role.COMM else f for n, f in p.functions.items()}
+    f, = link_findings(ps)
+    assert f.ranks == [2] and f.evidence["comm_share"] == pytest.approx(1.0)
+    assert f.cost == pytest.approx(f.evidence["extra_wire_s"] / ps[0].window_s) and f.cost < 1 - 12.5 / 45
+
+
 def test_the_neighbour_of_a_slow_rank_is_not_a_second_suspect():
     # mlp-4 with rank 3 behind a 100 Mbit/s link (MB/s as measured): rank 0 sends to rank 3, and its other
     # link, from rank 1, ran at the pace loopback TCP gets a CPU. Each of rank 0's links is slow against the
@@ -237,8 +256,20 @@ def test_links_between_pipeline_stages_are_not_compared_with_those_within():
     for src, dst, mbps in ((0, 1, 40), (1, 0, 40), (2, 3, 40), (3, 2, 40), (0, 2, 10), (1, 3, 10), (2, 0, 10),
                            (3, 1, 10)):
         connect(ps, src, dst, mbps)
-    assert len(set(_link_roles(link_matrix(ps), ps).tolist())) == 4
+    roles = LinkRoles.of(link_matrix(ps), ps)
+    assert len(set(roles.id.tolist())) == 3 and roles.between.sum() == 4  # within either stage; 0 -> 1; 1 -> 0
     assert link_findings(ps) == []
+
+
+def test_a_slow_rank_of_a_two_rank_stage_is_the_node():
+    # pipe-4 with rank 3 behind a 100 Mbit/s link (MB/s as measured): stage 1's all-reduce pair (2, 3) runs at
+    # a sixth of stage 0's (0, 1). Between stages, rank 2 sends at 57 MB/s, rank 3 at 9; what stage 1 reads
+    # arrives slowly at both (it is held up by the pair), so those links accuse no one.
+    ps = pipeline({0: 0, 1: 0, 2: 1, 3: 1})
+    for src, dst, mbps in ((0, 1, 65), (1, 0, 84), (2, 3, 11.9), (3, 2, 10.7), (0, 2, 10.1), (1, 3, 5.6),
+                           (2, 0, 56.6), (3, 1, 9.3)):
+        connect(ps, src, dst, mbps)
+    assert [(f.kind, f.ranks) for f in link_findings(ps)] == [("slow_link", [3])]
 
 
 def test_nccl_plugin_rows_take_precedence_over_tcp_on_a_pair():

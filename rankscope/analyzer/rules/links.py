@@ -12,8 +12,9 @@ Two sources measure a link's throughput:
   the bytes it sent and how long the connection had data to send. A connection's far end is the pattern
   whose connection has the two addresses reversed. Plugin rows take precedence over a pair they both cover.
 
-Links are compared within their role: the pair of peer groups (analyzer/peers.py) their ends belong to.
-Pipeline stages pass activations between stages and all-reduce within them, and the two differ by design.
+Links are compared within their role: the pair of peer groups (analyzer/peers.py) their ends belong to, or
+within a group (any). Pipeline stages pass activations between stages and all-reduce within them, and the two
+differ by design.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ MIN_TCP_WIRE_S = 0.05
 # ...and on bulk transfers: sends of a few KB (a small model's gradients, 1.4 KB a send) are bound by round
 # trips and by when each end gets a CPU, not by bandwidth. Three ranks on two cores moving 1.4 KB a send
 # showed 2-7 MB/s on loopback; gloo moves ~48 KB a send for a 450 KB gradient.
-MIN_TCP_SEND_BYTES = 16 << 10
+MIN_TCP_SEND_BYTES = 4 << 10
 EXACT_ROLE_LINKS = 64  # up to this many links in a role, a rank is compared with exactly the links it lacks
 MATRIX_MAX_RANKS = 32  # up to this many ranks, evidence carries the whole dense matrix
 
@@ -166,14 +167,29 @@ def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[An
     return totals
 
 
-def _link_roles(m: LinkMatrix, patterns: Sequence[RankPattern]) -> np.ndarray:
-    """Per link, a role id: links measured the same way whose ends are in the same peer groups share one."""
-    group_of = {}
-    for g, rows in enumerate(peer_groups(patterns)):
-        group_of.update((patterns[i].rank, g) for i in rows)
-    keys = [(group_of.get(int(s), -1), group_of.get(int(d), -1), bool(t)) for s, d, t in zip(m.src, m.dst, m.tcp)]
-    ids = {key: i for i, key in enumerate(sorted(set(keys)))}
-    return np.array([ids[key] for key in keys], dtype=np.intp)
+WITHIN = -2  # the "group pair" of a link within one peer group, whichever group
+
+
+@dataclass(frozen=True)
+class LinkRoles:
+    """Per link, a role id: links measured the same way between the same two peer groups share one, and so do
+    the links within a group, whichever group: the all-reduces of every pipeline stage move gradients at the
+    link's pace, while activations between stages move at the reading stage's. A stage of two ranks has only
+    its pair's two links to compare (pipe-4: both touch the slow rank 3, at 11-12 MB/s beside stage 0's 65-84)."""
+
+    id: np.ndarray
+    between: np.ndarray  # bool: the link joins two peer groups (pipeline stages)
+
+    @classmethod
+    def of(cls, m: LinkMatrix, patterns: Sequence[RankPattern]) -> LinkRoles:
+        group_of = {}
+        for g, rows in enumerate(peer_groups(patterns)):
+            group_of.update((patterns[i].rank, g) for i in rows)
+        ends = [(group_of.get(int(s), -1), group_of.get(int(d), -1)) for s, d in zip(m.src, m.dst)]
+        keys = [((WITHIN, WITHIN) if gs == gd >= 0 else (gs, gd), bool(t)) for (gs, gd), t in zip(ends, m.tcp)]
+        ids = {key: i for i, key in enumerate(sorted(set(keys)))}
+        return cls(np.array([ids[key] for key in keys], dtype=np.intp),
+                   np.fromiter((gs != gd for gs, gd in ends), bool, len(ends)))
 
 
 def _role_medians(judged: np.ndarray, role: np.ndarray, bw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -190,7 +206,7 @@ def _slow_factor(m: LinkMatrix) -> np.ndarray:
     return np.where(m.tcp, TCP_SLOW_FACTOR, SLOW_FACTOR)
 
 
-def _slow_nodes(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndarray) -> dict[int, float]:
+def _slow_nodes(m: LinkMatrix, judged: np.ndarray, roles: LinkRoles, bw: np.ndarray) -> dict[int, float]:
     """rank -> the throughput its links fell short of, for each rank with MIN_NODE_LINKS judged links or more,
     every one slower than its slow factor below the median of its role's links that do not touch the rank.
 
@@ -204,7 +220,7 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndar
     found: dict[int, float] = {}
     judged = judged.copy()
     while True:
-        suspects = _slow_node_pass(m, judged, role, bw)
+        suspects = _slow_node_pass(m, judged, roles, bw)
         if not suspects:
             return found
         surer = {r: (share, r) for r, (_, share) in suspects.items()}  # ties by rank: the surest always stays
@@ -215,10 +231,13 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndar
         judged &= ~(np.isin(m.src, kept) | np.isin(m.dst, kept))
 
 
-def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.ndarray
+def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, roles: LinkRoles, bw: np.ndarray
                     ) -> dict[int, tuple[float, float]]:
     """One pass of _slow_nodes: rank -> (the throughput its links fell short of, the median share of it
-    they reached: the lower, the surer)."""
+    they reached: the lower, the surer). A link between pipeline stages moves at the reading stage's pace, so
+    it only clears a rank (at or above its reference), never accuses one: the stage a slow rank holds up
+    reads slowly from every sender (pipe-4: 1 -> 3 at 5.6 MB/s, 0 -> 2 at 10 MB/s)."""
+    role = roles.id
     median, count = _role_medians(judged, role, bw)
     factor = _slow_factor(m)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
@@ -228,13 +247,16 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, role: np.ndarray, bw: np.
         r = end_rank[k]
         others = judged & (role == role[link[k]]) & (m.src != r) & (m.dst != r)
         reference[k] = np.median(bw[others]) if others.any() else np.nan
+    within = judged[link] & ~roles.between[link]
     with np.errstate(invalid="ignore"):
-        slow = judged[link] & (bw[link] < reference / factor[link])  # no reference: not slow
+        slow = within & (bw[link] < reference / factor[link])  # no reference: not slow
+        clears = judged[link] & roles.between[link] & (bw[link] >= reference)
     ends, at = np.unique(end_rank, return_inverse=True)
-    n_judged = np.bincount(at, weights=judged[link], minlength=ends.size)
+    n_within = np.bincount(at, weights=within, minlength=ends.size)
     n_slow = np.bincount(at, weights=slow, minlength=ends.size)
+    cleared = np.bincount(at, weights=clears, minlength=ends.size) > 0
     out = {}
-    for e in np.flatnonzero((n_judged >= MIN_NODE_LINKS) & (n_slow == n_judged)):
+    for e in np.flatnonzero((n_within >= MIN_NODE_LINKS) & (n_slow == n_within) & ~cleared):
         mine = (at == e) & slow
         out[int(ends[e])] = (float(np.median(reference[mine])), float(np.median(bw[link[mine]] / reference[mine])))
     return out
@@ -279,9 +301,9 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
     if np.count_nonzero(judged) < MIN_LINKS:
         return []
     bw = m.bandwidth_Bps
-    role = _link_roles(m, patterns)
-    nodes = _slow_nodes(m, judged, role, bw)
-    median, count = _role_medians(judged, role, bw)
+    roles = LinkRoles.of(m, patterns)
+    nodes = _slow_nodes(m, judged, roles, bw)
+    median, count = _role_medians(judged, roles.id, bw)
     with np.errstate(invalid="ignore"):
         slow = judged & (count >= MIN_LINKS) & (bw < median / _slow_factor(m))
     if not slow.any() and not nodes:
@@ -294,6 +316,7 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
                                                                  minlength=ends.size)).tolist()))
     by_node = np.isin(m.src, list(nodes)) | np.isin(m.dst, list(nodes))
     by_rank = {p.rank: p for p in patterns}
+    window_s = float(np.median([p.window_s for p in patterns]))
     matrix = m.dense() if np.count_nonzero(n_judged) <= MATRIX_MAX_RANKS else None
 
     def finding(ranks: list[int], rows: np.ndarray, reference: float, summary: str,
@@ -302,12 +325,17 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
         # A ring or tree collective moves at its slowest link's pace, so at the others' median throughput its
         # transfer time would shrink by (1 - worst / reference). The ranks' COMM share of the window bounds the
         # transfer time from above (it also holds waiting for late peers), so the product is an upper bound.
+        # So is the time the link had data to send beyond what its bytes need at the reference throughput,
+        # and the tighter one where DDP's buckets all-reduce during the backward pass: COMM then spans the
+        # whole step on every rank (cnn-3, a 100 Mbit/s link: 0.72 from COMM for a true 0.21; 0.42 from bytes).
         share = max(_comm_share(by_rank[r]) for r in ranks)
-        cost = float(np.clip(share * (1.0 - worst / reference), 0.0, 1.0))
+        extra_s = float(np.max(m.wire_s[rows] - m.bytes[rows] / reference))
+        cost = float(np.clip(min(share * (1.0 - worst / reference), extra_s / window_s), 0.0, 1.0))
         return Finding(
             kind="slow_link", ranks=ranks, function=None, component="link", score=reference / worst, cost=cost,
             summary=f"{summary}; costs {cost:.0%} of step time",
             evidence={**extra, "bandwidth_Bps": worst, "peers_bandwidth_Bps": reference, "comm_share": share,
+                      "extra_wire_s": extra_s,
                       "judged_links": int(np.count_nonzero(judged)),
                       "links": [m.row(i) for i in np.flatnonzero(rows)],
                       **({"link_matrix": matrix} if matrix is not None else {}),
