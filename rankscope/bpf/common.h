@@ -264,7 +264,8 @@ static __always_inline int lower_enter(u32 fn, u64 bytes) {
     return timed_enter(fn, bytes);
 }
 
-// Probe entry points, one per probed symbol; FN_<symbol> ids are defined by the loader.
+// Probe entry points, one per probed symbol; FN_<symbol> ids are defined by the loader. A kind's lines using
+// them are generated from its declarations (agent/sources/probes/<kind>.py: Probe.handler), not written here.
 #define COUNTED(sym, bytes_expr)                                          \
     int enter_##sym(struct pt_regs *ctx) { return count_call(FN_##sym, (bytes_expr)); }
 #define TIMED(sym, bytes_expr)                                            \

@@ -2,7 +2,8 @@
 // c10d::ProcessGroupGloo::<op> enqueues a collective on the training thread and returns a Work at once:
 // counted. One of the process group's worker threads then runs gloo::<op>, which returns only when every
 // rank has taken part: a blocking collective, timed, complete when it returns.
-// Probe names are C identifiers; agent/sources/probes/gloo.py maps them to the mangled C++ symbols.
+// Probe names are C identifiers; agent/sources/probes/gloo.py maps them to the mangled C++ symbols and
+// declares their handlers (one macro line of common.h each, generated), with gloo_payload's offsets.
 #include "common.h"
 
 // Payload of a gloo options object: its element count and element size (two adjacent size_t) at
@@ -22,26 +23,3 @@ static __always_inline u64 gloo_payload(u64 opts, u64 offset) {
         return 0;
     return elements * size;
 }
-
-// gloo::allreduce(const AllreduceOptions&), gloo::broadcast(BroadcastOptions&): payload decoded.
-COLLECTIVE(gloo_allreduce, gloo_payload(PT_REGS_PARM1(ctx), 80), true)
-COLLECTIVE(gloo_broadcast, gloo_payload(PT_REGS_PARM1(ctx), 32), true)
-// gloo::allgather(AllgatherOptions&): the size lives in the buffers, behind pointers: 0 bytes.
-COLLECTIVE(gloo_allgather, 0, true)
-// c10d::ProcessGroupGloo::{Send,Recv}Work::wait(timeout): a point-to-point transfer, waited for on the
-// calling thread; complete when it returns. The size lives in the tensor: 0 bytes.
-COLLECTIVE(gloo_send, 0, true)
-COLLECTIVE(gloo_recv, 0, true)
-
-// c10d::ProcessGroupGloo::<op>(...) (this, tensors, options): the enqueue, counted. The tensors' sizes are
-// deep inside at::Tensor: 0 bytes (the gloo level above has the payload).
-COUNTED(ProcessGroupGloo_allreduce, 0)
-COUNTED(ProcessGroupGloo_allreduce_coalesced, 0)
-COUNTED(ProcessGroupGloo_broadcast, 0)
-COUNTED(ProcessGroupGloo_allgather, 0)
-COUNTED(ProcessGroupGloo_allgather_base, 0)
-COUNTED(ProcessGroupGloo_reduce_scatter, 0)
-COUNTED(ProcessGroupGloo_reduce_scatter_base, 0)
-COUNTED(ProcessGroupGloo_reduce, 0)
-COUNTED(ProcessGroupGloo_barrier, 0)
-COUNTED(ProcessGroupGloo_alltoall_base, 0)

@@ -1,5 +1,7 @@
 // NCCL (libnccl.so.2): collectives with their payload, and communicator set-up, which tells each
-// process its rank, the communicator size and an id shared by every rank of the job.
+// process its rank, the communicator size and an id shared by every rank of the job. The collectives'
+// handlers, one macro line of common.h per probe, are generated from agent/sources/probes/nccl.py, the one
+// list of its symbols; ncclCommInitRank's (HAND_WRITTEN there) are below.
 #include "common.h"
 
 static __always_inline u64 nccl_type_size(u64 dtype) {
@@ -11,18 +13,6 @@ static __always_inline u64 nccl_type_size(u64 dtype) {
     default: return 0;
     }
 }
-
-// ncclAllReduce(send, recv, count, dtype, op, comm, stream)
-COLLECTIVE(ncclAllReduce, PT_REGS_PARM3(ctx) * nccl_type_size(PT_REGS_PARM4(ctx)), false)
-// ncclAllGather(send, recv, sendcount, dtype, comm, stream)
-COLLECTIVE(ncclAllGather, PT_REGS_PARM3(ctx) * nccl_type_size(PT_REGS_PARM4(ctx)), false)
-// ncclReduceScatter(send, recv, recvcount, dtype, op, comm, stream)
-COLLECTIVE(ncclReduceScatter, PT_REGS_PARM3(ctx) * nccl_type_size(PT_REGS_PARM4(ctx)), false)
-// ncclBroadcast(send, recv, count, dtype, root, comm, stream)
-COLLECTIVE(ncclBroadcast, PT_REGS_PARM3(ctx) * nccl_type_size(PT_REGS_PARM4(ctx)), false)
-// ncclSend/ncclRecv(buf, count, dtype, peer, comm, stream)
-COLLECTIVE(ncclSend, PT_REGS_PARM2(ctx) * nccl_type_size(PT_REGS_PARM3(ctx)), false)
-COLLECTIVE(ncclRecv, PT_REGS_PARM2(ctx) * nccl_type_size(PT_REGS_PARM3(ctx)), false)
 
 // Communicators of each process: rank, size and a hash of the ncclUniqueId every member shares. A failed
 // set-up is kept too, with its result and a null comm: the rank still said who it is.

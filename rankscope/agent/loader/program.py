@@ -25,6 +25,16 @@ from rankscope.agent.sources.probes import KINDS, KindUnavailable, Probe, ProbeK
 log = logging.getLogger(__name__)
 
 
+# Maps of bpf/common.h that user space reads (here and in sources/collector.py).
+WATCHED = "watched"  # pid -> its collective bookkeeping; a process is accounted while a key
+FN_STATS = "fn_stats"  # (pid, fn) -> calls, time, bytes, histogram
+INFLIGHT = "inflight"  # (tid, fn) -> a timed call's entry
+COLL_RING = "coll_ring"  # (pid, slot) -> one of the last collectives
+UPPER_CALL = "upper_call"  # (pid, tid) -> the upper layer's call in flight
+COLL_DONE = "coll_done"  # stream of completed collectives (DONE_RECORD)
+DONE_LOST = "done_lost"  # completed collectives the stream had no room for
+
+
 class ProbeError(Exception):
     """The probes cannot be loaded or attached; one line a user can act on."""
 
@@ -58,7 +68,7 @@ def function_ids(kinds: tuple[ProbeKind, ...]) -> dict[str, int]:
 
 
 def _source(kinds: tuple[ProbeKind, ...]) -> str:
-    return bpf_sources.text(*(kind.source for kind in kinds))
+    return bpf_sources.compose(*(kind.bpf_text() for kind in kinds))
 
 
 def hostable(kinds: tuple[ProbeKind, ...]) -> tuple[tuple[ProbeKind, ...], list[str]]:
@@ -99,7 +109,7 @@ class ProbeProgram:
                 self._bpf = compile_bpf(_source(self.kinds), cflags)
             except Exception as e:  # bcc raises bare Exception for compile and load failures
                 raise ProbeError(f"cannot load the BPF program (root, kernel headers?): {e}") from e
-            self._bpf["coll_done"].open_ring_buffer(self._on_done)
+            self._bpf[COLL_DONE].open_ring_buffer(self._on_done)
         return self._bpf
 
     def _on_done(self, _ctx, data, size) -> None:
@@ -111,7 +121,7 @@ class ProbeProgram:
         if self._bpf is None:
             return {}
         self._bpf.ring_buffer_consume()
-        lost = self._bpf["done_lost"][ctypes.c_int(0)].value
+        lost = self._bpf[DONE_LOST][ctypes.c_int(0)].value
         if lost > self._lost:
             log.warning("%d completed collectives found the kernel's stream full: read it more often",
                         lost - self._lost)
@@ -145,7 +155,7 @@ class ProbeProgram:
                     raise
             lib.users.add(target.pid)
             used.append(lib)
-        bpf["watched"][ctypes.c_uint32(target.pid)] = bpf["watched"].Leaf()
+        bpf[WATCHED][ctypes.c_uint32(target.pid)] = bpf[WATCHED].Leaf()
         self.watched.add(target.pid)
         return used
 
@@ -213,7 +223,7 @@ class ProbeProgram:
         if pid not in self.watched or self._bpf is None:
             return
         self.watched.discard(pid)
-        self._bpf["watched"].pop(ctypes.c_uint32(pid), None)
+        self._bpf[WATCHED].pop(ctypes.c_uint32(pid), None)
         for key, lib in list(self.libraries.items()):
             lib.users.discard(pid)
             if not lib.users:
@@ -234,7 +244,7 @@ class ProbeProgram:
         """Drop a forgotten process's entries from every per-process map (after its last read)."""
         if self._bpf is None:
             return
-        for name in ("fn_stats", "coll_ring", "upper_call", *(m for kind in self.kinds for m in kind.maps)):
+        for name in (FN_STATS, COLL_RING, UPPER_CALL, *(m for kind in self.kinds for m in kind.maps)):
             table = self._bpf[name]
             for key in [k for k in table.keys() if k.pid == pid]:
                 table.pop(key, None)
@@ -244,7 +254,7 @@ class ProbeProgram:
         if self._bpf is None:
             return
         for pid in list(self.watched):
-            self._bpf["watched"].pop(ctypes.c_uint32(pid), None)
+            self._bpf[WATCHED].pop(ctypes.c_uint32(pid), None)
         self.watched.clear()
         for key in list(self.libraries):
             self._remove_library(key)

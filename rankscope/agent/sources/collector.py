@@ -14,7 +14,8 @@ from rankscope.agent.detail import LIGHT, Detail
 from rankscope.agent.host.targets import Identity, Target, major_faults, thread_group
 from rankscope.agent.host.thread_state import where
 from rankscope.agent.loader import histograms
-from rankscope.agent.loader.program import DONE_RECORD, ProbeProgram
+from rankscope.agent.loader.program import (COLL_RING, DONE_RECORD, FN_STATS, INFLIGHT, WATCHED,
+                                            ProbeProgram)
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes import net, sched
 from rankscope.agent.sources.probes.nccl import communicators, world_communicator
@@ -56,11 +57,11 @@ class Collector:
         start, self._window_start = self._window_start, now
         bpf = self.program.bpf
         stats: dict[int, dict[int, tuple]] = {}
-        for key, val in bpf["fn_stats"].items():
+        for key, val in bpf[FN_STATS].items():
             stats.setdefault(key.pid, {})[key.fn] = (val.count, val.total_ns, val.max_ns, val.bytes, list(val.hist))
         completed = self.program.completed()
         comms = communicators(bpf)
-        pending = {k.value: v.pending_last for k, v in bpf["watched"].items() if v.pending_last}
+        pending = {k.value: v.pending_last for k, v in bpf[WATCHED].items() if v.pending_last}
         stalled = {t.pid for t in targets if self._stalled(t, now)}  # before this window's progress: a superset
         blocked_in = self._blocked_in(stalled) if stalled else {}
         pending_op = self._pending_ops({pid: pending[pid] for pid in stalled if pid in pending})
@@ -142,7 +143,7 @@ class Collector:
         if not pending:
             return {}
         out = {}
-        for key, rec in self.program.bpf["coll_ring"].items():
+        for key, rec in self.program.bpf[COLL_RING].items():
             if pending.get(key.pid) == rec.seq and rec.fn in self.program.symbol_of:
                 out[key.pid] = self.program.symbol_of[rec.fn]
         return out
@@ -153,7 +154,7 @@ class Collector:
         Read only when a rank stalls; the in-flight map is keyed by thread, so each entry's process is looked
         up in /proc."""
         out = {}
-        for key, _val in self.program.bpf["inflight"].items():
+        for key, _val in self.program.bpf[INFLIGHT].items():
             symbol = self.program.symbol_of.get(key.fn)
             probe = self.program.probe_of.get(symbol) if symbol else None
             if probe is None or probe.role != Role.COMM:

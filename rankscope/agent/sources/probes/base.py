@@ -1,20 +1,50 @@
 """What a probe kind declares: the library it recognizes, its BPF source and the functions it probes.
 
+A probe's declaration is the one list of a kind's symbols: each names the macro of bpf/common.h that writes
+its BPF entry points and that macro's arguments, and the kind's BPF text is its `.bpf.c` (helpers, and the
+few handlers written by hand) followed by one macro line per probe, generated here.
+
 A kind without a library (the scheduler) is made of kernel tracepoints, on for every watched process."""
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from rankscope import bpf as bpf_sources
 from rankscope.schema.patterns import Role
+
+
+@dataclass(frozen=True)
+class Handler:
+    """How a probe's entry points come to be: `macro` of bpf/common.h, given the probe's name and `args`
+    (C expressions over `ctx`, the probe's pt_regs), defines enter_<name> and, when it `returns`,
+    return_<name>. Written as the C line reads: `LOWER_TIMED("PT_REGS_PARM3(ctx)")`."""
+
+    macro: str | None  # None: the kind's .bpf.c defines the entry points itself
+    returns: bool = True  # defines return_<name>: the probe is also a uretprobe
+    args: tuple[str, ...] = ()
+
+    def __call__(self, *args: str) -> Handler:
+        return replace(self, args=args)
+
+
+# The macros of bpf/common.h, with their arguments after the probe's name.
+COUNTED = Handler("COUNTED", returns=False)  # (bytes): counted, not timed (hot calls: no uretprobe)
+TIMED = Handler("TIMED")  # (bytes)
+UPPER_TIMED = Handler("UPPER_TIMED")  # (bytes): the upper layer of an API (CUDA runtime over the driver)
+UPPER_SYNC = Handler("UPPER_SYNC")  # ()
+LOWER_TIMED = Handler("LOWER_TIMED")  # (bytes): not accounted inside an upper layer's call
+LOWER_SYNC = Handler("LOWER_SYNC")  # ()
+COLLECTIVE = Handler("COLLECTIVE")  # (bytes, blocking: "true" complete on return, "false" at the next sync)
+HAND_WRITTEN = Handler(None)  # enter_<name> and return_<name> are in the kind's .bpf.c
 
 
 @dataclass(frozen=True)
 class Probe:
     symbol: str  # exported function (its ELF name: mangled for C++)
     role: Role
-    returns: bool = True  # also a uretprobe; False for hot calls that are only counted
+    handler: Handler
     # On a per-call hot path (kernel launches: up to 100k calls/s at ~0.6 us per trap): attached only while
     # the agent records deep detail (agent/detail.py), never in the always-on mode.
     hot: bool = False
@@ -25,6 +55,19 @@ class Probe:
     def __post_init__(self):
         if not self.name:
             object.__setattr__(self, "name", self.symbol)
+
+    @property
+    def returns(self) -> bool:
+        """Also a uretprobe; False for hot calls that are only counted."""
+        return self.handler.returns
+
+    @property
+    def bpf_line(self) -> str | None:
+        """The macro line defining its entry points (`LOWER_TIMED(cuMemAlloc_v2, PT_REGS_PARM2(ctx))`); None
+        when they are written by hand."""
+        if self.handler.macro is None:
+            return None
+        return f"{self.handler.macro}({', '.join((self.name, *self.handler.args))})"
 
     def resolve(self, functions: Mapping[str, int]) -> str | None:
         """The symbol to attach to among a library's defined functions (name -> address); None if absent."""
@@ -46,3 +89,8 @@ class ProbeKind:
     identifies_job: bool = True  # mapping this library makes a process a training process (not libpython)
     # -D defines its source needs from the running kernel (structure offsets); raises KindUnavailable.
     kernel_defines: Callable[[], dict[str, int]] | None = None
+
+    def bpf_text(self) -> str:
+        """Its BPF source, headers not inlined yet: `source`, then its probes' macro lines in their order."""
+        lines = [p.bpf_line for p in self.probes if p.bpf_line is not None]
+        return bpf_sources.source(self.source) + "".join(line + "\n" for line in lines)

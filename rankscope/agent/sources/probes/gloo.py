@@ -9,7 +9,8 @@ Two levels are probed, both C++ functions found by their mangled names:
   for the peers plus the transfer, and it is complete when it returns.
 
 Symbols are matched by their nested-name prefix (`_ZN4gloo9allreduceE...`), whatever the parameter list, so
-a signature change in another torch version still resolves; `.dynsym` of torch 2.13 exports them all.
+a signature change in another torch version still resolves; `.dynsym` of torch 2.13 exports them all. Each
+probe's BPF handler is generated from its declaration below, under a C identifier name (gloo_allreduce, ...).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.agent.sources.probes.base import Probe, ProbeKind
+from rankscope.agent.sources.probes.base import COLLECTIVE, COUNTED, Handler, Probe, ProbeKind
 from rankscope.schema.patterns import Role
 
 
@@ -42,21 +43,25 @@ class MangledProbe(Probe):
         return found[0] if len({functions[s] for s in found}) == 1 else None
 
 
-def _probe(scopes: tuple[str, ...], params: str, role: Role, returns: bool) -> MangledProbe:
+def _probe(scopes: tuple[str, ...], params: str, role: Role, handler: Handler) -> MangledProbe:
     prefix = mangled_prefix(*scopes)
-    return MangledProbe(symbol=prefix + params, role=role, returns=returns,
+    return MangledProbe(symbol=prefix + params, role=role, handler=handler,
                         name="_".join(s.strip("_") for s in scopes[-2:]), prefix=prefix)
 
 
 # gloo::<op>(Options&) on a worker thread: the blocking collective, timed (gloo_allreduce, ...). These are
 # the ones c10d 2.13 reaches (reduce, barrier and all-to-all run other gloo code: only their enqueue is seen).
+# Payload: gloo_payload (bpf/gloo.bpf.c) at the options' `elements` offset; allgather's size lives in the
+# buffers, behind pointers: 0 bytes.
 _GLOO = (
-    ("allreduce", "RKNS_16AllreduceOptionsE"),
-    ("broadcast", "RNS_16BroadcastOptionsE"),
-    ("allgather", "RNS_16AllgatherOptionsE"),
+    ("allreduce", "RKNS_16AllreduceOptionsE", "gloo_payload(PT_REGS_PARM1(ctx), 80)"),
+    ("broadcast", "RNS_16BroadcastOptionsE", "gloo_payload(PT_REGS_PARM1(ctx), 32)"),
+    ("allgather", "RNS_16AllgatherOptionsE", "0"),
 )
 
-# c10d::ProcessGroupGloo::<op> on the calling thread: the enqueue, counted (ProcessGroupGloo_allreduce, ...).
+# c10d::ProcessGroupGloo::<op>(...) (this, tensors, options) on the calling thread: the enqueue, counted
+# (ProcessGroupGloo_allreduce, ...). The tensors' sizes are deep inside at::Tensor: 0 bytes (the gloo level
+# above has the payload).
 _VEC = "RSt6vectorIN2at6TensorESaIS3_EE"  # std::vector<at::Tensor>&
 _VEC2 = "RSt6vectorIS1_IN2at6TensorESaIS3_EESaIS5_EE"  # std::vector<std::vector<at::Tensor>>&
 _C10D = (
@@ -74,7 +79,8 @@ _C10D = (
 
 # Point-to-point (torch.distributed send/recv, isend/irecv): c10d's ProcessGroupGloo::{Send,Recv}Work::wait on
 # the thread that waits for the transfer (the training thread, for dist.send/recv): blocking communication,
-# timed (gloo_send, gloo_recv). A pipeline stage waiting for its neighbour stage waits here, not computes.
+# timed (gloo_send, gloo_recv), complete when it returns. A pipeline stage waiting for its neighbour stage waits
+# here, not computes. The size lives in the tensor: 0 bytes.
 _MILLISECONDS = "NSt6chrono8durationIlSt5ratioILl1ELl1000EEEE"  # wait(std::chrono::milliseconds)
 _P2P = (("gloo_send", "SendWork"), ("gloo_recv", "RecvWork"))
 
@@ -83,9 +89,10 @@ GLOO = ProbeKind(
     library=re.compile(r"^libtorch_cpu\.so$"),
     source="gloo.bpf.c",
     probes=(
-        *(_probe(("gloo", op), params, Role.COMM, returns=True) for op, params in _GLOO),
-        *(MangledProbe(symbol=prefix + _MILLISECONDS, role=Role.COMM, returns=True, name=name, prefix=prefix)
+        *(_probe(("gloo", op), params, Role.COMM, COLLECTIVE(payload, "true")) for op, params, payload in _GLOO),
+        *(MangledProbe(symbol=prefix + _MILLISECONDS, role=Role.COMM, handler=COLLECTIVE("0", "true"), name=name,
+                       prefix=prefix)
           for name, work in _P2P if (prefix := mangled_prefix("c10d", "ProcessGroupGloo", work, "wait"))),
-        *(_probe(("c10d", "ProcessGroupGloo", op), params, Role.COMM, returns=False) for op, params in _C10D),
+        *(_probe(("c10d", "ProcessGroupGloo", op), params, Role.COMM, COUNTED("0")) for op, params in _C10D),
     ),
 )

@@ -1,22 +1,41 @@
-"""NCCL probes (libnccl.so.2): collectives and communicator identity. BPF side: bpf/nccl.bpf.c."""
+"""NCCL probes (libnccl.so.2): collectives and communicator identity. BPF side: bpf/nccl.bpf.c (payload
+decoding, ncclCommInitRank's handlers) and a handler per collective below."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from rankscope.agent.sources.probes.base import Probe, ProbeKind
+from rankscope.agent.sources.probes.base import COLLECTIVE, HAND_WRITTEN, Handler, Probe, ProbeKind
 from rankscope.schema.patterns import Role
+
+COMMS = "comms"  # BPF map: the communicators each process set up
+
+
+def _enqueued(count: int, dtype: int) -> Handler:
+    """An asynchronous collective (complete at a later host sync) whose payload is its `count` argument
+    (position) times the size of its `dtype` argument."""
+    return COLLECTIVE(f"PT_REGS_PARM{count}(ctx) * nccl_type_size(PT_REGS_PARM{dtype}(ctx))", "false")
+
 
 NCCL = ProbeKind(
     name="nccl",
     library=re.compile(r"^libnccl\.so(\.\d+)*$"),
     source="nccl.bpf.c",
     probes=(
-        *(Probe(s, Role.COMM) for s in (
-            "ncclAllReduce", "ncclAllGather", "ncclReduceScatter", "ncclBroadcast", "ncclSend", "ncclRecv")),
-        Probe("ncclCommInitRank", Role.SETUP),
+        # ncclAllReduce(send, recv, count, dtype, op, comm, stream)
+        Probe("ncclAllReduce", Role.COMM, _enqueued(3, 4)),
+        # ncclAllGather(send, recv, sendcount, dtype, comm, stream)
+        Probe("ncclAllGather", Role.COMM, _enqueued(3, 4)),
+        # ncclReduceScatter(send, recv, recvcount, dtype, op, comm, stream)
+        Probe("ncclReduceScatter", Role.COMM, _enqueued(3, 4)),
+        # ncclBroadcast(send, recv, count, dtype, root, comm, stream)
+        Probe("ncclBroadcast", Role.COMM, _enqueued(3, 4)),
+        # ncclSend/ncclRecv(buf, count, dtype, peer, comm, stream)
+        Probe("ncclSend", Role.COMM, _enqueued(2, 3)),
+        Probe("ncclRecv", Role.COMM, _enqueued(2, 3)),
+        Probe("ncclCommInitRank", Role.SETUP, HAND_WRITTEN),
     ),
-    maps=("comms",),
+    maps=(COMMS,),
 )
 
 
@@ -31,7 +50,7 @@ class Communicator:
 def communicators(bpf) -> dict[int, list[Communicator]]:
     """pid -> communicators set up (or attempted) while watched, from the `comms` map."""
     out: dict[int, list[Communicator]] = {}
-    for key, info in bpf["comms"].items():
+    for key, info in bpf[COMMS].items():
         out.setdefault(key.pid, []).append(Communicator(info.rank, info.nranks, info.id_hash, info.result))
     return out
 

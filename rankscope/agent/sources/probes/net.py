@@ -44,7 +44,9 @@ def kernel_defines() -> dict[str, int]:
     return defines
 
 
-NET = ProbeKind(name="net", library=None, source="net.bpf.c", maps=("tcp_socks",), kernel_defines=kernel_defines)
+TCP_SOCKS = "tcp_socks"  # BPF map: (pid, socket) -> the connection's counters
+NET = ProbeKind(name="net", library=None, source="net.bpf.c", maps=(TCP_SOCKS,),
+                kernel_defines=kernel_defines)
 
 MIN_FLOW_BYTES = 256 << 10  # bytes moved in a window before a connection is reported: tensors, not control
 MAX_FLOWS = 8  # per pattern, most bytes first (gloo: a connection per peer and process group)
@@ -70,7 +72,7 @@ def _endpoint(raw: bytes, port: int) -> str:
 def sockets(bpf) -> dict[int, dict[int, SocketCounters]]:
     """pid -> socket address -> counters ({} when the kernel could not host the kind)."""
     try:
-        table = bpf["tcp_socks"]
+        table = bpf[TCP_SOCKS]
     except KeyError:
         return {}
     out: dict[int, dict[int, SocketCounters]] = {}

@@ -11,7 +11,9 @@ from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.base import ProbeKind
 from rankscope.schema.patterns import Neighbour, ThreadTimes
 
-SCHED = ProbeKind(name="sched", library=None, source="sched.bpf.c", maps=("thread_stats", "thieves"))
+THREAD_STATS = "thread_stats"  # BPF map: (pid, tid) -> the thread's scheduler counters
+THIEVES = "thieves"  # BPF map: (pid, another process) -> the CPU it held while a watched thread waited
+SCHED = ProbeKind(name="sched", library=None, source="sched.bpf.c", maps=(THREAD_STATS, THIEVES))
 
 # Thread names of communication back ends (NCCL proxy/watchdog, gloo, c10d's process groups).
 _COMM_THREAD = re.compile(r"nccl|gloo|ProcessGroup|pt_nccl|c10d", re.IGNORECASE)
@@ -46,7 +48,7 @@ class ThiefCounters:
 def threads(bpf) -> dict[int, dict[int, ThreadCounters]]:
     """pid -> tid -> cumulative counters."""
     out: dict[int, dict[int, ThreadCounters]] = {}
-    for key, v in bpf["thread_stats"].items():
+    for key, v in bpf[THREAD_STATS].items():
         out.setdefault(key.pid, {})[key.tid] = ThreadCounters(
             v.on_cpu_ns, v.runq_ns, v.sleep_ns, v.io_ns, v.reclaim_ns, v.preempted, tuple(v.runq_hist))
     return out
@@ -55,7 +57,7 @@ def threads(bpf) -> dict[int, dict[int, ThreadCounters]]:
 def thieves(bpf) -> dict[int, dict[int, ThiefCounters]]:
     """pid (the watched process that waited) -> the other process's pid -> cumulative counters."""
     out: dict[int, dict[int, ThiefCounters]] = {}
-    for key, v in bpf["thieves"].items():
+    for key, v in bpf[THIEVES].items():
         out.setdefault(key.pid, {})[key.thief_tgid] = ThiefCounters(
             v.comm.decode(errors="replace"), v.waited_ns, v.count)
     return out
