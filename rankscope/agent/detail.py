@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankscope.agent.sources.python_sampler import DEFAULT_FREQUENCY
+from rankscope.analyzer.stability import CONFIRM_WINDOWS
 
 DEEP_SECONDS = 60.0
 COOLDOWN = 4  # x deep_s in light mode after each deep episode: deep mode costs at most 1/5 of the time
@@ -66,18 +67,32 @@ class SlowdownTrigger:
         self.fixed = fixed
         self.trigger: Trigger | None = None
         self._rest_until = 0.0  # unix s: no new trigger before
+        self._slower: dict[str, int] = {}  # job -> light windows in a row slower than its baseline
+
+    @property
+    def raised(self) -> bool:
+        """Deep detail chosen by a slowdown (not pinned): the job runs slower for the probes themselves (a 4 ms
+        step CPU-bound MLP, ~94k eval-loop entries a second, ran 15-50% slower), so its windows are not
+        compared with a baseline of light ones."""
+        return self.trigger is not None
 
     def update(self, docs: dict[str, dict[str, Any]], now: float) -> Detail:
-        """The detail for the next window, from this window's diagnosis documents (job -> document)."""
+        """The detail for the next window, from this window's diagnosis documents (job -> document). Deep
+        detail is raised once a job is slower than its baseline in CONFIRM_WINDOWS light windows in a row,
+        as a regression is confirmed: raised on one noisy window, its own cost kept the job slower."""
         if self.fixed:
             return self.fixed
         if self.trigger and now >= self.trigger.until:
             self._rest_until = self.trigger.until + COOLDOWN * self.deep_s
             self.trigger = None
+            self._slower.clear()
+        elif self.trigger is None:
+            self._slower = {job: self._slower.get(job, 0) + 1 for job, doc in docs.items()
+                            if (doc.get("baseline") or {}).get("slower")}  # analyzer/baseline.py Reference.slower
         if self.trigger is None and now >= self._rest_until:
             for job, doc in sorted(docs.items()):
-                baseline = doc.get("baseline") or {}
-                if baseline.get("slower"):  # the analyzer's verdict (analyzer/baseline.py Reference.slower)
+                if self._slower.get(job, 0) >= CONFIRM_WINDOWS:
+                    baseline = doc["baseline"]
                     self.trigger = Trigger(job, now, now + self.deep_s, doc["step_time_s"], baseline["step_time_s"])
                     break
         return DEEP if self.trigger else LIGHT

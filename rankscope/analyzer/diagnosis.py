@@ -27,15 +27,17 @@ NOT_BASELINE = HANGS | {"regression"}
 
 def diagnose(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
              baselines: dict[str, Baseline] | None = None,
-             slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> dict[str, dict[str, Any]]:
+             slowdown_threshold: float = SLOWDOWN_THRESHOLD, comparable: bool = True) -> dict[str, dict[str, Any]]:
     """job -> diagnosis document, for patterns of any number of jobs. With `baselines` (job -> its past,
     kept by the caller across windows), each job is also compared with its own baseline, which this window
-    then joins: `slowdown_threshold` slower is `baseline.slower` in the document, and a `regression`."""
+    then joins: `slowdown_threshold` slower is `baseline.slower` in the document, and a `regression`.
+    `comparable=False`: the window was recorded at another detail than the baseline's (the agent's deep mode,
+    which costs the job time itself): it neither makes a regression nor joins the baseline."""
     by_job: dict[str, list[RankPattern]] = {}
     for p in patterns:
         by_job.setdefault(p.job, []).append(p)
     return {job: diagnose_job(ps, hang_timeout_s, None if baselines is None else baselines.setdefault(job, Baseline()),
-                              slowdown_threshold)
+                              slowdown_threshold, comparable)
             for job, ps in by_job.items()}
 
 
@@ -75,9 +77,9 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
 
 def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
                  baseline: Baseline | None = None,
-                 slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> dict[str, Any]:
+                 slowdown_threshold: float = SLOWDOWN_THRESHOLD, comparable: bool = True) -> dict[str, Any]:
     """The contract's diagnosis document for the patterns of one job (compared with `baseline` when
-    given, which this window then joins unless it is hung or regressed)."""
+    given and `comparable`, which this window then joins unless it is hung or regressed)."""
     if not patterns:
         raise ValueError("diagnose_job needs at least one pattern")
     jobs = {p.job for p in patterns}
@@ -100,9 +102,9 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         return entry
 
     reference = baseline.reference() if baseline is not None else None
-    findings = findings_of(table, hang_timeout_s, reference, slowdown_threshold)
+    findings = findings_of(table, hang_timeout_s, reference if comparable else None, slowdown_threshold)
     profile = StepProfile.of(table) if analyzed else None
-    if baseline is not None and not any(f.kind in NOT_BASELINE for f in findings):
+    if baseline is not None and comparable and not any(f.kind in NOT_BASELINE for f in findings):
         baseline.add(profile)
     return {
         "job": patterns[0].job,

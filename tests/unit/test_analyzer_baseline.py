@@ -129,3 +129,14 @@ def test_a_step_time_that_wanders_is_not_a_regression():
     assert doc["findings"] == [] and doc["baseline"]["slower"] is False, doc["baseline"]
     doc = diagnose_job(simulate(RANKS, seed=43, sync_extra=dict.fromkeys(range(RANKS), 0.06)), baseline=b)
     assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")] and doc["baseline"]["slower"] is True
+
+
+def test_a_window_of_another_detail_is_neither_a_regression_nor_the_baseline():
+    """The agent's raised (deep) detail costs the job time itself (the 4 ms MLP: 15-50% slower): such a
+    window is shown against the baseline but makes no regression and does not join it."""
+    b = warmed(windows=4)
+    slow = dict.fromkeys(range(RANKS), 0.012)
+    doc = diagnose_job(simulate(RANKS, seed=50, sync_extra=slow), baseline=b, comparable=False)
+    assert doc["findings"] == [] and doc["baseline"]["slower"] is True and doc["baseline"]["windows"] == 4
+    doc = diagnose_job(simulate(RANKS, seed=51, sync_extra=slow), baseline=b)
+    assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")] and doc["baseline"]["windows"] == 4
