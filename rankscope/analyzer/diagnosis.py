@@ -68,7 +68,10 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     # The link matrix (NCCL profiler plugin) names the precise link or node; the timing-based rule, from
     # collective instants, serves jobs without the plugin and adds only what the matrix does not cover.
     measured = link_findings(table.patterns, {r for f in found for r in f.ranks})
-    covered = {r for f in measured for r in f.ranks}
+    # ...nor what the matrix's slow links explain: in a ring, the rank receiving over a slow rank's link
+    # finishes its all-reduces last (mlp-4: the matrix named rank 3, the timing rule rank 2, its receiver).
+    covered = {r for f in measured for r in f.ranks} | {r for f in measured for row in f.evidence["links"]
+                                                         for r in (row["src"], row["dst"])}
     found += measured + [f for f in timed if not set(f.ranks) <= covered]
     if not found:  # no rank differs from its peers: has the whole job changed?
         found = regression(table, reference, slowdown_threshold)

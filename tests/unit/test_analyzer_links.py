@@ -143,6 +143,13 @@ def test_matrix_finding_replaces_the_timing_based_one_end_to_end():
     assert fs[0].evidence["host"] == "node1" and "op" not in fs[0].evidence
 
 
+def test_the_receiver_of_a_slow_nodes_link_is_not_a_second_slow_link():
+    # Rank 6 receives over the slow rank 5's link and finishes its all-reduces last: the timing rule alone
+    # names it; the matrix's node finding explains it.
+    ps = ring(job(link_extra={6: 0.015}), list(range(8)), slow={(4, 5): 4.0, (5, 6): 4.0})
+    assert [(f.kind, f.ranks) for f in find(ps)] == [("slow_link", [5])]
+
+
 def test_timing_finding_outside_the_matrix_finding_stays():
     # The matrix names link 0 -> 1; rank 5's late finishes are not explained by it and stay reported.
     ps = ring(job(link_extra={5: 0.015}), list(range(8)), slow={(0, 1): 4.0})
