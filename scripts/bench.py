@@ -42,8 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import agent, analyzer, job, latency, launch, payload, sched
-from benchmarks import torch_job
+from benchmarks import agent, analyzer, job, latency, launch, payload, sched, torch_job
 from benchmarks.harness import Context, Row, log, machine, table
 
 BENCHES: dict[str, Callable[[Context], tuple[list[Row], dict]]] = {
