@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rankscope.sim.harness import free_port, http_json, maps_library, wait_until
+from rankscope.sim.harness import free_port, http_json, maps_library, terminate, wait_until
 from rankscope.sim.job import SimJob, start_job
 
 __all__ = ["maps_library", "wait_until"]  # re-exported: the tests' own helpers live in the package
@@ -132,13 +132,7 @@ class AgentProcess:
         return http_json(self.url + path)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 20)
         self.log.close()
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rankscope.sim.harness import free_port, http_json, maps_library, wait_until
+from rankscope.sim.harness import free_port, http_json, maps_library, terminate, wait_until
 
 SCRIPTS = Path(__file__).resolve().parent.parent
 HELPER_SOURCE = SCRIPTS / "bench_storm.c"
@@ -132,13 +132,7 @@ class AgentProc:
         return http_json(self.url + path)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 30)
 
     def __enter__(self) -> AgentProc:
         return self
