@@ -45,7 +45,7 @@ from rankscope.agent.host.kernel_btf import BTFError, kernel_offset
 from rankscope.agent.interpreters import NATIVE_THREAD, NO_PYTHON_FRAME, TRUNCATED, UNKNOWN_CODE, UNREADABLE, Frame
 from rankscope.agent.interpreters.cpython.code import CodeResolver
 from rankscope.agent.interpreters.cpython.errors import InterpreterNotReady, PythonAttachError, UnsupportedInterpreter
-from rankscope.agent.interpreters.cpython.layouts import Layout
+from rankscope.agent.interpreters.cpython.layout import Layout
 from rankscope.agent.interpreters.cpython.process import Interpreter, inspect, open_memory
 from rankscope.agent.interpreters.cpython.threads import pthread_tid_offset, thread_stacks
 from rankscope.agent.loader.bcc import compile_bpf

@@ -1,6 +1,7 @@
-"""CPython's internals as the frame sampler and timer need them, one module per concept: errors.py, layouts.py
-(every version-specific offset, in one place), process.py (finding and verifying the interpreter of a live
-process), code.py (code objects to names), threads.py (thread states and their stacks from user space).
+"""CPython's internals as the frame sampler and timer need them, one module per concept: errors.py, layout.py
+(the offsets record), versions/ (each version's offsets, generated from its headers), layouts.py (which
+offsets a process uses), process.py (finding and verifying the interpreter of a live process), code.py (code
+objects to names), threads.py (thread states and their stacks from user space).
 
 How a target is read (`inspect(pid)`):
 
@@ -12,7 +13,8 @@ How a target is read (`inspect(pid)`):
    `_PyRuntime` and `PyAIter_Check` (new in 3.10) but not `Py_Version`, its patch level from the version
    string in `.rodata`. A file name that names another version (`libpython3.9.so`) is a contradiction
    and refused.
-3. Which layout: 3.10-3.12 from `TABLE` (measured with `offsetof` on each version's internal headers);
+3. Which layout: 3.10-3.12 from `TABLE` (versions/, generated with `offsetof` from each version's internal
+   headers);
    3.13+ from the interpreter's own `_Py_DebugOffsets` at the start of `_PyRuntime` (cookie `xdebugpy`),
    read from the live process, checked for plausibility and compared with the table where there is one.
 4. Verification on the live process before anything is loaded into the kernel: the first interpreter's

@@ -1,131 +1,18 @@
-"""Byte offsets into each CPython version's runtime structures: the table for 3.10-3.12, and 3.13+'s own
+"""Which Layout a CPython version has: the generated modules of versions/ (`TABLE`), and 3.13+'s own
 _Py_DebugOffsets read from the process."""
 from __future__ import annotations
 
 import logging
 import struct
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from rankscope.agent.interpreters.cpython.errors import UnsupportedInterpreter
+from rankscope.agent.interpreters.cpython.layout import Layout
+from rankscope.agent.interpreters.cpython.versions import TABLE
 
 log = logging.getLogger(__name__)
 
 SUPPORTED = ((3, 10), (3, 11), (3, 12), (3, 13), (3, 14))
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Byte offsets into one CPython version's runtime structures (x86-64, GIL build)."""
-
-    version: tuple[int, int]
-    source: str  # "table" or "_Py_DebugOffsets"
-    runtime_interp_head: int  # _PyRuntime.interpreters.head
-    interp_next: int  # PyInterpreterState.next
-    interp_tstate_head: int  # PyInterpreterState.threads.head (3.10: tstate_head)
-    tstate_next: int
-    tstate_interp: int
-    tstate_thread_id: int  # pthread_self() of the thread
-    tstate_native_thread_id: int | None  # gettid() in the process's pid namespace (3.11+)
-    tstate_frame: int  # 3.10 frame; 3.11/3.12 cframe; 3.13+ current_frame
-    cframe_current_frame: int | None  # 3.11/3.12: _PyCFrame.current_frame
-    frame_previous: int  # PyFrameObject.f_back (3.10) / _PyInterpreterFrame.previous
-    frame_code: int  # f_code / f_executable
-    frame_owner: int | None  # owner byte, where frames owned by the C stack / interpreter must be skipped
-    owner_skip_from: int  # owner values >= this are not Python functions (3.12/3.13 CSTACK=3; 3.14 3 and 4)
-    code_tag_mask: int  # low bits of f_executable that tag a stack reference (3.14)
-    code_filename: int
-    code_name: int
-    code_qualname: int | None  # 3.10 has no co_qualname: the name stands in
-    code_firstlineno: int  # an int
-    unicode_length: int
-    unicode_state: int
-    unicode_ascii_size: int  # sizeof(PyASCIIObject): where compact ASCII data starts
-    unicode_compact_size: int  # sizeof(PyCompactUnicodeObject): where other compact data starts
-    ob_type: int = 8
-    type_tp_name: int = 24
-    interp_runtime: int | None = None  # PyInterpreterState.runtime, a pointer back to _PyRuntime (checked)
-
-    @property
-    def match_pthread(self) -> bool:
-        """Threads are found by pthread_self() (the TLS base) rather than their kernel id."""
-        return self.tstate_native_thread_id is None
-
-    def cflags(self) -> list[str]:
-        """The -D macros bpf/python.bpf.c is compiled with."""
-        d = {
-            "PY_RUNTIME_INTERP_HEAD": self.runtime_interp_head,
-            "PY_INTERP_NEXT": self.interp_next,
-            "PY_INTERP_TSTATE_HEAD": self.interp_tstate_head,
-            "PY_TSTATE_NEXT": self.tstate_next,
-            "PY_TSTATE_THREAD_ID": self.tstate_thread_id if self.match_pthread else self.tstate_native_thread_id,
-            "PY_TSTATE_FRAME": self.tstate_frame,
-            "PY_FRAME_PREVIOUS": self.frame_previous,
-            "PY_FRAME_CODE": self.frame_code,
-            "PY_CODE_TAG_MASK": self.code_tag_mask,
-            "PY_OWNER_SKIP_FROM": self.owner_skip_from,
-        }
-        if self.cframe_current_frame is not None:
-            d["PY_CFRAME_CURRENT_FRAME"] = self.cframe_current_frame
-        if self.frame_owner is not None:
-            d["PY_FRAME_OWNER"] = self.frame_owner
-        flags = [f"-D{k}={v}" for k, v in d.items()]
-        if self.match_pthread:
-            flags.append("-DPY_MATCH_PTHREAD=1")
-        return flags
-
-    def code_header_size(self) -> int:
-        """Bytes of a code object that hold everything the resolver reads."""
-        offs = [self.ob_type, self.code_filename, self.code_name, self.code_firstlineno]
-        if self.code_qualname is not None:
-            offs.append(self.code_qualname)
-        return max(offs) + 8
-
-
-# Measured with offsetof() on each version's installed internal headers (Py_BUILD_CORE), x86-64, and
-# checked against live processes. 3.13 is only a cross-check: the target's _Py_DebugOffsets win.
-TABLE: dict[tuple[int, int], Layout] = {
-    (3, 10): Layout(
-        version=(3, 10), source="table",
-        runtime_interp_head=32, interp_next=0, interp_tstate_head=8,
-        tstate_next=8, tstate_interp=16, tstate_thread_id=176, tstate_native_thread_id=None,
-        tstate_frame=24, cframe_current_frame=None,
-        frame_previous=24, frame_code=32, frame_owner=None, owner_skip_from=3, code_tag_mask=0,
-        code_filename=104, code_name=112, code_qualname=None, code_firstlineno=40,
-        unicode_length=16, unicode_state=32, unicode_ascii_size=48, unicode_compact_size=72,
-        interp_runtime=16,
-    ),
-    (3, 11): Layout(
-        # 3.11 frames have an owner byte (69) but no frame owned by the C stack: nothing to skip.
-        version=(3, 11), source="table",
-        runtime_interp_head=40, interp_next=0, interp_tstate_head=16,
-        tstate_next=8, tstate_interp=16, tstate_thread_id=152, tstate_native_thread_id=160,
-        tstate_frame=56, cframe_current_frame=8,
-        frame_previous=48, frame_code=32, frame_owner=None, owner_skip_from=3, code_tag_mask=0,
-        code_filename=112, code_name=120, code_qualname=128, code_firstlineno=72,
-        unicode_length=16, unicode_state=32, unicode_ascii_size=48, unicode_compact_size=72,
-        interp_runtime=40,
-    ),
-    (3, 12): Layout(
-        version=(3, 12), source="table",
-        runtime_interp_head=40, interp_next=0, interp_tstate_head=72,
-        tstate_next=8, tstate_interp=16, tstate_thread_id=136, tstate_native_thread_id=144,
-        tstate_frame=56, cframe_current_frame=0,
-        frame_previous=8, frame_code=0, frame_owner=70, owner_skip_from=3, code_tag_mask=0,
-        code_filename=112, code_name=120, code_qualname=128, code_firstlineno=68,
-        unicode_length=16, unicode_state=32, unicode_ascii_size=40, unicode_compact_size=56,
-        interp_runtime=96,
-    ),
-    (3, 13): Layout(
-        version=(3, 13), source="table",
-        runtime_interp_head=632, interp_next=7264, interp_tstate_head=7344,
-        tstate_next=8, tstate_interp=16, tstate_thread_id=152, tstate_native_thread_id=160,
-        tstate_frame=72, cframe_current_frame=None,
-        frame_previous=8, frame_code=0, frame_owner=70, owner_skip_from=3, code_tag_mask=0,
-        code_filename=112, code_name=120, code_qualname=128, code_firstlineno=68,
-        unicode_length=16, unicode_state=32, unicode_ascii_size=40, unicode_compact_size=56,
-        interp_runtime=7376,
-    ),
-}
 
 # What _Py_DebugOffsets does not say, per version that has it.
 #   owner_skip_from: 3.13 FRAME_OWNED_BY_CSTACK = 3; 3.14 FRAME_OWNED_BY_INTERPRETER = 3, CSTACK = 4.

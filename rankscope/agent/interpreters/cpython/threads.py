@@ -13,7 +13,7 @@ from elftools.elf.sections import SymbolTableSection
 
 from rankscope.agent.host.procfs import Mapping, ProcessMemory
 from rankscope.agent.interpreters.cpython.errors import PythonAttachError
-from rankscope.agent.interpreters.cpython.layouts import Layout
+from rankscope.agent.interpreters.cpython.layout import Layout
 from rankscope.agent.interpreters.cpython.process import mapped_file, read_maps, read_vaddr
 
 MAX_TSTATES = 256  # thread states searched, over all interpreters (PY_MAX_TSTATES in python.bpf.c)
