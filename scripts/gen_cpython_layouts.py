@@ -57,7 +57,9 @@ def generate(include: Path, workdir: Path) -> Generated | None:
     """The layout of the headers in `include`; None for a version the template does not cover."""
     exe = workdir / f"offsets-{include.name}"
     try:
-        run_compiler([CC, "-Wfatal-errors", f"-I{include}", "-o", str(exe), str(TEMPLATE)], f"{TEMPLATE.name}")
+        # -Wfatal-errors: the template's #error for an uncovered version is then the only message
+        run_compiler([CC, "-Wfatal-errors", f"-I{include}", "-o", str(exe), str(TEMPLATE)],
+                     f"{TEMPLATE.name} against {include}")
     except BuildError as e:
         if NOT_COVERED in str(e):
             return None
