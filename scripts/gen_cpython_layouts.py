@@ -3,7 +3,7 @@
 version's own headers (as py-spy generates its per-version bindings): gen_cpython_layouts.c, compiled against
 every installed header set with Py_BUILD_CORE (the internal structures), prints each field's offsetof()/sizeof().
 
-    nice -n 19 .venv/bin/python scripts/gen_cpython_layouts.py [INCLUDE_DIR ...]
+    .venv/bin/python scripts/gen_cpython_layouts.py [INCLUDE_DIR ...]
 
 Without arguments it reads every header set under pyenv's versions and /usr/include, /usr/local/include.
 Header sets of one minor version must agree (a process's layout is chosen by its minor version); versions the
@@ -28,7 +28,7 @@ from rankscope.native import CC, BuildError, run_compiler  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().with_suffix(".c")
 OUT = ROOT / "rankscope" / "agent" / "interpreters" / "cpython" / "versions"
-COMMAND = "nice -n 19 .venv/bin/python scripts/gen_cpython_layouts.py"
+COMMAND = ".venv/bin/python scripts/gen_cpython_layouts.py"
 NOT_COVERED = "no layout template for this CPython version"  # the template's #error
 _DIR_NAME = re.compile(r"python3\.(\d+)$")  # not python3.13t (free-threaded, refused) nor 3.6's python3.6m
 
