@@ -4,8 +4,11 @@ A straggler computes longer per step while its peers wait longer in the collecti
 another split. So each rank's time in a stack is divided by the steps it made in the window (or, where the
 step time is unknown, by the window's seconds: ranks of a synchronous job make the same steps per second,
 so the order of what grew is the same, in another unit), and the rank is compared with the median of its
-peers, stack by stack (a stack a peer never sampled counts 0 for it) and function by function (a function's
-inclusive time: every stack it is in, once per stack, so recursion is not counted twice).
+peers, stack by stack (a stack a peer never sampled counts 0 for it) and function by function: self time
+(the stacks it is the leaf of: where the time grew, what a flame graph's widened frame shows) and total time
+(every stack it is in, once per stack, so recursion is not counted twice). Totals of the outer frames also
+move with time the sampler cannot see on one side (a thread preempted, neither on nor off CPU by choice),
+so the self times name what grew.
 
 Pure: frames are anything hashable (the agent's Frames), stacks tuples of them, root first. Cost: one pass
 over each rank's stacks and a median per stack or function over the peers (a few thousand stacks of 8 ranks:
@@ -50,11 +53,20 @@ class ProfileDiff:
     peers: tuple[int, ...]
     unit: str  # "step" | "second": what the times are per
     stacks: list[Delta]  # every stack either side has, largest growth first
-    functions: list[Delta]  # every function, inclusive time, largest growth first
+    self_time: list[Delta]  # every function that is a leaf somewhere, its self time, largest growth first
+    total_time: list[Delta]  # every function, inclusive time, largest growth first
 
 
 def _normalized(r: RankStacks) -> dict[Stack, float]:
     return {stack: s / r.per for stack, s in r.seconds.items()}
+
+
+def _self(per_stack: Mapping[Stack, float]) -> dict[Hashable, float]:
+    out: dict[Hashable, float] = {}
+    for stack, s in per_stack.items():
+        if stack:
+            out[stack[-1]] = out.get(stack[-1], 0.0) + s
+    return out
 
 
 def _inclusive(per_stack: Mapping[Stack, float]) -> dict[Hashable, float]:
@@ -85,5 +97,5 @@ def diff_against_peers(rank: RankStacks, peers: Sequence[RankStacks], unit: str)
         raise ValueError("steps (or seconds) per window must be positive")
     mine, theirs = _normalized(rank), [_normalized(p) for p in others]
     return ProfileDiff(rank=rank.rank, peers=tuple(p.rank for p in others), unit=unit,
-                       stacks=_deltas(mine, theirs),
-                       functions=_deltas(_inclusive(mine), [_inclusive(t) for t in theirs]))
+                       stacks=_deltas(mine, theirs), self_time=_deltas(_self(mine), [_self(t) for t in theirs]),
+                       total_time=_deltas(_inclusive(mine), [_inclusive(t) for t in theirs]))

@@ -107,20 +107,21 @@ def diff(target: RankProfile, peers: Sequence[RankProfile], what: str = DEFAULT_
 
 
 def diff_json(d: ProfileDiff, top: int = 50) -> dict[str, Any]:
-    """The `top` functions and stacks that changed most (either way), largest growth first."""
+    """The `top` functions (by self and by total time) and stacks that changed most (either way), largest
+    growth first."""
 
     def rows(deltas: list, name: str, show) -> list[dict[str, Any]]:
         kept = sorted(sorted(deltas, key=lambda x: -abs(x.delta_s))[:top], key=lambda x: -x.delta_s)
         return [{name: show(x.key), "rank_s": x.rank_s, "peers_s": x.peers_s, "delta_s": x.delta_s} for x in kept]
 
     return {"rank": d.rank, "peers": list(d.peers), "unit": f"seconds per {d.unit}",
-            "functions": rows(d.functions, "function", str),
+            "self": rows(d.self_time, "function", str), "total": rows(d.total_time, "function", str),
             "stacks": rows(d.stacks, "stack", lambda s: [str(f) for f in s])}
 
 
 def diff_summary(d: ProfileDiff) -> str:
-    """One line for people: the function that grew most on the rank, per step (or second)."""
-    grown = d.functions[0] if d.functions and d.functions[0].delta_s > 0 else None
+    """One line for people: the function whose self time grew most on the rank, per step (or second)."""
+    grown = d.self_time[0] if d.self_time and d.self_time[0].delta_s > 0 else None
     peers = ",".join(map(str, d.peers))
     if grown is None:
         return f"rank {d.rank} against ranks {peers}: no function grew"

@@ -7,6 +7,7 @@ import jsonschema
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from pprof_decoder import decode
+from speedscope_schema import SPEEDSCOPE_SCHEMA
 
 from rankscope.agent.interpreters import Frame
 from rankscope.agent.service.http import make_app
@@ -22,26 +23,6 @@ MAIN, STEP, FWD, LOAD, WAIT = (Frame(n, "/job/train.py", i) for i, n in enumerat
     ("<module>", "step", "forward", "load", "allreduce"), start=1))
 FREQ = 100
 
-# The speedscope file format's required fields (https://www.speedscope.app/file-format-schema.json),
-# for the sampled profiles rankscope writes.
-SPEEDSCOPE_SCHEMA = {
-    "type": "object", "required": ["$schema", "shared", "profiles"],
-    "properties": {
-        "$schema": {"const": "https://www.speedscope.app/file-format-schema.json"},
-        "shared": {"type": "object", "required": ["frames"], "properties": {"frames": {"type": "array", "items": {
-            "type": "object", "required": ["name"], "properties": {
-                "name": {"type": "string"}, "file": {"type": "string"}, "line": {"type": "number"}}}}}},
-        "profiles": {"type": "array", "items": {
-            "type": "object", "required": ["type", "name", "unit", "startValue", "endValue", "samples", "weights"],
-            "properties": {"type": {"const": "sampled"}, "name": {"type": "string"},
-                           "unit": {"enum": ["none", "nanoseconds", "microseconds", "milliseconds", "seconds",
-                                             "bytes"]},
-                           "startValue": {"type": "number"}, "endValue": {"type": "number"},
-                           "samples": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
-                           "weights": {"type": "array", "items": {"type": "number"}}}}},
-        "name": {"type": "string"}, "activeProfileIndex": {"type": "number"}, "exporter": {"type": "string"}}}
-
-
 def profile(rank: int, fwd_samples: int, load_s: float, wait_s: float, steps: float | None = 10) -> RankProfile:
     return RankProfile(job="j", rank=rank, pid=100 + rank, host="h", start=1000.0, end=1002.0, frequency=FREQ,
                        steps=steps, stacks={(MAIN, STEP, FWD): StackTime(fwd_samples, 0.0),
@@ -56,30 +37,32 @@ PROFILES = [profile(0, 50, 0.3, 1.0), profile(1, 60, 0.3, 0.9), profile(2, 100, 
 def test_diff_is_the_rank_against_the_median_of_its_peers_per_step():
     d = diff(PROFILES[2], [p for p in PROFILES if p.rank != 2])
     assert d.unit == "step" and d.peers == (0, 1, 3)
-    by_function = {x.key: x for x in d.functions}
+    by_function = {x.key: x for x in d.total_time}
     assert by_function[FWD].rank_s == pytest.approx(0.1) and by_function[FWD].peers_s == pytest.approx(0.05)
     assert by_function[FWD].delta_s == pytest.approx(0.05)
-    assert d.functions[0].key == FWD and d.functions[-1].key == WAIT
+    assert d.self_time[0].key == FWD and d.self_time[-1].key == WAIT
+    assert [x.key for x in d.self_time] == [FWD, LOAD, WAIT]  # STEP and MAIN are never a leaf
     assert by_function[WAIT].delta_s == pytest.approx((0.51 - 1.01) / 10)
     assert by_function[STEP].delta_s == pytest.approx(0.0, abs=1e-9)  # the step itself takes as long
     assert d.stacks[0].key == (MAIN, STEP, FWD)
     listing = diff_json(d)
-    assert listing["unit"] == "seconds per step" and listing["functions"][0]["function"] == str(FWD)
-    assert listing["functions"][0]["delta_s"] == pytest.approx(0.05)
+    assert listing["unit"] == "seconds per step" and listing["self"][0]["function"] == str(FWD)
+    assert listing["self"][0]["delta_s"] == pytest.approx(0.05) and len(listing["total"]) == 5
 
 
 def test_diff_without_step_times_is_per_second_of_the_window():
     d = diff(profile(2, 100, 0.3, 0.5, steps=None), [profile(0, 50, 0.3, 1.0)])
     assert d.unit == "second"
-    assert {x.key: x for x in d.functions}[FWD].delta_s == pytest.approx(0.5 / 2)
+    assert {x.key: x for x in d.self_time}[FWD].delta_s == pytest.approx(0.5 / 2)
 
 
 def test_recursion_counts_once_and_a_missing_stack_is_zero():
     rec = ("a", "b", "a", "b")
     d = diff_against_peers(RankStacks(1, {rec: 2.0}, 1.0), [RankStacks(0, {("a",): 1.0}, 1.0),
                                                                RankStacks(2, {("a",): 3.0}, 1.0)], "step")
-    by = {x.key: x for x in d.functions}
+    by = {x.key: x for x in d.total_time}
     assert by["a"].rank_s == 2.0 and by["a"].peers_s == 2.0 and by["b"].delta_s == 2.0
+    assert {x.key: x.delta_s for x in d.self_time} == {"b": 2.0, "a": -2.0}
     assert {x.key: x.peers_s for x in d.stacks} == {rec: 0.0, ("a",): 2.0}
     with pytest.raises(ValueError, match="no peers"):
         diff_against_peers(RankStacks(1, {}, 1.0), [RankStacks(1, {}, 1.0)], "step")
@@ -149,7 +132,7 @@ def test_http_profile_formats_and_differential():
     assert status == 200 and ctype == "application/octet-stream" and decode(body)["samples"]
     status, _, body = _get(SNAP, "/v1/profile?rank=2&against=peers&format=json")
     listing = json.loads(body)
-    assert status == 200 and listing["peers"] == [0, 1, 3] and listing["functions"][0]["function"] == str(FWD)
+    assert status == 200 and listing["peers"] == [0, 1, 3] and listing["self"][0]["function"] == str(FWD)
     status, _, body = _get(SNAP, "/v1/profile?rank=2&against=peers")
     assert status == 200 and body.decode() == folded_diff(diff(PROFILES[2], [PROFILES[i] for i in (0, 1, 3)]))
 
