@@ -13,7 +13,7 @@ import urllib.error
 
 import jsonschema
 import pytest
-from conftest import run, wait_until
+from conftest import one_line_error, run, wait_until
 from pprof_decoder import decode
 from speedscope_schema import SPEEDSCOPE_SCHEMA
 from test_python_sampler import TARGET, interpreter, start
@@ -204,3 +204,14 @@ def test_agent_serves_profiles_differentials_and_stacks(sim_job, agent):
     mains = [(t["rank"], g["stack"]) for g in stacks["groups"] for t in g["threads"] if t["tid"] == t["pid"]]
     assert sorted(rank for rank, _ in mains) == [0, 1, 2]
     assert all(any(f["file"].endswith("sim/rank.py") for f in stack) for _, stack in mains), mains
+
+
+@pytest.mark.parametrize("args,message", [
+    (("profile", "--format", "json"), "listing of a --diff"),
+    (("profile", "--diff", "0", "--format", "pprof"), "a --diff is written as folded"),
+    (("profile", "--duration", "0"), "--duration must be positive"),
+    (("dump",), "no such process"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    error = one_line_error(run(*args[:1], "--pid", "999999999", *args[1:]))
+    assert message in error, error

@@ -21,7 +21,7 @@ from rankscope.schema.patterns import RankPattern
 
 WHATS = ("wall", "cpu")
 DEFAULT_WHAT = "wall"
-MAX_STACKS = 2000  # per rank kept by the agent (~200 KB each); the rest are summed under OTHER
+MAX_STACKS = 2000  # per rank kept by the agent (up to ~1 MB a rank); the rest are summed under OTHER
 OTHER = Frame("<other stacks>", "<rankscope>", 0)
 
 Stacks = Mapping[tuple[Frame, ...], StackTime]
