@@ -1,4 +1,4 @@
-"""The `rankscope` command line (contract.md): diagnose, agent, cluster, sim, demo."""
+"""The `rankscope` command line (contract.md): diagnose, agent, cluster, sim, demo; profile and dump."""
 from __future__ import annotations
 
 import argparse
@@ -76,6 +76,61 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             save.close()
             if os.path.getsize(args.save_patterns) == 0:  # nothing observed (attaching failed): no empty file
                 os.remove(args.save_patterns)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from rankscope.agent.capture import capture
+    from rankscope.agent.views.folded import folded_diff
+    from rankscope.agent.views.formats import encode
+    from rankscope.agent.views.profile import diff, diff_json, diff_summary
+
+    if args.duration <= 0:
+        raise UsageError("--duration must be positive")
+    if args.format == "json" and args.diff is None:
+        raise UsageError("--format json is the listing of a --diff")
+    if args.diff is not None and args.format not in ("folded", "json"):
+        raise UsageError("a --diff is written as folded (flamegraph.pl's differential input) or json")
+    pids = parse_pids(args.pid)
+    try:  # opened before attaching: a path that cannot be written fails before the job is touched
+        out = open(args.output, "wb") if args.output else sys.stdout.buffer
+    except OSError as e:
+        raise UsageError(f"-o: cannot write {args.output}: {e.strerror}") from None
+    try:
+        try:
+            profiles = capture(pids, args.duration, args.rate,
+                               watching=lambda line: print(line, file=sys.stderr, flush=True))
+        except ValueError as e:  # a sampling rate out of range
+            raise UsageError(f"--rate: {e}") from None
+        if args.diff is None:
+            body, _ = encode(profiles, args.format, args.what)
+        else:
+            target = next((p for p in profiles if p.rank == args.diff), None)
+            if target is None or len(profiles) < 2:
+                raise UsageError(f"--diff {args.diff}: needs that rank and at least one peer among "
+                                 f"the ranks {sorted(p.rank for p in profiles)}")
+            d = diff(target, [p for p in profiles if p is not target], args.what)
+            print(diff_summary(d), file=sys.stderr, flush=True)
+            body = (json.dumps(diff_json(d)) + "\n" if args.format == "json" else folded_diff(d)).encode()
+        out.write(body)
+        out.flush()
+    finally:
+        if out is not sys.stdout.buffer:
+            out.close()
+    return 0
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from rankscope.agent.capture import ranks_of
+    from rankscope.agent.views.dump import dump, render, to_json
+
+    pids = parse_pids(args.pid)
+    ranks = ranks_of(pids)
+    groups, errors = dump([(pid, ranks[pid][1]) for pid in pids])
+    if not groups:
+        raise UsageError("; ".join(errors) or "no Python thread found")
+    print(json.dumps(to_json(groups, errors)) if args.json else render(groups, errors), end="" if not args.json
+          else "\n", flush=True)
     return 0
 
 
@@ -171,6 +226,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_hang_timeout(p)
     add_trace_function(p)
     p.set_defaults(func=cmd_diagnose)
+
+    p = sub.add_parser("profile", help="sample the Python stacks of running processes, write a flame graph's input")
+    p.add_argument("--pid", required=True, help="comma-separated PIDs (any CPython 3.10-3.14 processes)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds to sample (default 10)")
+    p.add_argument("--format", choices=["folded", "speedscope", "pprof", "json"], default="folded",
+                   help="folded stacks (default), speedscope JSON, pprof (gzipped protobuf); json: a --diff's listing")
+    p.add_argument("--what", choices=["wall", "cpu"], default="wall",
+                   help="wall: time on and off CPU (default: a step is wall time, waits show); cpu: on CPU only")
+    p.add_argument("--rate", type=int, default=99, help="samples per second while on CPU (default 99)")
+    p.add_argument("--diff", type=int, metavar="RANK",
+                   help="compare RANK with the median of the other processes: what grew, per second of the window")
+    p.add_argument("-o", "--output", metavar="PATH", help="write to PATH (default: stdout)")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("dump", help="every thread's Python stack of running processes, now, without stopping them")
+    p.add_argument("--pid", required=True, help="comma-separated PIDs (any CPython 3.10-3.14 processes)")
+    p.add_argument("--json", action="store_true", help="print the document GET /v1/stacks serves")
+    p.set_defaults(func=cmd_dump)
 
     p = sub.add_parser("agent", help="the node daemon: watch ranks, serve patterns and diagnosis over HTTP")
     p.add_argument("--listen", default="127.0.0.1:9464", help="HOST:PORT to serve on (default 127.0.0.1:9464)")

@@ -13,6 +13,8 @@ from rankscope.agent.loader.program import ProbeError
 from rankscope.agent.service.http import make_app, serve_windows
 from rankscope.agent.service.snapshot import Snapshot, TargetView, targets_of
 from rankscope.agent.session import JOB_PATTERNS, Session
+from rankscope.agent.views.dump import dump, to_json
+from rankscope.agent.views.profile import window_profiles
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline
 from rankscope.analyzer.diagnosis import diagnose
 from rankscope.analyzer.stability import Confirmer
@@ -81,15 +83,22 @@ class Agent:
             diagnoses=docs,
             errors=[f"pid {pid}: {why}" for pid, why in sorted(self._refused.items())],
             skipped=[f"pid {pid}: {why}" for pid, why in sorted(self._skipped.items())],
+            profiles=window_profiles(patterns, self.session.frames.last, self.session.frames.last_frequency, docs),
         )
         self.discover()
         return self.snapshot
 
+    def stacks(self) -> dict:
+        """Every watched rank's threads and their Python stacks now (GET /v1/stacks); ranks as the last
+        window's patterns name them (NCCL's own may differ from the environment's)."""
+        ranks = {p.pid: p.rank for p in self.snapshot.patterns}
+        groups, errors = dump([(t.pid, ranks.get(t.pid, t.identity.rank)) for t in list(self.session.targets.values())])
+        return to_json(groups, errors)
 
 async def serve(agent: Agent, host: str, port: int, window_s: float, token: str | None) -> None:
     loop = asyncio.get_running_loop()
     try:
-        await serve_windows(make_app(lambda: agent.snapshot, token), host, port, window_s,
+        await serve_windows(make_app(lambda: agent.snapshot, token, agent.stacks), host, port, window_s,
                             lambda: loop.run_in_executor(None, agent.window), "agent",
                             first=lambda: loop.run_in_executor(None, agent.discover))
     finally:

@@ -45,8 +45,9 @@ class Session:
         self.targets: dict[int, Target] = {}
         sampler = PythonSampler(frequency=detail.python_hz)
         # Attached in this order (the timer times what the sampler found), filled in this order.
+        self.frames = PythonFrames(sampler, detail)  # also keeps the last window's full stacks
         self.sources: list[Source] = [
-            PythonFrames(sampler, detail),
+            self.frames,
             PythonTiming(sampler, traced, detail),
             GpuViews(launches=detail.hot_probes),
         ]

@@ -1,5 +1,6 @@
-"""The agent's read-only HTTP API (contract.md): thin handlers over the latest Snapshot, behind the limits and
-the bearer-token check that the cluster analyzer's API shares."""
+"""The agent's read-only HTTP API (contract.md): thin handlers over the latest Snapshot (and, for
+/v1/stacks, a read of the ranks' memory now), behind the limits and the bearer-token check that the cluster
+analyzer's API shares."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,9 @@ from aiohttp import web
 from rankscope.agent.service.auth import Handler, bearer_auth
 from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition, gauge
 from rankscope.agent.service.snapshot import Snapshot
+from rankscope.agent.views.folded import folded_diff
+from rankscope.agent.views.formats import encode
+from rankscope.agent.views.profile import DEFAULT_WHAT, RankProfile, diff, diff_json, peers_of
 from rankscope.schema.wire import encode_patterns, pattern_to_json
 
 log = logging.getLogger(__name__)
@@ -85,7 +89,55 @@ def metrics_response(body: bytes) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(current: Callable[[], Snapshot], token: str | None = None) -> web.Application:
+def _int_query(request: web.Request, name: str) -> int | None:
+    text = request.query.get(name)
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{name} must be an integer, not {text[:64]!r}\n") from None
+
+
+def select_profiles(snap: Snapshot, request: web.Request) -> list[RankProfile]:
+    """The last window's profiles of `?rank=` (every rank without it) of `?job=` (needed if several jobs
+    have such ranks)."""
+    rank, job = _int_query(request, "rank"), request.query.get("job")
+    chosen = [p for p in snap.profiles if (rank is None or p.rank == rank) and (job is None or p.job == job)]
+    if not chosen:
+        raise web.HTTPNotFound(text=f"no profile of rank {rank} (job {job}) in the last window; ranks: "
+                                    f"{sorted({(p.job, p.rank) for p in snap.profiles})[:64]}\n")
+    if len({p.job for p in chosen}) > 1:
+        raise web.HTTPBadRequest(text=f"several jobs have such ranks, choose one with ?job=: "
+                                      f"{sorted({p.job for p in chosen})[:64]}\n")
+    return chosen
+
+
+def profile_response(snap: Snapshot, request: web.Request) -> web.Response:
+    """GET /v1/profile?rank=R[&job=J][&format=folded|speedscope|pprof][&what=wall|cpu], or with
+    &against=peers the rank's differential profile (format folded or json)."""
+    chosen = select_profiles(snap, request)
+    what = request.query.get("what", DEFAULT_WHAT)
+    against = request.query.get("against")
+    try:
+        if against is None:
+            body, content_type = encode(chosen, request.query.get("format", "folded"), what)
+            return web.Response(body=body, headers={"Content-Type": content_type})
+        if against != "peers" or len(chosen) != 1:
+            raise ValueError("against=peers compares one rank (?rank=R) with its peers")
+        d = diff(chosen[0], peers_of(chosen[0], snap.profiles, snap.patterns), what)
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"{e}\n") from None
+    fmt = request.query.get("format", "folded")
+    if fmt == "json":
+        return web.json_response(diff_json(d))
+    if fmt != "folded":
+        raise web.HTTPBadRequest(text="a differential profile is written as folded or json\n")
+    return web.Response(text=folded_diff(d))
+
+
+def make_app(current: Callable[[], Snapshot], token: str | None = None,
+             stacks: Callable[[], dict[str, Any]] | None = None) -> web.Application:
     async def targets(_: web.Request) -> web.Response:
         snap = current()
         return web.json_response({"targets": [asdict(t) for t in snap.targets], "errors": snap.errors,
@@ -106,8 +158,18 @@ def make_app(current: Callable[[], Snapshot], token: str | None = None) -> web.A
         return metrics_response(exposition(snap.diagnoses, [
             gauge("rankscope_targets", "Processes watched by this agent.", running)]))
 
+    async def profile(request: web.Request) -> web.Response:
+        return profile_response(current(), request)
+
+    async def thread_stacks(_: web.Request) -> web.Response:
+        # Reads /proc/PID/mem of every rank: off the event loop.
+        return web.json_response(await asyncio.get_running_loop().run_in_executor(None, stacks))
+
     app = secure_app(token)
     app.router.add_get("/v1/targets", targets)
+    app.router.add_get("/v1/profile", profile)
+    if stacks is not None:
+        app.router.add_get("/v1/stacks", thread_stacks)
     app.router.add_get("/v1/patterns", patterns)
     app.router.add_get("/v1/diagnosis", diagnosis)
     app.router.add_get("/metrics", metrics)

@@ -73,6 +73,9 @@ class PythonFrames(Source):
     def __init__(self, sampler: PythonSampler, detail: Detail):
         self.sampler = sampler
         self.detail = detail
+        # The last window's full stacks per pid, for the profile views (GET /v1/profile): replaced each window.
+        self.last: dict[int, dict[tuple[Frame, ...], StackTime]] = {}
+        self.last_frequency = sampler.frequency
 
     def attach(self, target: Target) -> None:
         """Python frames are a bonus: a process whose interpreter cannot be read is still watched."""
@@ -88,6 +91,7 @@ class PythonFrames(Source):
 
     def fill(self, patterns: list[RankPattern]) -> None:
         stacks = self.sampler.read()
+        self.last, self.last_frequency = stacks, self.sampler.frequency
         for p in patterns:
             p.python = summarize(stacks.get(p.pid, {}), self.sampler.frequency, self.detail.top_python)
 

@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 from rankscope import bpf as bpf_sources
 from rankscope.agent.host import procfs
 from rankscope.agent.host.kernel_btf import BTFError, kernel_offset
-from rankscope.agent.interpreters import NATIVE_THREAD, NO_PYTHON_FRAME, TRUNCATED, UNKNOWN_CODE, UNREADABLE, Frame
-from rankscope.agent.interpreters.cpython.code import CodeResolver
+from rankscope.agent.interpreters import NATIVE_THREAD, NO_PYTHON_FRAME, UNREADABLE, Frame
+from rankscope.agent.interpreters.cpython.code import CodeResolver, stack_frames
 from rankscope.agent.interpreters.cpython.errors import InterpreterNotReady, PythonAttachError, UnsupportedInterpreter
 from rankscope.agent.interpreters.cpython.layout import Layout
 from rankscope.agent.interpreters.cpython.process import Interpreter, inspect, open_memory
-from rankscope.agent.interpreters.cpython.threads import pthread_tid_offset, thread_stacks
+from rankscope.agent.interpreters.cpython.threads import stacks_by_tid, thread_stacks
 from rankscope.agent.loader.bcc import compile_bpf
 
 __all__ = [
@@ -179,27 +179,15 @@ class PythonSampler:
         asleep = {tid: st for tid, st in _thread_states(pid).items() if st[0] in _ASLEEP}
         if not asleep:
             return
-        layout = interp.layout
         mem = open_memory(pid)
         try:
-            stacks = thread_stacks(mem, interp.runtime, layout, self.max_depth)
-            by_ns_tid = {}
-            if stacks is not None and layout.match_pthread:  # 3.10: pthread_self() -> glibc's tid field
-                offset = pthread_tid_offset(pid)
-                if offset is None:
-                    log.info("pid %d: no glibc thread descriptor; threads already asleep are not counted", pid)
-                    return
-                for st in stacks:
-                    try:
-                        by_ns_tid[struct.unpack("<I", mem.read(st.thread_id + offset, 4))[0]] = st
-                    except OSError:
-                        continue
-            elif stacks is not None:
-                by_ns_tid = {st.thread_id: st for st in stacks}
+            stacks = thread_stacks(mem, interp.runtime, interp.layout, self.max_depth)
+            by_tid = stacks_by_tid(mem, pid, stacks, interp.layout) if stacks is not None else {}
         finally:
             mem.close()
-        ns_to_host = procfs.ns_tid_map(pid)
-        by_tid = {ns_to_host[ns]: st for ns, st in by_ns_tid.items() if ns in ns_to_host}
+        if by_tid is None:
+            log.info("pid %d: no glibc thread descriptor; threads already asleep are not counted", pid)
+            return
 
         from bcc.libbcc import lib
 
@@ -358,13 +346,8 @@ class PythonSampler:
             if not c:
                 break
             codes.append(c)
-        resolver = self._resolver(key.pid)
-        frames = [resolver.resolve(c) if resolver else UNKNOWN_CODE for c in reversed(codes)]
-        if key.flags & FLAG_PARTIAL:
-            frames.insert(0, UNREADABLE)
-        elif key.flags & FLAG_TRUNCATED:
-            frames.insert(0, TRUNCATED)
-        return tuple(frames)
+        return stack_frames(self._resolver(key.pid), codes, bool(key.flags & FLAG_TRUNCATED),
+                            bool(key.flags & FLAG_PARTIAL))
 
     def counters(self) -> dict[str, int]:
         """Totals since the programs were loaded: samples of watched processes, samples dropped because the

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import struct
 
-from rankscope.agent.interpreters import UNKNOWN_CODE, Frame
+from rankscope.agent.interpreters import TRUNCATED, UNKNOWN_CODE, UNREADABLE, Frame
 from rankscope.agent.interpreters.cpython.process import Interpreter, open_memory, type_name
 
 
@@ -85,3 +85,15 @@ class CodeResolver:
             return raw.decode({1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind], "replace")
         except OSError:
             return None
+
+
+def stack_frames(resolver: CodeResolver | None, codes: list[int] | tuple[int, ...], truncated: bool,
+                 partial: bool) -> tuple[Frame, ...]:
+    """A walked stack (code objects innermost first) as Frames root first; a stack whose outer part is
+    missing starts with UNREADABLE (a link could not be read) or TRUNCATED (deeper than the walk keeps)."""
+    frames = [resolver.resolve(c) if resolver else UNKNOWN_CODE for c in reversed(codes)]
+    if partial:
+        frames.insert(0, UNREADABLE)
+    elif truncated:
+        frames.insert(0, TRUNCATED)
+    return tuple(frames)

@@ -11,6 +11,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
+from rankscope.agent.host import procfs
 from rankscope.agent.host.procfs import Mapping, ProcessMemory
 from rankscope.agent.interpreters.cpython.errors import PythonAttachError
 from rankscope.agent.interpreters.cpython.layout import Layout
@@ -90,6 +91,25 @@ def thread_stacks(mem: ProcessMemory, runtime: int, layout: Layout, max_depth: i
         out.append(ThreadStack(u64(ts_hdr, id_off), tuple(codes), truncated, partial))
         ts = u64(ts_hdr, layout.tstate_next)
     return out
+
+
+def stacks_by_tid(mem: ProcessMemory, pid: int, stacks: list[ThreadStack], layout: Layout) -> dict[int, ThreadStack] | None:
+    """Host thread id -> its stack. The interpreter records ids of its own pid namespace (3.11+) or
+    pthread_self() (3.10: glibc's descriptor holds the id); None where 3.10's ids cannot be told (no glibc)."""
+    by_ns_tid: dict[int, ThreadStack] = {}
+    if layout.match_pthread:
+        offset = pthread_tid_offset(pid)
+        if offset is None:
+            return None
+        for st in stacks:
+            try:
+                by_ns_tid[struct.unpack("<I", mem.read(st.thread_id + offset, 4))[0]] = st
+            except OSError:
+                continue
+    else:
+        by_ns_tid = {st.thread_id: st for st in stacks}
+    ns_to_host = procfs.ns_tid_map(pid)
+    return {ns_to_host[ns]: st for ns, st in by_ns_tid.items() if ns in ns_to_host}
 
 
 _PTHREAD_TID_OFFSETS: dict[tuple[str, int], int | None] = {}  # (libc path, inode) -> offset
