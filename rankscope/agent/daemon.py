@@ -95,6 +95,7 @@ class Agent:
         groups, errors = dump([(t.pid, ranks.get(t.pid, t.identity.rank)) for t in list(self.session.targets.values())])
         return to_json(groups, errors)
 
+
 async def serve(agent: Agent, host: str, port: int, window_s: float, token: str | None) -> None:
     loop = asyncio.get_running_loop()
     try:
