@@ -10,6 +10,7 @@ from rankscope.agent.detail import SlowdownTrigger
 from rankscope.agent.host.discovery import training_processes
 from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.service.history import StepHistory
 from rankscope.agent.service.http import make_app, serve_windows
 from rankscope.agent.service.snapshot import Snapshot, TargetView, targets_of
 from rankscope.agent.session import JOB_PATTERNS, Session
@@ -33,6 +34,7 @@ class Agent:
         self.slowdown_threshold = slowdown_threshold
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows (jobs that ended are dropped)
         self.confirmer = Confirmer()  # a finding is reported once it held in consecutive windows
+        self.history = StepHistory()  # the page's step-time chart
         self._regressions: dict[str, dict] = {}  # job -> the regression of its last window
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
@@ -84,6 +86,7 @@ class Agent:
             diagnoses=docs,
             errors=[f"pid {pid}: {why}" for pid, why in sorted(self._refused.items())],
             skipped=[f"pid {pid}: {why}" for pid, why in sorted(self._skipped.items())],
+            history=self.history.record(docs),
         )
         self.discover()
         return self.snapshot

@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from rankscope.agent.service.auth import Handler, bearer_auth
+from rankscope.agent.service.page import add_page
 from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition, gauge
 from rankscope.agent.service.snapshot import Snapshot
 from rankscope.schema.wire import encode_patterns, pattern_to_json
@@ -111,6 +112,7 @@ def make_app(current: Callable[[], Snapshot], token: str | None = None) -> web.A
     app.router.add_get("/v1/patterns", patterns)
     app.router.add_get("/v1/diagnosis", diagnosis)
     app.router.add_get("/metrics", metrics)
+    add_page(app, lambda: current().history)
     return app
 
 

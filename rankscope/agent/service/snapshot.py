@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankscope.agent.host.containers import Container
+from rankscope.agent.service.history import StepPoint
 from rankscope.schema.patterns import RankPattern
 
 
@@ -27,6 +28,7 @@ class Snapshot:
     diagnoses: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> diagnosis document
     errors: list[str] = field(default_factory=list)  # processes that could not be watched, and why
     skipped: list[str] = field(default_factory=list)  # processes not watched on purpose (launchers, workers)
+    history: dict[str, list[StepPoint]] = field(default_factory=dict)  # job -> its recent windows (the page)
 
 
 def targets_of(patterns: list[RankPattern], libraries: dict[int, list[str]],
