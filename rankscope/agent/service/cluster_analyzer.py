@@ -21,7 +21,7 @@ from yarl import URL
 from rankscope.agent.service.history import StepHistory, StepPoint
 from rankscope.agent.service.http import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
 from rankscope.agent.service.page import add_page
-from rankscope.agent.service.prometheus import exposition, gauge
+from rankscope.agent.service.prometheus import build_info, exposition, gauge
 from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.cluster import diagnose_cluster
 from rankscope.analyzer.rules.nodes import LostRanks
@@ -232,6 +232,7 @@ def make_cluster_app(current: Callable[[], ClusterSnapshot], token: str | None) 
         for a in snap.agents:
             states[(a.state,)] = states.get((a.state,), 0) + 1
         return metrics_response(exposition(snap.diagnoses, [
+            build_info("cluster"),
             gauge("rankscope_cluster_agents", "Node agents by the state of their last pull.", states, ("state",)),
             gauge("rankscope_cluster_jobs", "Jobs observed over all agents.", len(snap.diagnoses))]))
 

@@ -11,9 +11,10 @@ from typing import Any
 
 from aiohttp import web
 
+from rankscope.agent.service.agent_metrics import agent_metrics
 from rankscope.agent.service.auth import Handler, bearer_auth
 from rankscope.agent.service.page import add_page
-from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition, gauge
+from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition
 from rankscope.agent.service.snapshot import Snapshot
 from rankscope.schema.wire import encode_patterns, pattern_to_json
 
@@ -103,9 +104,7 @@ def make_app(current: Callable[[], Snapshot], token: str | None = None) -> web.A
 
     async def metrics(_: web.Request) -> web.Response:
         snap = current()
-        running = sum(t.state == "running" for t in snap.targets)
-        return metrics_response(exposition(snap.diagnoses, [
-            gauge("rankscope_targets", "Processes watched by this agent.", running)]))
+        return metrics_response(exposition(snap.diagnoses, agent_metrics(snap)))
 
     app = secure_app(token)
     app.router.add_get("/v1/targets", targets)
