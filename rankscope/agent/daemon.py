@@ -16,7 +16,6 @@ from rankscope.agent.service.snapshot import AgentHealth, Snapshot, TargetView, 
 from rankscope.agent.session import JOB_PATTERNS, Session
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline
 from rankscope.analyzer.diagnosis import diagnose
-from rankscope.analyzer.rules.hangs import HANGS
 from rankscope.analyzer.stability import Confirmer
 
 log = logging.getLogger(__name__)
@@ -37,7 +36,6 @@ class Agent:
         self.history = StepHistory()  # the page's step-time chart
         self.windows = 0
         self.attach_errors = 0
-        self._regressions: dict[str, dict] = {}  # job -> the regression of its last window
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
         self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
@@ -66,6 +64,9 @@ class Agent:
         containers = {pid: t.container for pid, t in self.session.targets.items()}
         patterns = self.session.window()
         self.windows += 1
+        if self.trigger.raised:  # recorded in the deep detail a slowdown raised: not compared with the baseline
+            for p in patterns:
+                p.raised_detail = True
         views = targets_of(patterns, libraries, containers)
         for v in views:
             if v.state == "exited":
@@ -73,14 +74,10 @@ class Agent:
         while len(self._exited) > self.MAX_EXITED:
             del self._exited[next(iter(self._exited))]
         current = {v.pid for v in views}
-        raised = self.trigger.raised  # this window was recorded in deep detail a slowdown raised
-        docs = diagnose(patterns, self.hang_timeout_s, self.baselines, self.slowdown_threshold, comparable=not raised)
+        docs = diagnose(patterns, self.hang_timeout_s, self.baselines, self.slowdown_threshold)
         self.baselines = {job: b for job, b in self.baselines.items() if job in docs}
-        if raised:
-            self._hold_regressions(docs)
         self.session.set_detail(self.trigger.update(docs, time.time()))
         self.confirmer.confirm(docs)
-        self._regressions = {job: f for job, doc in docs.items() for f in doc["findings"] if f["kind"] == "regression"}
         for doc in docs.values():
             doc["mode"] = self.trigger.mode()
         self.snapshot = Snapshot(
@@ -95,15 +92,6 @@ class Agent:
         )
         self.discover()
         return self.snapshot
-
-
-    def _hold_regressions(self, docs: dict[str, dict]) -> None:
-        """Windows of raised detail are not compared with the baseline: a regression confirmed in the light
-        windows before is held through them (the slowdown that raised the detail), unless the job hangs."""
-        for job, doc in docs.items():
-            held = self._regressions.get(job)
-            if held and not any(f["kind"] in HANGS for f in doc["findings"]):
-                doc["findings"] = sorted([*doc["findings"], {**held, "held": True}], key=lambda f: -f["cost"])
 
 
 async def serve(agent: Agent, host: str, port: int, window_s: float, token: str | None) -> None:

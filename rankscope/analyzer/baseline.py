@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +71,7 @@ class Baseline:
 
     def __init__(self, keep: int = KEEP_WINDOWS):
         self._windows: deque[StepProfile] = deque(maxlen=keep)
+        self.regression: dict[str, Any] | None = None  # the last comparable window's (diagnosis.py holds it)
 
     def add(self, profile: StepProfile | None) -> None:
         if profile is not None:

@@ -27,17 +27,15 @@ NOT_BASELINE = HANGS | {"regression"}
 
 def diagnose(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
              baselines: dict[str, Baseline] | None = None,
-             slowdown_threshold: float = SLOWDOWN_THRESHOLD, comparable: bool = True) -> dict[str, dict[str, Any]]:
+             slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> dict[str, dict[str, Any]]:
     """job -> diagnosis document, for patterns of any number of jobs. With `baselines` (job -> its past,
     kept by the caller across windows), each job is also compared with its own baseline, which this window
-    then joins: `slowdown_threshold` slower is `baseline.slower` in the document, and a `regression`.
-    `comparable=False`: the window was recorded at another detail than the baseline's (the agent's deep mode,
-    which costs the job time itself): it neither makes a regression nor joins the baseline."""
+    then joins: `slowdown_threshold` slower is `baseline.slower` in the document, and a `regression`."""
     by_job: dict[str, list[RankPattern]] = {}
     for p in patterns:
         by_job.setdefault(p.job, []).append(p)
     return {job: diagnose_job(ps, hang_timeout_s, None if baselines is None else baselines.setdefault(job, Baseline()),
-                              slowdown_threshold, comparable)
+                              slowdown_threshold)
             for job, ps in by_job.items()}
 
 
@@ -80,9 +78,12 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
 
 def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
                  baseline: Baseline | None = None,
-                 slowdown_threshold: float = SLOWDOWN_THRESHOLD, comparable: bool = True) -> dict[str, Any]:
-    """The contract's diagnosis document for the patterns of one job (compared with `baseline` when
-    given and `comparable`, which this window then joins unless it is hung or regressed)."""
+                 slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> dict[str, Any]:
+    """The contract's diagnosis document for the patterns of one job, compared with `baseline` when given,
+    which this window then joins unless it is hung or regressed. A window an agent recorded at raised detail
+    (its probes cost the job time) is shown against the baseline but neither joins it nor makes a
+    regression: the regression of the last comparable window is held through it (`"held": true`), unless
+    the job hangs, since the slowdown that raised the detail is what the user is looking at."""
     if not patterns:
         raise ValueError("diagnose_job needs at least one pattern")
     jobs = {p.job for p in patterns}
@@ -108,10 +109,16 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         return entry
 
     reference = baseline.reference() if baseline is not None else None
+    comparable = not any(p.raised_detail for p in patterns)
     findings = findings_of(table, hang_timeout_s, reference if comparable else None, slowdown_threshold)
     profile = StepProfile.of(table) if analyzed else None
-    if baseline is not None and comparable and not any(f.kind in NOT_BASELINE for f in findings):
-        baseline.add(profile)
+    listed = [f.to_dict() for f in findings]
+    if baseline is not None and comparable:
+        if not any(f.kind in NOT_BASELINE for f in findings):
+            baseline.add(profile)
+        baseline.regression = next((f for f in listed if f["kind"] == "regression"), None)
+    elif baseline is not None and baseline.regression and not any(f.kind in HANGS for f in findings):
+        listed = sorted([*listed, {**baseline.regression, "held": True}], key=lambda f: -f["cost"])
     return {
         "job": patterns[0].job,
         "window": plain({"start": min(p.window_start for p in patterns),
@@ -122,7 +129,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
                            "slower": bool(profile and reference.slower(profile.step_s, slowdown_threshold))})
         if reference else None,
         "ranks": [rank_entry(p) for p in sorted(patterns, key=lambda p: (p.rank, p.pid))],
-        "findings": [f.to_dict() for f in findings],
+        "findings": listed,
     }
 
 

@@ -238,6 +238,9 @@ class RankPattern:
     links: list[LinkStats] = field(default_factory=list)  # NCCL profiler plugin; at most MAX_LINKS
     collectives_gpu: list[CollectiveGpu] = field(default_factory=list)  # NCCL profiler plugin
     tcp: list[TcpFlow] = field(default_factory=list)  # busiest TCP connections, most bytes first
+    # Recorded at a detail an agent raised for a slowdown (agent/detail.py): its probes cost the job time
+    # themselves, so the window is not compared with the job's baseline (analyzer/baseline.py).
+    raised_detail: bool = False
 
     @property
     def window_s(self) -> float:

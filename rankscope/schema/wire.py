@@ -77,6 +77,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         **({"cg": [[c.op, c.count, c.total_s, c.p99_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
         **({"tcp": [[f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
                     for f in p.tcp]} if p.tcp else {}),
+        **({"rd": True} if p.raised_detail else {}),
     }
 
 
@@ -294,6 +295,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             collectives_gpu=[CollectiveGpu(*r) for r in _call_totals_from_wire(d.get("cg", []), "cg", "collective gpu",
                                                                                "p99_s")],
             tcp=_tcp_from_wire(d.get("tcp", [])),
+            raised_detail=d.get("rd", False) is True,
         )
     except PatternDecodeError:
         raise

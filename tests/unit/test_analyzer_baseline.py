@@ -136,7 +136,38 @@ def test_a_window_of_another_detail_is_neither_a_regression_nor_the_baseline():
     window is shown against the baseline but makes no regression and does not join it."""
     b = warmed(windows=4)
     slow = dict.fromkeys(range(RANKS), 0.012)
-    doc = diagnose_job(simulate(RANKS, seed=50, sync_extra=slow), baseline=b, comparable=False)
+    doc = diagnose_job(raised(simulate(RANKS, seed=50, sync_extra=slow)), baseline=b)
     assert doc["findings"] == [] and doc["baseline"]["slower"] is True and doc["baseline"]["windows"] == 4
     doc = diagnose_job(simulate(RANKS, seed=51, sync_extra=slow), baseline=b)
     assert kinds(doc) == [("regression", "cuStreamSynchronize", "gpu")] and doc["baseline"]["windows"] == 4
+
+
+def test_a_regression_is_held_through_raised_windows_until_a_comparable_one_clears_it():
+    """The slowdown raised the agent's detail: its windows are not compared, yet the regression the user is
+    looking at stays on the page (marked held), whichever service diagnoses them (agent or cluster)."""
+    b = warmed(windows=4)
+    slow = dict.fromkeys(range(RANKS), 0.012)
+    found = diagnose_job(simulate(RANKS, seed=51, sync_extra=slow), baseline=b)["findings"]
+    for seed in (52, 53):
+        doc = diagnose_job(raised(simulate(RANKS, seed=seed, sync_extra=slow)), baseline=b)
+        assert doc["findings"] == [{**found[0], "held": True}] and doc["baseline"]["windows"] == 4
+    assert diagnose_job(simulate(RANKS, seed=54), baseline=b)["findings"] == []  # recovered
+    assert diagnose_job(raised(simulate(RANKS, seed=55, sync_extra=slow)), baseline=b)["findings"] == []
+
+
+def test_a_hang_in_a_raised_window_is_not_hidden_behind_the_held_regression():
+    b = warmed(windows=4)
+    assert kinds(diagnose_job(simulate(RANKS, seed=51, sync_extra=dict.fromkeys(range(RANKS), 0.012)),
+                              baseline=b)) == [("regression", "cuStreamSynchronize", "gpu")]
+    stalled = raised(simulate(RANKS, seed=52))
+    for p in stalled:  # nothing completes for a minute: every rank waits in its collective
+        p.collectives, p.functions, p.since, p.last_progress = [], {}, p.window_end - 90, p.window_end - 60
+        p.where = "futex (futex_wait)"
+    assert [f["kind"] for f in diagnose_job(stalled, baseline=b)["findings"]] == ["comm_hang"]
+
+
+def raised(patterns: list) -> list:
+    """As an agent records them in the detail a slowdown raised (agent/daemon.py)."""
+    for p in patterns:
+        p.raised_detail = True
+    return patterns

@@ -246,6 +246,13 @@ def test_patterns_without_nccl_plugin_views_stay_unchanged():
     assert q.links == [] and q.collectives_gpu == [] and q.tcp == []
 
 
+def test_raised_detail_travels_only_when_set():
+    assert "rd" not in msgpack.unpackb(encode_patterns([typical()]), raw=False)[0]
+    p = typical()
+    p.raised_detail = True
+    assert decode_patterns(encode_patterns([p]))[0].raised_detail is True
+
+
 def with_tcp(p: RankPattern) -> RankPattern:
     """gloo's connections to two peers, one with the receiver's window full part of the time."""
     p.tcp = [TcpFlow(local="10.0.0.3:41234", remote="10.0.0.4:52011", sends=3120, sent=812_000_000,
