@@ -10,8 +10,9 @@ from rankscope.agent.detail import SlowdownTrigger
 from rankscope.agent.host.discovery import training_processes
 from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.service.history import StepHistory
 from rankscope.agent.service.http import make_app, serve_windows
-from rankscope.agent.service.snapshot import Snapshot, TargetView, targets_of
+from rankscope.agent.service.snapshot import AgentHealth, Snapshot, TargetView, targets_of
 from rankscope.agent.session import JOB_PATTERNS, Session
 from rankscope.agent.views.dump import dump, to_json
 from rankscope.agent.views.profile import window_profiles
@@ -34,6 +35,9 @@ class Agent:
         self.slowdown_threshold = slowdown_threshold
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows (jobs that ended are dropped)
         self.confirmer = Confirmer()  # a finding is reported once it held in consecutive windows
+        self.history = StepHistory()  # the page's step-time chart
+        self.windows = 0
+        self.attach_errors = 0
         self.snapshot = Snapshot()
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
         self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
@@ -51,6 +55,7 @@ class Agent:
                 log.info("watching pid %d", pid)
             except (TargetError, ProbeError) as e:
                 self._refused[pid] = str(e)
+                self.attach_errors += 1
         self._refused = {pid: why for pid, why in self._refused.items() if os.path.exists(f"/proc/{pid}")}
         self._skipped = {pid: why for pid, why in self._skipped.items() if os.path.exists(f"/proc/{pid}")}
 
@@ -60,6 +65,7 @@ class Agent:
                      for pid, t in self.session.targets.items()}
         containers = {pid: t.container for pid, t in self.session.targets.items()}
         patterns = self.session.window()
+        self.windows += 1
         if self.trigger.raised:  # recorded in the deep detail a slowdown raised: not compared with the baseline
             for p in patterns:
                 p.raised_detail = True
@@ -84,6 +90,8 @@ class Agent:
             errors=[f"pid {pid}: {why}" for pid, why in sorted(self._refused.items())],
             skipped=[f"pid {pid}: {why}" for pid, why in sorted(self._skipped.items())],
             profiles=window_profiles(patterns, self.session.frames.last, self.session.frames.last_frequency, docs),
+            history=self.history.record(docs),
+            health=AgentHealth(windows=self.windows, attach_errors=self.attach_errors, drops=self.session.drops()),
         )
         self.discover()
         return self.snapshot

@@ -43,7 +43,7 @@ class Session:
         self.collector = Collector(self.program, host_name())
         self.collector.detail = detail
         self.targets: dict[int, Target] = {}
-        sampler = PythonSampler(frequency=detail.python_hz)
+        self.sampler = sampler = PythonSampler(frequency=detail.python_hz)
         # Attached in this order (the timer times what the sampler found), filled in this order.
         self.frames = PythonFrames(sampler, detail)  # also keeps the last window's full stacks
         self.sources: list[Source] = [
@@ -79,6 +79,13 @@ class Session:
             log.info("pid %d exited", pid)
             self._forget(pid)
         return patterns
+
+    def drops(self) -> dict[str, int]:
+        """What the kernel side had no room for since the start, by kind: completed collectives (their stream
+        was full) and Python samples or sleeps (a map was full)."""
+        py = self.sampler.counters()
+        return {"collectives": self.program.lost_collectives,
+                "python_samples": py["dropped"] + py["off_cpu_dropped"]}
 
     def set_detail(self, detail: Detail) -> None:
         """What the next windows record (call right after window(): samples are counted at one rate)."""

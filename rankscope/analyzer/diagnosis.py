@@ -93,8 +93,11 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     table = rank_table(analyzed)
     row_of = {id(p): i for i, p in enumerate(analyzed)}
     # Per-rank columns as plain lists once (100,000 ranks: no per-value conversion calls).
+    # input_s (data loading) is part of host_s; gc_s and runq_s (waiting for a CPU) are the page's and the
+    # metrics' too (issue 18).
     columns = {key: _seconds(getattr(table, attr)) for key, attr in
-               (("step_time_s", "step_s"), ("sync_s", "sync_s"), ("comm_s", "comm_s"), ("host_s", "host_s"))}
+               (("step_time_s", "step_s"), ("sync_s", "sync_s"), ("comm_s", "comm_s"), ("host_s", "host_s"),
+                ("input_s", "input_s"), ("gc_s", "gc_s"), ("runq_s", "runq_s"))}
 
     def rank_entry(p: RankPattern) -> dict[str, Any]:
         i = row_of.get(id(p))

@@ -5,6 +5,7 @@ rank (total x step / window) before ranks are compared.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,9 @@ import numpy as np
 
 from rankscope.analyzer.steps import step_times
 from rankscope.schema.patterns import RankPattern, Role
+
+# Python functions of the input pipeline (data loaders, datasets, batch loading), by name.
+DATA_LOADING = re.compile(r"load|batch|__next__|__getitem__|_next_data|fetch|collate|dataset|dataloader", re.I)
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class RankTable:
     fn_names: list[str]  # columns of fn_s
     fn_roles: list[Role]
     fn_s: np.ndarray  # rows x functions; 0 where the rank never called the function
+    gc_s: np.ndarray  # in the Python garbage collector
     runq_s: np.ndarray  # the main thread runnable but not running (waiting for a CPU); NaN: no scheduler view
     py_names: list[str]  # columns of py_s
     py_s: np.ndarray  # rows x Python functions: self wall time per step; 0 where not among the rank's top
@@ -37,6 +42,18 @@ class RankTable:
 
     def __len__(self) -> int:
         return len(self.patterns)
+
+    @property
+    def input_s(self) -> np.ndarray:
+        """Host time in data-loading Python functions per step: the larger of the exactly timed ones (with their
+        callees; NaN for untimed ranks, which fmax skips) and the sampled ones' self time, at most the host
+        time, whose part it is (a sampled loader's wall time may hold a probed copy)."""
+        def loading(names: list[str], per_step: np.ndarray) -> np.ndarray:
+            cols = [j for j, name in enumerate(names) if DATA_LOADING.search(name)]
+            return per_step[:, cols].sum(axis=1) if cols else np.zeros(len(self))
+
+        return np.minimum(np.fmax(loading(self.timed_names, self.timed_s), loading(self.py_names, self.py_s)),
+                          self.host_s)
 
     @property
     def job_step_s(self) -> float:
@@ -105,6 +122,7 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None)
         fn_names=list(names),
         fn_roles=roles,
         fn_s=fn_per_step,
+        gc_s=in_role(Role.GC),
         runq_s=np.fromiter((p.sched["main"].runq_s if "main" in p.sched else np.nan for p in patterns), float, n)
         * per_step,
         py_names=list(py_names),

@@ -115,6 +115,11 @@ class ProbeProgram:
     def _on_done(self, _ctx, data, size) -> None:
         self._done.append(ctypes.string_at(data, size))  # parsed in bulk by completed(): ~1 us a record here
 
+    @property
+    def lost_collectives(self) -> int:
+        """Completed collectives the kernel's stream had no room for, so far (as of the last completed())."""
+        return self._lost
+
     def completed(self) -> dict[int, np.ndarray]:
         """pid -> the collectives completed since the last call (DONE_RECORD rows, in order). One read of the
         kernel's stream; a stream that overflowed since is logged, never fatal."""

@@ -64,17 +64,34 @@ def check_bind(host: str, token: str | None) -> None:
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# A browser cannot add an Authorization header to a page it navigates to: `GET /?token=T` (the page) checks T
+# once and answers with a cookie holding it (HttpOnly: the page's scripts never see it; SameSite=Strict: other
+# sites' pages cannot make the browser send it) and a redirect that drops T from the address bar and history.
+# No Path attribute: the cookie is scoped to the directory it was set from, so the page works behind a
+# path-prefixed proxy (kubectl proxy). Plain HTTP carries the cookie as it carries the header: in the clear.
+TOKEN_COOKIE = "rankscope_token"
+TOKEN_QUERY = "token"
+PAGE_PATH = "/"
+
+
+def _same(given: str, expected: bytes) -> bool:
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected)  # constant time: no oracle
+
 
 def bearer_auth(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
-    expected = f"Bearer {token}".encode()
+    header, raw = f"Bearer {token}".encode(), token.encode()
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, expected):  # constant time: no byte-by-byte oracle
-                raise web.HTTPUnauthorized(text="missing or wrong bearer token\n",
-                                           headers={"WWW-Authenticate": 'Bearer realm="rankscope"'})
-        return await handler(request)
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        if _same(request.headers.get("Authorization", ""), header) or _same(request.cookies.get(TOKEN_COOKIE, ""), raw):
+            return await handler(request)
+        if request.path == PAGE_PATH and _same(request.query.get(TOKEN_QUERY, ""), raw):
+            found = web.HTTPSeeOther("./")  # relative: keeps a proxy's path prefix
+            found.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict")
+            raise found
+        raise web.HTTPUnauthorized(text="missing or wrong bearer token (a browser: open /?token=TOKEN once)\n",
+                                   headers={"WWW-Authenticate": 'Bearer realm="rankscope"'})
 
     return middleware

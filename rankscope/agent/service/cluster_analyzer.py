@@ -18,8 +18,10 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from rankscope.agent.service.history import StepHistory, StepPoint
 from rankscope.agent.service.http import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
-from rankscope.agent.service.prometheus import exposition, gauge
+from rankscope.agent.service.page import add_page
+from rankscope.agent.service.prometheus import build_info, exposition, gauge
 from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.cluster import diagnose_cluster
 from rankscope.analyzer.rules.nodes import LostRanks
@@ -81,6 +83,7 @@ class _Served:
 class ClusterSnapshot:
     agents: list[AgentStatus] = field(default_factory=list)
     diagnoses: dict[str, dict[str, Any]] = field(default_factory=dict)
+    history: dict[str, list[StepPoint]] = field(default_factory=dict)  # job -> its recent windows (the page)
 
 
 class PullError(Exception):
@@ -97,6 +100,7 @@ class Cluster:
         self.hang_timeout_s = hang_timeout_s
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows over all nodes
         self.confirmer = Confirmer()  # a finding is reported once it held in consecutive windows
+        self.history = StepHistory()
         self.forget_after_s = FORGET_AFTER_WINDOWS * window_s
         self.status: dict[str, AgentStatus] = {}
         self.served: dict[str, dict[str, _Served]] = {}  # agent -> job -> what it last served
@@ -172,11 +176,11 @@ class Cluster:
             self.served[url] = served
         self._unlisted(set(urls), now)
         lost = self._lost(now)
+        diagnoses = diagnose_cluster(patterns, lost, self.hang_timeout_s, self.baselines)
+        self.baselines = {job: b for job, b in self.baselines.items() if job in diagnoses}
+        self.confirmer.confirm(diagnoses)
         self.snapshot = ClusterSnapshot(agents=sorted(self.status.values(), key=lambda s: s.url),
-                                        diagnoses=diagnose_cluster(patterns, lost, self.hang_timeout_s,
-                                                                   self.baselines))
-        self.baselines = {job: b for job, b in self.baselines.items() if job in self.snapshot.diagnoses}
-        self.confirmer.confirm(self.snapshot.diagnoses)
+                                        diagnoses=diagnoses, history=self.history.record(diagnoses))
         return self.snapshot
 
     def _unlisted(self, listed: set[str], now: float) -> None:
@@ -228,6 +232,7 @@ def make_cluster_app(current: Callable[[], ClusterSnapshot], token: str | None) 
         for a in snap.agents:
             states[(a.state,)] = states.get((a.state,), 0) + 1
         return metrics_response(exposition(snap.diagnoses, [
+            build_info("cluster"),
             gauge("rankscope_cluster_agents", "Node agents by the state of their last pull.", states, ("state",)),
             gauge("rankscope_cluster_jobs", "Jobs observed over all agents.", len(snap.diagnoses))]))
 
@@ -235,6 +240,7 @@ def make_cluster_app(current: Callable[[], ClusterSnapshot], token: str | None) 
     app.router.add_get("/v1/jobs", jobs)
     app.router.add_get("/v1/diagnosis", diagnosis)
     app.router.add_get("/metrics", metrics)
+    add_page(app, lambda: current().history)
     return app
 
 

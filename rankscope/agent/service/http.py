@@ -12,8 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
+from rankscope.agent.service.agent_metrics import agent_metrics
 from rankscope.agent.service.auth import Handler, bearer_auth
-from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition, gauge
+from rankscope.agent.service.page import add_page
+from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition
 from rankscope.agent.service.snapshot import Snapshot
 from rankscope.agent.views.folded import folded_diff
 from rankscope.agent.views.formats import encode
@@ -154,9 +156,7 @@ def make_app(current: Callable[[], Snapshot], token: str | None = None,
 
     async def metrics(_: web.Request) -> web.Response:
         snap = current()
-        running = sum(t.state == "running" for t in snap.targets)
-        return metrics_response(exposition(snap.diagnoses, [
-            gauge("rankscope_targets", "Processes watched by this agent.", running)]))
+        return metrics_response(exposition(snap.diagnoses, agent_metrics(snap)))
 
     async def profile(request: web.Request) -> web.Response:
         return profile_response(current(), request)
@@ -173,6 +173,7 @@ def make_app(current: Callable[[], Snapshot], token: str | None = None,
     app.router.add_get("/v1/patterns", patterns)
     app.router.add_get("/v1/diagnosis", diagnosis)
     app.router.add_get("/metrics", metrics)
+    add_page(app, lambda: current().history)
     return app
 
 

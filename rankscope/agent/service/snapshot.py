@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankscope.agent.host.containers import Container
+from rankscope.agent.service.history import StepPoint
 from rankscope.agent.views.profile import RankProfile
 from rankscope.schema.patterns import RankPattern
 
@@ -21,6 +22,15 @@ class TargetView:
 
 
 @dataclass(frozen=True)
+class AgentHealth:
+    """Counts since the agent started, for /metrics."""
+
+    windows: int = 0
+    attach_errors: int = 0  # processes --all found that could not be watched
+    drops: dict[str, int] = field(default_factory=dict)  # what the kernel side had no room for, by kind
+
+
+@dataclass(frozen=True)
 class Snapshot:
     window_end: float | None = None
     targets: list[TargetView] = field(default_factory=list)
@@ -29,6 +39,8 @@ class Snapshot:
     errors: list[str] = field(default_factory=list)  # processes that could not be watched, and why
     skipped: list[str] = field(default_factory=list)  # processes not watched on purpose (launchers, workers)
     profiles: list[RankProfile] = field(default_factory=list)  # each rank's Python stacks of the window, bounded
+    history: dict[str, list[StepPoint]] = field(default_factory=dict)  # job -> its recent windows (the page)
+    health: AgentHealth = field(default_factory=AgentHealth)
 
 
 def targets_of(patterns: list[RankPattern], libraries: dict[int, list[str]],

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Reference, StepProfile
-from rankscope.analyzer.metrics import RankTable
-from rankscope.analyzer.rules.stragglers import DATA_LOADING, PYTHON_SHARE
+from rankscope.analyzer.metrics import DATA_LOADING, RankTable
+from rankscope.analyzer.rules.stragglers import PYTHON_SHARE
 from rankscope.analyzer.rules.wording import ms
 from rankscope.schema.finding import Finding
 

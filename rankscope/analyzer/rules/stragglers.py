@@ -3,13 +3,12 @@ host work, a data-loading function, Python GC, or waiting for a CPU).
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
 
 from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
-from rankscope.analyzer.metrics import RankTable
+from rankscope.analyzer.metrics import DATA_LOADING, RankTable
 from rankscope.analyzer.rules.wording import ms, range_ms, rank_list
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import Role
@@ -27,8 +26,6 @@ LATE_RATIO = 4.0  # host every rank is late in some steps, a straggler in most: 
 # receiver) arrives late at the next collective too (0.88-0.93), so the ratio alone is not the rule.
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
-# Python functions of the input pipeline (data loaders, datasets, batch loading), by name.
-DATA_LOADING = re.compile(r"load|batch|__next__|__getitem__|_next_data|fetch|collate|dataset|dataloader", re.I)
 
 _HOST_TIME = None  # "function" of time outside every probed function
 
