@@ -91,11 +91,17 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         raise ValueError(f"diagnose_job got patterns of several jobs: {sorted(jobs)}")
     analyzed = [p for p in patterns if p.state not in NOT_ANALYZED]
     table = rank_table(analyzed)
+    reference = baseline.reference() if baseline is not None else None
+    comparable = not any(p.raised_detail for p in patterns)
+    findings = findings_of(table, hang_timeout_s, reference if comparable else None, slowdown_threshold)
+    # A hung job has no steps: a window's few steps before the stall, or the whole window read as one step
+    # (10 s for a 60 ms job), would mislead; the hang's evidence says how long it has stalled.
+    hung = any(f.kind in HANGS for f in findings)
     row_of = {id(p): i for i, p in enumerate(analyzed)}
-    # Per-rank columns as plain lists once (100,000 ranks: no per-value conversion calls).
+    # Per-rank columns (seconds per step) as plain lists once (100,000 ranks: no per-value conversion calls).
     # input_s (data loading) is part of host_s; gc_s and runq_s (waiting for a CPU) are the page's and the
     # metrics' too (issue 18).
-    columns = {key: _seconds(getattr(table, attr)) for key, attr in
+    columns = {key: [None] * len(analyzed) if hung else _seconds(getattr(table, attr)) for key, attr in
                (("step_time_s", "step_s"), ("sync_s", "sync_s"), ("comm_s", "comm_s"), ("host_s", "host_s"),
                 ("input_s", "input_s"), ("gc_s", "gc_s"), ("runq_s", "runq_s"))}
 
@@ -108,16 +114,13 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
             entry["python_timed"] = plain([f.to_dict() for f in p.python_timed])
         return entry
 
-    reference = baseline.reference() if baseline is not None else None
-    comparable = not any(p.raised_detail for p in patterns)
-    findings = findings_of(table, hang_timeout_s, reference if comparable else None, slowdown_threshold)
-    profile = StepProfile.of(table) if analyzed else None
+    profile = StepProfile.of(table) if analyzed and not hung else None
     listed = [f.to_dict() for f in findings]
     if baseline is not None and comparable:
         if not any(f.kind in NOT_BASELINE for f in findings):
             baseline.add(profile)
         baseline.regression = next((f for f in listed if f["kind"] == "regression"), None)
-    elif baseline is not None and baseline.regression and not any(f.kind in HANGS for f in findings):
+    elif baseline is not None and baseline.regression and not hung:
         listed = sorted([*listed, {**baseline.regression, "held": True}], key=lambda f: -f["cost"])
     return {
         "job": patterns[0].job,
