@@ -94,28 +94,49 @@ class Alignment:
     instances: int  # how many collective instances were lined up
     op: str | None  # the most frequent collective among them
     late_share: np.ndarray  # share of steps it arrived later than the other ranks (by LATE_MARGIN of a step)
+    step_late_s: np.ndarray  # ranks x steps (back to back): its arrival lateness each step; NaN rows: not compared
 
     @classmethod
     def empty(cls, n: int) -> Alignment:
         nan = np.full(n, np.nan)
-        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy())
+        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), np.full((n, 0), np.nan))
+
+    def waited_for(self, rows: Sequence[int]) -> float:
+        """What the job waits for these ranks alone each step (mean over steps): how much later than the last
+        of the other ranks the last of them arrived, 0 in a step where another rank was last. The what-if of
+        removing their delay: against the others' median instead, a host's noise (whichever rank is last in a
+        healthy step) counted as the straggler's (cnn-3's compute straggler cost 0.42 for a true 0.28), and
+        the ranks of one slow node, late together, are waited for as one. NaN when not compared."""
+        late = self.step_late_s
+        compared = np.isfinite(late[:, 0]) if late.shape[1] else np.zeros(late.shape[0], dtype=bool)
+        group = np.zeros(late.shape[0], dtype=bool)
+        group[list(rows)] = True
+        if not compared[group].all() or not compared[~group].any():
+            return float("nan")
+        return float(np.mean(np.maximum(late[group].max(axis=0) - late[compared & ~group].max(axis=0), 0.0)))
 
 
 STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
 LATE_MARGIN = 0.05  # later than the other ranks by this share of a step: that step, the rank was late
 
 
-def _late_per_step(enter: np.ndarray, step_s: float) -> tuple[np.ndarray, np.ndarray]:
+def _late_per_step(enter: np.ndarray, step_s: float, held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per rank (row): how late it arrives per step, the median over stretches of one step (STEP_SPAN) of its
     largest lateness among the instances (columns) that start there; and the share of those stretches in
     which it arrived later than the median of the other ranks by LATE_MARGIN of a step. A straggler is late
     where its extra work ends, at one collective of the step: at every one of DDP's buckets, but only at the
     first of back-to-back per-parameter all-reduces, where the median over instances would hide it. And it
-    is late every step, where a rank on a busy CPU is late in some steps only."""
+    is late every step, where a rank on a busy CPU is late in some steps only.
+    Lateness a rank inherits is not its own: `held` (same shape as `enter`) is how much longer than the
+    quickest rank each rank stayed in a rooted collective (a broadcast's root waits there for the last
+    receiver, the straggler), and that much of its lateness at the instances within a step after it is
+    forgiven (cnn-3: the root, held 30-47 ms a step, then arrived 35 ms late at the all-reduces, as late
+    as the straggler that held it, in 74% of the steps). Third: the lateness of back-to-back steps, each
+    counted once however many collectives it holds (Alignment.step_late_s)."""
     order = np.argsort(enter.min(axis=0), kind="stable")  # instances by time (completion order may differ)
-    enter = enter[:, order]
+    enter, held = enter[:, order], held[:, order]
     first = enter.min(axis=0)
-    late = enter - first
+    late = np.maximum(enter - first - _carried(held, first, step_s), 0.0)
     ends = np.searchsorted(first, first + STEP_SPAN * step_s, side="left")
     starts = np.flatnonzero(ends - np.arange(first.size) >= 1)
     stretches = np.stack([late[:, j:ends[j]].max(axis=1) for j in starts], axis=1)
@@ -124,20 +145,53 @@ def _late_per_step(enter: np.ndarray, step_s: float) -> tuple[np.ndarray, np.nda
         others = np.median(stretches, axis=0, keepdims=True)
     else:  # a small job: each rank against the others only (of two ranks, the median of both halves it)
         others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in range(n)])
-    return np.median(stretches, axis=1), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1)
+    return (np.median(stretches, axis=1), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1),
+            stretches[:, _disjoint(starts, ends)])
 
 
-def _rooted_between(anchors: np.ndarray, rooted: list[np.ndarray]) -> np.ndarray:
-    """Enter instants (ranks x instances) of the rooted collectives that every rank entered exactly one of
-    between the same two lined-up instances (`anchors`: ranks x instances, enter instants); `rooted`: each
-    rank's rooted enters, sorted. Ranks run one collective sequence, so those are one instance."""
+def _disjoint(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Of the stretches (one starting at each instance in `starts`, ending before `ends` of it), positions of
+    back-to-back ones: each step counted once, however many collectives it holds."""
+    chosen, j = [], 0
+    while j < starts.size:
+        chosen.append(j)
+        j = int(np.searchsorted(starts, max(ends[starts[j]], starts[j] + 1)))
+    return np.array(chosen, dtype=np.intp)
+
+
+def _carried(held: np.ndarray, first: np.ndarray, step_s: float) -> np.ndarray:
+    """Per rank and instance (columns in time order, `first`: their earliest enters): the hold of the rank's
+    latest rooted instance before it, if that began less than a step earlier (else 0)."""
+    carried = np.zeros_like(held)
+    rooted = np.flatnonzero((held > 0).any(axis=0))
+    if rooted.size == 0:
+        return carried
+    prev = np.searchsorted(rooted, np.arange(first.size), side="left") - 1  # latest rooted column before each
+    has = prev >= 0
+    cols = np.flatnonzero(has)
+    src = rooted[prev[has]]
+    near = first[cols] - first[src] < step_s
+    carried[:, cols[near]] = held[:, src[near]]
+    return carried
+
+
+def _rooted_between(anchors: np.ndarray, rooted: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Enter and done instants (each ranks x instances) of the rooted collectives between two lined-up
+    instances (`anchors`: ranks x instances, enter instants) where every rank entered as many of them (DDP
+    broadcasts its buffers in one or several calls); `rooted`: each rank's rooted (enter, done) rows, sorted
+    by enter. Ranks run one collective sequence, so the k-th of each rank in a gap is one instance."""
     n, m = anchors.shape
     if m < 2 or not all(r.size for r in rooted):
-        return np.zeros((n, 0))
+        return np.zeros((n, 0)), np.zeros((n, 0))
     anchors = anchors[:, np.argsort(anchors.min(axis=0), kind="stable")]
-    before = np.stack([np.searchsorted(r, a) for r, a in zip(rooted, anchors)])  # rooted enters before each
-    gaps = np.flatnonzero((np.diff(before, axis=1) == 1).all(axis=0))  # one in the gap after anchor j
-    return np.stack([r[before[i, gaps]] for i, r in enumerate(rooted)])
+    before = np.stack([np.searchsorted(r[:, 0], a) for r, a in zip(rooted, anchors)])  # rooted enters before each
+    counts = np.diff(before, axis=1)  # rooted enters in the gap after anchor j, per rank
+    gaps = np.flatnonzero((counts == counts[0]).all(axis=0) & (counts[0] > 0))
+    if gaps.size == 0:
+        return np.zeros((n, 0)), np.zeros((n, 0))
+    taken = np.concatenate([before[:, j, None] + np.arange(counts[0, j]) for j in gaps], axis=1)
+    rows = np.stack([r[taken[i]] for i, r in enumerate(rooted)])  # ranks x instances x (enter, done)
+    return rows[:, :, 0], rows[:, :, 1]
 
 
 def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = None) -> Alignment:
@@ -219,14 +273,20 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     Ek, Dk, Bk = E[compared][:, kept], D[compared][:, kept], B[compared][:, kept]
 
     out = Alignment.empty(n)
-    rooted = [np.sort([c.enter for c in p.collectives if c.enter >= since and ROOTED.search(c.op)])
+    rooted = [np.array(sorted((c.enter, c.done) for c in p.collectives if c.enter >= since and ROOTED.search(c.op)),
+                       dtype=float).reshape(-1, 2)
               for p, seen in zip(patterns, compared) if seen]
-    arrivals = np.concatenate([Ek, _rooted_between(Ek, rooted)], axis=1)
-    out.arrival_late_s[compared], out.late_share[compared] = _late_per_step(arrivals, step_s)
+    r_enter, r_done = _rooted_between(Ek, rooted)
+    stay = r_done - r_enter
+    held = np.concatenate([np.zeros_like(Ek), stay - stay.min(axis=0) if stay.size else stay], axis=1)
+    arrivals = np.concatenate([Ek, r_enter], axis=1)
+    out.arrival_late_s[compared], out.late_share[compared], steps = _late_per_step(arrivals, step_s, held)
+    step_late = np.full((n, steps.shape[1]), np.nan)
+    step_late[compared] = steps
     out.finish_late_s[compared] = np.median(Dk - Dk.min(axis=0), axis=1)
     out.transfer_s[compared] = np.median(Dk - Ek.max(axis=0), axis=1)
     out.bytes[compared] = np.median(Bk, axis=1)
     names = {i: name for name, i in op_ids.items()}
     top_op = Counter(ref_op[kept].tolist()).most_common(1)[0][0]
     return Alignment(out.arrival_late_s, out.finish_late_s, out.transfer_s, out.bytes,
-                     int(np.count_nonzero(kept)), names[top_op], out.late_share)
+                     int(np.count_nonzero(kept)), names[top_op], out.late_share, step_late)

@@ -250,6 +250,31 @@ def test_a_rank_late_only_at_the_buffer_broadcast_arrives_last():
     assert [(f["kind"], f["ranks"]) for f in findings(ps)] == [("compute_straggler", [1])]
 
 
+def test_lateness_a_broadcast_root_inherits_from_the_straggler_is_not_its_own():
+    """cnn-3 (DDP, BatchNorm buffers broadcast twice before each forward): the root waits in the broadcasts
+    for the late straggler, then reaches the all-reduces as late as it. The hold is forgiven: the root is
+    not late, and the job waits for the straggler alone for its whole delay (it cost half, against the
+    median of a late root and an early receiver)."""
+    ps = simulate(3, host_extra={2: 0.03}, seed=4)
+    work = 0.01  # between the broadcasts and the all-reduce
+    enters = np.array([[c.enter for c in p.collectives] for p in ps])
+    root_in = enters - work
+    for i, p in enumerate(ps):
+        recs = []
+        for k, c in enumerate(p.collectives):
+            arrive = root_in[:, k].max()  # the root's broadcast ends once the last receiver entered
+            done = arrive + 2e-4 if i == 0 else max(root_in[i, k], root_in[0, k]) + 2e-4
+            recs += [CollectiveRecord("gloo_broadcast", 4096, root_in[i, k], done)] * 2
+            recs.append(CollectiveRecord(c.op, c.bytes, done + work if i == 0 else c.enter, c.done))
+        p.collectives = recs
+    a = align_collectives(ps)
+    assert a.late_share[2] > 0.9 and a.late_share[0] < 0.1
+    assert a.waited_for([2]) == pytest.approx(0.03, abs=0.003) and a.waited_for([0]) < 0.002
+    f, = findings(ps)
+    assert (f["kind"], f["ranks"]) == ("compute_straggler", [2])
+    assert f["cost"] == pytest.approx(0.03 / f["evidence"]["step_time_s"], abs=0.03)
+
+
 # --- rules and document --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,seed", [(4, 1), (8, 2), (16, 3)])

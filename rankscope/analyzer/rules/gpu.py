@@ -46,7 +46,7 @@ def gpu_throttle(t: RankTable, a: Alignment | None = None) -> list[Finding]:
         if h is None or not np.isfinite(ratio[i]) or peers - ratio[i] < CLOCK_DROP or not _reasons(h.throttle_reasons):
             continue
         reasons = _reasons(h.throttle_reasons)
-        cost = float(np.clip(delay(a, i, float(excess[i])) / step, 0.0, 1.0))
+        cost = float(np.clip(delay(a, [i], float(excess[i])) / step, 0.0, 1.0))
         out.append(Finding(
             kind="gpu_throttle", ranks=[int(t.rank[i])], function=None, component="gpu", score=float(z[i]), cost=cost,
             summary=(f"rank {t.rank[i]}'s GPU {h.index} runs at {h.sm_clock_mhz} MHz ({ratio[i]:.0%} of its "

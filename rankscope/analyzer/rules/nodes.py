@@ -45,7 +45,7 @@ def node_fault(t: RankTable, a: Alignment | None = None) -> list[Finding]:
         if members.size < 2 or not np.isin(members, rows).all():
             continue
         ranks = sorted(int(t.rank[i]) for i in members)
-        cost = float(np.clip(max(delay(a, i, float(excess[i])) for i in members) / step, 0.0, 1.0))
+        cost = float(np.clip(delay(a, members, float(excess[members].max())) / step, 0.0, 1.0))
         out.append(Finding(
             kind="node_fault", ranks=ranks, function=None, component="host", score=float(z[members].min()),
             cost=cost,

@@ -3,6 +3,7 @@ host work, a data-loading function, Python GC, or waiting for a CPU).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -112,14 +113,11 @@ def _timed_evidence(t: RankTable, i: int) -> dict[str, Any]:
     return {"python_timed": [f.to_dict() for f in rows]}
 
 
-def delay(a: Alignment | None, i: int, excess: float) -> float:
-    """How long the other ranks wait for rank row i each step: its arrival lateness at the collectives
-    when ranks could be lined up (the direct measure), else its extra work per step."""
-    if a is not None and np.isfinite(a.arrival_late_s[i]):
-        others = np.delete(a.arrival_late_s, i)  # its peers (of two ranks, the median of both halves it)
-        if np.isfinite(others).any():
-            return max(float(a.arrival_late_s[i] - np.nanmedian(others)), 0.0)
-    return excess
+def delay(a: Alignment | None, rows: Sequence[int], excess: float) -> float:
+    """How long the job waits for these ranks alone each step (Alignment.waited_for) when ranks could be
+    lined up (the direct measure), else `excess`, their extra work per step."""
+    waited = a.waited_for(rows) if a is not None else float("nan")
+    return waited if np.isfinite(waited) else excess
 
 
 def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
@@ -177,7 +175,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
             "host_s": float(t.host_s[i]), "function_excess_s": where, "python_function": python,
             "timed_function": timed,
             "arrival_lateness_s": float(a.arrival_late_s[i]) if a is not None else None,
-            "delay_s": delay(a, i, float(excess[i])),
+            "delay_s": delay(a, [i], float(excess[i])),
             **_host_evidence(t, i),
             **_timed_evidence(t, i),
         })
@@ -187,7 +185,8 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
         per_rank.sort(key=lambda r: r["rank"])
         ranks = [r["rank"] for r in per_rank]
         # What-if: without the straggler(s) the step shrinks by the time the others wait for the last one.
-        cost = float(np.clip(max(r["delay_s"] for r in per_rank) / step, 0.0, 1.0))
+        rows_of = [row for row in flagged if int(t.rank[row]) in ranks]
+        cost = float(np.clip(delay(a, rows_of, max(r["delay_s"] for r in per_rank)) / step, 0.0, 1.0))
         caller = per_rank[0]["python_function"]
         where = {"gpu": f"GPU work, waits in {function}" + (f" called from {caller}" if caller else ""),
                  "cpu": f"host work in {function}" if function else "host work outside CUDA and NCCL calls",
@@ -224,7 +223,7 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
         main = p.sched["main"]
         neighbours = [{"name": n.name, "pid": n.pid, "cgroup": n.cgroup, "waited_s": n.waited_s}
                       for n in p.neighbours]
-        cost = float(np.clip(delay(a, i, float(excess[i])) / step, 0.0, 1.0))
+        cost = float(np.clip(delay(a, [i], float(excess[i])) / step, 0.0, 1.0))
         who = ", ".join(f"{n['name']} (pid {n['pid']})" for n in neighbours[:2]) or "other tasks"
         out.append(Finding(
             kind="cpu_contention", ranks=[int(t.rank[i])], function=None, component="cpu",
