@@ -94,33 +94,40 @@ class Alignment:
     instances: int  # how many collective instances were lined up
     op: str | None  # the most frequent collective among them
     late_share: np.ndarray  # share of steps it arrived later than the other ranks (by LATE_MARGIN of a step)
-    step_late_s: np.ndarray  # ranks x steps (back to back): its arrival lateness each step; NaN rows: not compared
+    # The job's time as pieces (K) over which the collectives within one step ahead (STEP_SPAN) are the same:
+    # each rank's largest lateness among them (ranks x K; NaN rows: not compared), the pieces' lengths in steps.
+    ahead_late_s: np.ndarray
+    ahead_steps: np.ndarray
 
     @classmethod
     def empty(cls, n: int) -> Alignment:
         nan = np.full(n, np.nan)
-        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), np.full((n, 0), np.nan))
+        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), np.full((n, 0), np.nan), np.zeros(0))
 
     def waited_for(self, rows: Sequence[int]) -> float:
-        """What the job waits for these ranks alone each step (mean over steps): how much later than the last
-        of the other ranks the last of them arrived, 0 in a step where another rank was last. The what-if of
-        removing their delay: against the others' median instead, a host's noise (whichever rank is last in a
-        healthy step) counted as the straggler's (cnn-3's compute straggler cost 0.42 for a true 0.28), and
-        the ranks of one slow node, late together, are waited for as one. NaN when not compared."""
-        late = self.step_late_s
+        """What the job waits for these ranks alone per step: at each moment, how much later than the last
+        of the other ranks the last of them arrives at the collectives of the step ahead, averaged over the
+        window's time (a wait shows for STEP_SPAN of a step ahead of it, hence the division). The what-if of
+        removing their delay: against the others' median instead, a host's noise (whichever rank is last in
+        a healthy step) counted as the straggler's (cnn-3's compute straggler cost 0.42 for a true 0.28), and
+        the ranks of one slow node, late together, are waited for as one. A rank late by 130 ms every other
+        step is waited for 65 ms a step. NaN when not compared."""
+        late = self.ahead_late_s
         compared = np.isfinite(late[:, 0]) if late.shape[1] else np.zeros(late.shape[0], dtype=bool)
         group = np.zeros(late.shape[0], dtype=bool)
         group[list(rows)] = True
         if not compared[group].all() or not compared[~group].any():
             return float("nan")
-        return float(np.mean(np.maximum(late[group].max(axis=0) - late[compared & ~group].max(axis=0), 0.0)))
+        waited = np.maximum(late[group].max(axis=0) - late[compared & ~group].max(axis=0), 0.0)
+        return float(waited @ self.ahead_steps / self.ahead_steps.sum() / STEP_SPAN)
 
 
 STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
 LATE_MARGIN = 0.05  # later than the other ranks by this share of a step: that step, the rank was late
 
 
-def _late_per_step(enter: np.ndarray, step_s: float, held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _late_per_step(enter: np.ndarray, step_s: float,
+                   held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per rank (row): how late it arrives per step, the median over stretches of one step (STEP_SPAN) of its
     largest lateness among the instances (columns) that start there; and the share of those stretches in
     which it arrived later than the median of the other ranks by LATE_MARGIN of a step. A straggler is late
@@ -131,8 +138,7 @@ def _late_per_step(enter: np.ndarray, step_s: float, held: np.ndarray) -> tuple[
     quickest rank each rank stayed in a rooted collective (a broadcast's root waits there for the last
     receiver, the straggler), and that much of its lateness at the instances within a step after it is
     forgiven (cnn-3: the root, held 30-47 ms a step, then arrived 35 ms late at the all-reduces, as late
-    as the straggler that held it, in 74% of the steps). Third: the lateness of back-to-back steps, each
-    counted once however many collectives it holds (Alignment.step_late_s)."""
+    as the straggler that held it, in 74% of the steps). Last, _ahead's pieces (Alignment.waited_for)."""
     order = np.argsort(enter.min(axis=0), kind="stable")  # instances by time (completion order may differ)
     enter, held = enter[:, order], held[:, order]
     first = enter.min(axis=0)
@@ -146,17 +152,22 @@ def _late_per_step(enter: np.ndarray, step_s: float, held: np.ndarray) -> tuple[
     else:  # a small job: each rank against the others only (of two ranks, the median of both halves it)
         others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in range(n)])
     return (np.median(stretches, axis=1), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1),
-            stretches[:, _disjoint(starts, ends)])
+            *_ahead(late, first, step_s))
 
 
-def _disjoint(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Of the stretches (one starting at each instance in `starts`, ending before `ends` of it), positions of
-    back-to-back ones: each step counted once, however many collectives it holds."""
-    chosen, j = [], 0
-    while j < starts.size:
-        chosen.append(j)
-        j = int(np.searchsorted(starts, max(ends[starts[j]], starts[j] + 1)))
-    return np.array(chosen, dtype=np.intp)
+def _ahead(late: np.ndarray, first: np.ndarray, step_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """The window's time (from a step before the first instance to the last) cut where the instances
+    within STEP_SPAN ahead change: per piece, each rank's largest lateness among them (ranks x pieces, 0
+    where none) and its length in steps."""
+    span = STEP_SPAN * step_s
+    cuts = np.unique(np.concatenate([first, first - span]))
+    mid = (cuts[:-1] + cuts[1:]) / 2  # the same instances lie ahead anywhere in a piece: asked in its middle
+    lo = np.searchsorted(first, mid, side="left")
+    hi = np.searchsorted(first, mid + span, side="left")
+    late = late.astype(np.float32)  # microseconds kept; 100,000 ranks x ~130 pieces: 52 MB, not 104
+    none = np.zeros(late.shape[0], np.float32)
+    pieces = np.stack([late[:, a:b].max(axis=1) if b > a else none for a, b in zip(lo, hi)], axis=1)
+    return pieces, np.diff(cuts) / step_s
 
 
 def _carried(held: np.ndarray, first: np.ndarray, step_s: float) -> np.ndarray:
@@ -280,13 +291,13 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     stay = r_done - r_enter
     held = np.concatenate([np.zeros_like(Ek), stay - stay.min(axis=0) if stay.size else stay], axis=1)
     arrivals = np.concatenate([Ek, r_enter], axis=1)
-    out.arrival_late_s[compared], out.late_share[compared], steps = _late_per_step(arrivals, step_s, held)
-    step_late = np.full((n, steps.shape[1]), np.nan)
-    step_late[compared] = steps
+    out.arrival_late_s[compared], out.late_share[compared], pieces, lengths = _late_per_step(arrivals, step_s, held)
+    ahead = np.full((n, pieces.shape[1]), np.nan, np.float32)
+    ahead[compared] = pieces
     out.finish_late_s[compared] = np.median(Dk - Dk.min(axis=0), axis=1)
     out.transfer_s[compared] = np.median(Dk - Ek.max(axis=0), axis=1)
     out.bytes[compared] = np.median(Bk, axis=1)
     names = {i: name for name, i in op_ids.items()}
     top_op = Counter(ref_op[kept].tolist()).most_common(1)[0][0]
     return Alignment(out.arrival_late_s, out.finish_late_s, out.transfer_s, out.bytes,
-                     int(np.count_nonzero(kept)), names[top_op], out.late_share, step_late)
+                     int(np.count_nonzero(kept)), names[top_op], out.late_share, ahead, lengths)
