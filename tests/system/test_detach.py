@@ -1,6 +1,8 @@
 """Detaching: a Session's close() removes every uprobe it attached to a rank, whether the uprobes are
 uprobe_multi links (agent/loader/uprobe_links.py) or, on kernels without them, perf events; the rank runs on."""
 import glob
+from collections.abc import Iterator
+from contextlib import nullcontext
 
 import pytest
 from conftest import wait_until
@@ -38,12 +40,11 @@ def _switches(pid: int) -> int:
 
 
 @pytest.fixture(params=["links", "perf events"])
-def links(request, monkeypatch, tmp_path) -> bool:
+def links(request, monkeypatch, tmp_path) -> Iterator[bool]:
     """Which mechanism to attach with; the stand-ins in a private folder, so no other tracer probes them."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    if request.param == "perf events":
-        monkeypatch.setattr(uprobe_links, "_links", False)  # as on a kernel before 6.6
-    return request.param == "links"
+    with uprobe_links.perf_events_only() if request.param == "perf events" else nullcontext():
+        yield request.param == "links"
 
 
 def test_close_removes_every_probe_and_the_rank_runs_on(sim_job, links):

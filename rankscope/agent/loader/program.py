@@ -235,7 +235,7 @@ class ProbeProgram:
         self._remove_libraries([key for key, lib in self.libraries.items() if not lib.users])
 
     def _remove_libraries(self, keys: list[tuple[int, int]]) -> None:
-        """Removes the probes of libraries `keys`, all at once: their removals overlap (~0.1 s in all)."""
+        """Removes the probes of libraries `keys`, all at once: their removals overlap."""
         libs = [self.libraries.pop(key) for key in keys]
         uprobe_links.detach([p for lib in libs for p in lib.attached + lib.hot_attached])
 

@@ -19,7 +19,9 @@ import errno
 import itertools
 import logging
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -63,6 +65,18 @@ class Uprobes:
 def using_links() -> bool | None:
     """Whether this process's uprobes are links (False: perf events; None: none attached yet)."""
     return _links
+
+
+@contextmanager
+def perf_events_only() -> Iterator[None]:
+    """Programs loaded and uprobes attached meanwhile are perf events, as on a kernel without links (tests and
+    benchmarks compare the two)."""
+    global _links
+    decided, _links = _links, False
+    try:
+        yield
+    finally:
+        _links = decided
 
 
 def attach(bpf: Any, fn_name: str, path: str, offsets: list[int], *, returns: bool = False, pid: int | None = None,
