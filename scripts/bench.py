@@ -12,6 +12,8 @@ and without the agent, A B B A ..., summarized by the median over pairs so that 
   sched     a context-switch storm (two processes pinned to one CPU ping-ponging over pipes): ns added per
             switch by the agent's scheduler tracepoints, storm not watched and watched
   agent     the agent's own CPU share of one core and peak RSS while watching 8 ranks
+  detach    seconds a session's close() takes on one rank in deep detail, uprobes as uprobe_multi links against
+            perf events (the older kernels' way), alternating in one run
   payload   msgpack bytes per rank per window of real patterns of the simulated job
   latency   seconds from a fault's onset (slow-gpu:1:2@3) to the first /v1/diagnosis naming rank 1
   analyzer  diagnose() time and peak memory for 1,000 / 10,000 / 100,000 synthetic ranks on one core
@@ -42,11 +44,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import agent, analyzer, job, latency, launch, payload, sched, torch_job
+from benchmarks import agent, analyzer, detach, job, latency, launch, payload, sched, torch_job
 from benchmarks.harness import Context, Row, log, machine, table
 
 BENCHES: dict[str, Callable[[Context], tuple[list[Row], dict]]] = {
-    "job": job.run, "launch": launch.run, "sched": sched.run, "agent": agent.run,
+    "job": job.run, "launch": launch.run, "sched": sched.run, "agent": agent.run, "detach": detach.run,
     "payload": payload.run, "latency": latency.run, "analyzer": analyzer.run,
 }
 if torch_job.TORCH_SCRIPT.exists():  # the real job (1a), once tests/torch_ddp_train.py exists

@@ -61,6 +61,18 @@ def loaded_offset(elf: ELFFile, vaddr: int, size: int = 1) -> int | None:
     return None
 
 
+def file_offset(path: str, vaddr: int) -> int:
+    """The file offset of link-time address `vaddr` of `path` (what uprobes and their counters take)."""
+    try:
+        with open(path, "rb") as f:
+            offset = loaded_offset(ELFFile(f), vaddr)
+    except (OSError, ELFError) as e:
+        raise SymbolError(f"cannot read {path}: {e}") from e
+    if offset is None:
+        raise SymbolError(f"{path}: address {vaddr:#x} is in no loaded part of the file")
+    return offset
+
+
 @dataclass(frozen=True)
 class SdtProbe:
     """A USDT (SystemTap SDT) probe site: where to put a uprobe, and the semaphore that arms the site."""

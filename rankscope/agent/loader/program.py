@@ -2,10 +2,10 @@
 
 Uprobes live on a file (inode), not a process: the program attaches each probed library once, whatever
 number of ranks map it, and every handler first checks the `watched` map, so only watched processes are
-accounted. Attaching is cheap; removing a uprobe costs the kernel an RCU grace period (~0.1 s here) per
-probe, which is why probes are not multiplied by the number of ranks. Probes created through
-perf_event_open vanish with the agent's file descriptors, so even a SIGKILLed agent leaves nothing
-behind in the traced job.
+accounted. Attaching is cheap; removing a uprobe costs the kernel a grace period (~0.1 s here), which is
+why probes are not multiplied by the number of ranks, and why they are links removed all at once
+(loader/uprobe_links.py). The probes vanish with the agent's file descriptors, so even a SIGKILLed agent
+leaves nothing behind in the traced job.
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rankscope import bpf as bpf_sources
-from rankscope.agent.host.symbols import SymbolError, functions
+from rankscope.agent.host.symbols import SymbolError, file_offset, functions
 from rankscope.agent.host.targets import Target
+from rankscope.agent.loader import uprobe_links
 from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.loader.uprobe_links import Uprobes
 from rankscope.agent.sources.probes import KINDS, KindUnavailable, Probe, ProbeKind
 
 log = logging.getLogger(__name__)
@@ -47,9 +49,9 @@ class LibraryProbes:
     path: str  # as first reached, through /proc/PID/root
     probes: list[str] = field(default_factory=list)  # probe names attached
     skipped: list[str] = field(default_factory=list)  # probe names whose function this version does not export
-    events: list[bytes] = field(default_factory=list)  # bcc's uprobe event names, to detach without the file
-    hot: list[tuple[Probe, str]] = field(default_factory=list)  # hot probes (and their symbol), deep detail only
-    hot_events: list[bytes] = field(default_factory=list)  # of the hot probes, while attached
+    attached: list[Uprobes] = field(default_factory=list)  # the probes' entry and return programs
+    hot: list[tuple[Probe, int]] = field(default_factory=list)  # hot probes (and their file offset), deep detail only
+    hot_attached: list[Uprobes] = field(default_factory=list)  # of the hot probes, while attached
     users: set[int] = field(default_factory=set)
 
 
@@ -156,7 +158,7 @@ class ProbeProgram:
                 try:
                     self._attach_library(bpf, kind, lib)
                 except ProbeError:
-                    self._remove_library(key)
+                    self._remove_libraries([key])
                     raise
             lib.users.add(target.pid)
             used.append(lib)
@@ -178,14 +180,14 @@ class ProbeProgram:
                 continue
             seen_addrs.add(addr)
             lib.probes.append(probe.name)
-            if probe.hot:
-                lib.hot.append((probe, symbol))
-                continue
-            before = set(bpf.uprobe_fds)
             try:
-                self._attach_one(bpf, lib.path, probe, symbol)
-            finally:  # record what did attach, so a failure half-way still detaches it
-                lib.events += [ev for ev in bpf.uprobe_fds if ev not in before]
+                offset = file_offset(lib.path, addr)
+            except SymbolError as e:
+                raise ProbeError(str(e)) from e
+            if probe.hot:
+                lib.hot.append((probe, offset))
+            else:
+                self._attach_one(bpf, lib.path, probe, offset, lib.attached)
         if self.hot:
             self._attach_hot(bpf, lib)
 
@@ -195,32 +197,31 @@ class ProbeProgram:
             self.hot = on
             return
         self.hot = on
+        if not on:
+            uprobe_links.detach([p for lib in self.libraries.values() for p in lib.hot_attached])
         for lib in self.libraries.values():
-            if on:
-                try:
-                    self._attach_hot(self._bpf, lib)
-                except ProbeError as e:  # the library's other probes go on
-                    log.warning("%s", e)
-            else:
-                self._detach_events(lib.hot_events)
-                lib.hot_events = []
+            if not on:
+                lib.hot_attached = []
+                continue
+            try:
+                self._attach_hot(self._bpf, lib)
+            except ProbeError as e:  # the library's other probes go on
+                log.warning("%s", e)
 
     def _attach_hot(self, bpf, lib: LibraryProbes) -> None:
-        for probe, symbol in lib.hot:
-            before = set(bpf.uprobe_fds)
-            try:
-                self._attach_one(bpf, lib.path, probe, symbol)
-            finally:
-                lib.hot_events += [ev for ev in bpf.uprobe_fds if ev not in before]
+        for probe, offset in lib.hot:
+            self._attach_one(bpf, lib.path, probe, offset, lib.hot_attached)
 
     @staticmethod
-    def _attach_one(bpf, path: str, probe: Probe, symbol: str) -> None:
+    def _attach_one(bpf, path: str, probe: Probe, offset: int, into: list[Uprobes]) -> None:
+        """Attaches the probe's entry (and return) program at `offset` of `path`, each appended to `into` as
+        it attaches, so a failure half-way still detaches what did."""
         try:
-            bpf.attach_uprobe(name=path, sym=symbol, fn_name=f"enter_{probe.name}")
+            into.append(uprobe_links.attach(bpf, f"enter_{probe.name}", path, [offset]))
             if probe.returns:
-                bpf.attach_uretprobe(name=path, sym=symbol, fn_name=f"return_{probe.name}")
-        except Exception as e:
-            raise ProbeError(f"cannot attach to {symbol} in {path}: {e}") from e
+                into.append(uprobe_links.attach(bpf, f"return_{probe.name}", path, [offset], returns=True))
+        except uprobe_links.UprobeError as e:
+            raise ProbeError(str(e)) from e
 
     def detach(self, pid: int) -> None:
         """Stop accounting `pid` (alive or not); a library's probes go with its last watched user.
@@ -229,21 +230,14 @@ class ProbeProgram:
             return
         self.watched.discard(pid)
         self._bpf[WATCHED].pop(ctypes.c_uint32(pid), None)
-        for key, lib in list(self.libraries.items()):
+        for lib in self.libraries.values():
             lib.users.discard(pid)
-            if not lib.users:
-                self._remove_library(key)
+        self._remove_libraries([key for key, lib in self.libraries.items() if not lib.users])
 
-    def _remove_library(self, key: tuple[int, int]) -> None:
-        lib = self.libraries.pop(key)
-        self._detach_events(lib.events + lib.hot_events)
-
-    def _detach_events(self, events: list[bytes]) -> None:
-        for ev in events:
-            try:
-                self._bpf.detach_uprobe_event(ev)
-            except Exception as e:  # bcc raises bare Exception; never let one probe stop the rest
-                log.warning("detaching %s: %s", ev.decode(errors="replace"), e)
+    def _remove_libraries(self, keys: list[tuple[int, int]]) -> None:
+        """Removes the probes of libraries `keys`, all at once: their removals overlap."""
+        libs = [self.libraries.pop(key) for key in keys]
+        uprobe_links.detach([p for lib in libs for p in lib.attached + lib.hot_attached])
 
     def purge(self, pid: int) -> None:
         """Drop a forgotten process's entries from every per-process map (after its last read)."""
@@ -261,7 +255,6 @@ class ProbeProgram:
         for pid in list(self.watched):
             self._bpf[WATCHED].pop(ctypes.c_uint32(pid), None)
         self.watched.clear()
-        for key in list(self.libraries):
-            self._remove_library(key)
+        self._remove_libraries(list(self.libraries))
         self._bpf.cleanup()
         self._bpf = None

@@ -34,14 +34,15 @@ from dataclasses import dataclass, field
 
 from rankscope import bpf as bpf_sources
 from rankscope.agent.detail import Detail
-from rankscope.agent.host.symbols import SymbolError, exported_functions, functions, sdt_probes
+from rankscope.agent.host.symbols import SymbolError, exported_functions, file_offset, functions, sdt_probes
 from rankscope.agent.host.targets import Target
 from rankscope.agent.interpreters import SPECIAL_FRAMES, Frame
 from rankscope.agent.interpreters.cpython.code import CodeResolver
 from rankscope.agent.interpreters.cpython.errors import PythonAttachError
 from rankscope.agent.interpreters.cpython.process import Interpreter
-from rankscope.agent.loader import histograms, usdt
+from rankscope.agent.loader import histograms, uprobe_links, usdt
 from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.loader.uprobe_links import UprobeError, Uprobes
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.python_profile import function_name
 from rankscope.agent.sources.python_sampler import PythonSampler
@@ -130,9 +131,9 @@ class _Watched:
     interp: Interpreter
     resolver: CodeResolver
     peers: str  # the group timed all together or not at all (its job)
-    events: list[bytes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
+    eval_probes: list[Uprobes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
     too_hot: bool = False  # it or a peer entered eval too often to be timed: never probed again
-    gc_probes: list[usdt.GuardedProbe] = field(default_factory=list)  # the GC's USDT sites, where used
+    gc_probes: list[Uprobes] = field(default_factory=list)  # the GC's USDT sites, where used
     seen: Deltas[int] = field(default_factory=Deltas)  # code -> (count, total_ns, hist) at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
     gc: Deltas[None] = field(default_factory=Deltas)  # one key: the process's collections
@@ -193,14 +194,13 @@ class PythonTimer:
         functions are timed) or not (off; named functions keep it on)."""
         self.functions = on or bool(self.selection.traced)
         for w in self._watched.values():
-            if self.functions and not w.events:
+            if self.functions and not w.eval_probes:
                 try:
                     self._probe_eval(w)
                 except TimerError as e:
                     log.warning("%s", e)
-            elif not self.functions and w.events:
-                self._unprobe(w.events)
-                w.events = []
+            elif not self.functions and w.eval_probes:
+                w.eval_probes = uprobe_links.detach(w.eval_probes)
 
     @staticmethod
     def _path(w: _Watched) -> str:
@@ -216,8 +216,10 @@ class PythonTimer:
                              "forward and __next__ are timed there only with --trace-function")
         path = self._path(w)
         try:
-            if EVAL not in exported_functions(path):
+            address = exported_functions(path).get(EVAL)
+            if address is None:
                 raise TimerError(f"pid {pid}: {interp.elf_path} does not export {EVAL}")
+            offsets = [file_offset(path, address)]
         except SymbolError as e:
             raise TimerError(f"pid {pid}: {e}") from e
         bpf = self.bpf  # compiled on first use: light mode on interpreters with gc_collect_main needs none
@@ -227,14 +229,12 @@ class PythonTimer:
         conf.unicode_length, conf.unicode_ascii_size = lay.unicode_length, lay.unicode_ascii_size
         conf.code_tag_mask = lay.code_tag_mask
         bpf["pyx_targets"][ctypes.c_uint32(pid)] = conf
-        before = set(bpf.uprobe_fds)
         try:
-            bpf.attach_uprobe(name=path, sym=EVAL, fn_name=b"pyx_enter", pid=pid)
-            bpf.attach_uretprobe(name=path, sym=EVAL, fn_name=b"pyx_return", pid=pid)
-        except Exception as e:  # bcc raises bare Exception
-            self._unprobe([ev for ev in bpf.uprobe_fds if ev not in before])
+            for fn, returns in (("pyx_enter", False), ("pyx_return", True)):
+                w.eval_probes.append(uprobe_links.attach(bpf, fn, path, offsets, returns=returns, pid=pid))
+        except UprobeError as e:
+            w.eval_probes = uprobe_links.detach(w.eval_probes)
             raise TimerError(f"pid {pid}: cannot probe {EVAL} in {interp.elf_path}: {e}") from e
-        w.events = [ev for ev in bpf.uprobe_fds if ev not in before]
         w.entries, w.read_at = 0, time.monotonic()  # its rate counts from now: the compile above took seconds
         log.info("timing forward, loader __next__%s in pid %d", "".join(
             f", {t.module}:{t.qualname}" for t in self.selection.traced), pid)
@@ -256,13 +256,10 @@ class PythonTimer:
             return
         pid = w.interp.pid
         try:
-            from bcc import BPF
             for site, fn in ((start, "pyx_gc_enter"), (done, "pyx_gc_return")):
-                prog = self.bpf.load_func(fn.encode(), BPF.KPROBE)
-                w.gc_probes.append(usdt.attach(prog.fd, path, site.address, site.semaphore, pid,
-                                               f"rankscope_gc_{pid}_{site.address:x}"))
-        except Exception as e:  # bcc raises bare Exception; usdt.UsdtError
-            w.gc_probes = usdt.closed(w.gc_probes)
+                w.gc_probes.append(usdt.attach(self.bpf, fn, path, site.address, site.semaphore, pid))
+        except usdt.UsdtError as e:
+            w.gc_probes = uprobe_links.detach(w.gc_probes)
             raise TimerError(f"cannot probe the GC's USDT sites in {path}: {e}") from e
 
     def detach(self, pid: int) -> None:
@@ -270,25 +267,17 @@ class PythonTimer:
         w = self._watched.pop(pid, None)
         if w is None:
             return
-        w.gc_probes = usdt.closed(w.gc_probes)
+        uprobe_links.detach(w.gc_probes + w.eval_probes)
         w.resolver.close()
         bpf = self._bpf
         if bpf is None:  # never probed anything
             return
-        self._unprobe(w.events)
         bpf["pyx_targets"].pop(ctypes.c_uint32(pid), None)
         bpf["pyx_gc"].pop(ctypes.c_uint32(pid), None)
         for name in ("pyx_stats", "pyx_verdict"):
             table = bpf[name]
             for key in [k for k in table.keys() if k.pid == pid]:
                 table.pop(key, None)
-
-    def _unprobe(self, events: list[bytes]) -> None:
-        for ev in events:
-            try:
-                self._bpf.detach_uprobe_event(ev)
-            except Exception as e:  # never let one probe stop the rest
-                log.warning("detaching %s: %s", ev.decode(errors="replace"), e)
 
     def read(self) -> dict[int, list[PyTimed]]:
         """Per watched pid, the timed functions' calls completed since the previous read, most time first."""
@@ -332,15 +321,14 @@ class PythonTimer:
                 continue
             rate = (entries - w.entries) / max(now - w.read_at, 1e-3)
             w.entries, w.read_at = entries, now
-            if rate > MAX_ENTRIES_PER_S and w.events:
+            if rate > MAX_ENTRIES_PER_S and w.eval_probes:
                 log.warning("pid %d enters the Python eval loop %.0f times a second: exact timing stopped for "
                             "it and its peers in %s (it would cost ~%.0f%% of a core)", pid, rate, w.peers,
                             rate * 1.3e-4)
                 hot.add(w.peers)
         for w in self._watched.values():
             if w.peers in hot:
-                self._unprobe(w.events)
-                w.events = []
+                w.eval_probes = uprobe_links.detach(w.eval_probes)
                 w.too_hot = True
 
     def read_gc(self) -> dict[int, FunctionStats]:
@@ -369,8 +357,11 @@ class PythonTimer:
         return {name: sum(table[ctypes.c_int(i)]) for i, name in enumerate(COUNTER_NAMES)}
 
     def close(self) -> None:
-        for pid in list(self._watched):
-            self.detach(pid)
+        # Every process's probes at once: their removals overlap (see loader/uprobe_links.py).
+        uprobe_links.detach([p for w in self._watched.values() for p in w.gc_probes + w.eval_probes])
+        for w in self._watched.values():
+            w.resolver.close()
+        self._watched.clear()
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None

@@ -23,10 +23,11 @@ from rankscope import bpf as bpf_sources
 from rankscope.agent.host import procfs
 from rankscope.agent.host.symbols import SymbolError, sdt_probes
 from rankscope.agent.host.targets import TargetError, mapped_libraries
-from rankscope.agent.loader import usdt
+from rankscope.agent.loader import uprobe_links, usdt
 from rankscope.agent.loader.bcc import compile_bpf
 from rankscope.agent.loader.histograms import percentile_s
 from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.loader.uprobe_links import Uprobes
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.nccl_profiler import COLL_PROBE, LINK_PROBE, CollTotals, LinkTotals
 from rankscope.schema.patterns import KERNEL_NAME_CHARS, TOP_KERNELS, GpuActivity, GpuKernel
@@ -126,7 +127,7 @@ class CuptiReader:
 
     def __init__(self, pid: int):
         try:
-            from bcc import BPF, USDT
+            from bcc import USDT
         except ImportError as e:
             raise ProbeError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
         path = shim_path(pid)
@@ -135,14 +136,13 @@ class CuptiReader:
         self.pid = pid
         self._names: dict[int, str] = {0: ""}
         self._raw: list[RawActivity] = []
-        self._probes: list[usdt.GuardedProbe] = []
-        self._launch_probes: list[usdt.GuardedProbe] = []
+        self._probes: list[Uprobes] = []
+        self._launch_probes: list[Uprobes] = []
         self._semaphores = {probe: semaphore_address(path, probe) for probe in PROBE_FUNCTIONS}  # 0: absent
         probes = {probe: fn for probe, fn in PROBE_FUNCTIONS.items() if self._semaphores[probe]}
         try:
             readers, self._sites = _probe_sites(USDT, pid, probes)
             self._bpf = compile_bpf(readers + bpf_sources.text(*BPF_SOURCES), [])
-            self._fns = {fn: self._bpf.load_func(fn, BPF.KPROBE) for fn in probes.values()}
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
         try:  # NCCL's plugin, like the shim, hands over nothing until its probes' semaphores are up
@@ -154,16 +154,15 @@ class CuptiReader:
             raise
         self._bpf["raw_activity"].open_ring_buffer(self._on_raw)
 
-    def _attach(self, probe: str) -> list[usdt.GuardedProbe]:
+    def _attach(self, probe: str) -> list[Uprobes]:
         """Attaches the probe's function at each of its sites, the kernel raising its semaphore; all or none."""
         fn = PROBE_FUNCTIONS[probe]
-        attached: list[usdt.GuardedProbe] = []
+        attached: list[Uprobes] = []
         for binpath, addr in self._sites[fn]:
             try:
-                attached.append(usdt.attach(self._fns[fn].fd, binpath.decode(), addr, self._semaphores[probe],
-                                            self.pid, f"rankscope_cupti_{self.pid}_{addr:x}"))
+                attached.append(usdt.attach(self._bpf, fn, binpath.decode(), addr, self._semaphores[probe], self.pid))
             except usdt.UsdtError as e:
-                usdt.closed(attached)
+                uprobe_links.detach(attached)
                 raise ProbeError(f"cannot attach to the CUPTI shim of pid {self.pid}: {e}") from e
         return attached
 
@@ -178,7 +177,7 @@ class CuptiReader:
         if on and not self._launch_probes and self._semaphores[LAUNCH_PROBE]:
             self._launch_probes = self._attach(LAUNCH_PROBE)
         elif not on:
-            self._launch_probes = usdt.closed(self._launch_probes)
+            self._launch_probes = uprobe_links.detach(self._launch_probes)
         self._bpf["join_on"][ctypes.c_int(0)] = ctypes.c_uint32(int(self.launches_on))
 
     def set_raw(self, on: bool) -> None:
@@ -236,9 +235,8 @@ class CuptiReader:
         return self._names[pointer]
 
     def close(self) -> None:
-        """Detach: closing the probes' perf events lowers the process's semaphores (the kernel does it)."""
-        self._launch_probes = usdt.closed(self._launch_probes)
-        self._probes = usdt.closed(self._probes)
+        """Detach: removing the probes lowers the process's semaphores (the kernel does it)."""
+        self._launch_probes = self._probes = uprobe_links.detach(self._launch_probes + self._probes)
         self._bpf.cleanup()
 
 
