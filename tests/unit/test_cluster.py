@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import pytest
 from aiohttp import web
@@ -68,10 +68,13 @@ async def cluster(urls: list[str], token: str | None = TOKEN, timeout_s: float =
         await c.close()
 
 
-def _free_url() -> str:
-    with socket.socket() as s:  # a port just freed: nothing listens there, connections are refused
+@contextmanager
+def _dead_url() -> Iterator[str]:
+    """A port bound but not listening, for the test's duration: connections are refused, and no server the
+    test starts meanwhile can be given it (a port merely freed was, once: the "dead" agent answered)."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def _one_agent(app: web.Application, **kw):
@@ -88,16 +91,15 @@ def _lost(doc: dict) -> list[dict]:
 
 
 def test_one_diagnosis_over_all_nodes_and_a_down_agent_is_reported():
-    dead = _free_url()
-
-    async def go():
+    async def go(dead: str):
         async with agents(JOB) as servers, cluster([_url(s) for s in servers.values()] + [dead]) as c:
             first = await c.window()
             assert first.diagnoses["job-a"]["findings"] == []  # one window: unconfirmed (hysteresis)
             assert first.diagnoses["job-a"]["unconfirmed"][0]["ranks"] == [SLOW]
             return await c.window(), [_url(s) for s in servers.values()]
 
-    snap, up = asyncio.run(go())
+    with _dead_url() as dead:
+        snap, up = asyncio.run(go(dead))
     assert list(snap.diagnoses) == ["job-a"]
     doc = snap.diagnoses["job-a"]
     assert sorted(r["rank"] for r in doc["ranks"]) == list(range(N))
@@ -215,9 +217,10 @@ def test_dns_names_expand_to_every_address():
 
 def test_cluster_api():
     async def go():
-        async with agents(JOB) as servers, cluster([_url(s) for s in servers.values()] + [_free_url()]) as c:
-            await c.window()  # a finding is reported once it held in two windows
-            snap = await c.window()
+        with _dead_url() as dead:
+            async with agents(JOB) as servers, cluster([_url(s) for s in servers.values()] + [dead]) as c:
+                await c.window()  # a finding is reported once it held in two windows
+                snap = await c.window()
         auth = {"Authorization": f"Bearer {TOKEN}"}
         async with TestClient(TestServer(make_cluster_app(lambda: snap, TOKEN))) as api:
             assert (await api.get("/healthz")).status == 200
