@@ -124,7 +124,7 @@ def test_chart_defaults_render_the_manifests():
     for key, doc in manifests.items():
         assert _without_helm_labels(rendered[key]) == doc, key
     token = base64.b64decode(rendered[("Secret", "rankscope-token")]["data"]["token"])
-    assert len(token) == 64 and token.isalnum()  # generated: the agents refuse to listen beyond loopback without
+    assert len(token) == 64 and token.isalnum()  # generated when none is given
     assert _render("--set", "token.value=s3cret")[("Secret", "rankscope-token")]["data"]["token"] == \
         base64.b64encode(b"s3cret").decode()
 
