@@ -1,8 +1,10 @@
 """deploy/: the Kubernetes manifests validate against the API schemas (offline, bundled with
-kubernetes-validate), say what the agent needs, and run commands our CLI accepts; the image recipe builds
-its environment with scripts/install itself."""
+kubernetes-validate), say what the agent needs, and run commands our CLI accepts; the Helm chart lints,
+renders those same manifests with its default values (so the two cannot drift) and its values reach the
+pods; the image recipe builds its environment with scripts/install itself."""
 from __future__ import annotations
 
+import base64
 import re
 import subprocess
 from pathlib import Path
@@ -16,6 +18,9 @@ from rankscope.agent.cli import build_parser
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
 K8S_VERSION = "1.30.0"  # the oldest release with appArmorProfile fields
+HELM = ROOT / ".tools" / "helm"  # scripts/install fetches it
+CHART = ROOT / "deploy" / "helm" / "rankscope"
+HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance")  # a release's own
 
 
 def _docs() -> dict[tuple[str, str], dict]:
@@ -37,6 +42,28 @@ def test_validator_catches_a_wrong_manifest():
     bad["spec"]["template"]["spec"]["hostPID"] = "yes"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def _helm(*args: str) -> subprocess.CompletedProcess:
+    assert HELM.exists(), "helm is missing: scripts/install fetches it into .tools/"
+    return subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=60)
+
+
+def _render(*values: str, release: str = "rankscope", namespace: str = "rankscope") -> dict[tuple[str, str], dict]:
+    out = _helm("template", release, str(CHART), "--namespace", namespace, *values)
+    assert out.returncode == 0, out.stderr
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out.stdout) if d}
+    for doc in docs.values():
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    return docs
+
+
+def _without_helm_labels(node):
+    if isinstance(node, dict):
+        return {k: _without_helm_labels(v) for k, v in node.items() if k not in HELM_LABELS}
+    if isinstance(node, list):
+        return [_without_helm_labels(v) for v in node]
+    return node
 
 
 def _container(doc: dict) -> dict:
@@ -81,6 +108,57 @@ def test_analyzer_pulls_the_agents_through_the_headless_service():
     assert c["securityContext"]["runAsNonRoot"] and "privileged" not in c["securityContext"]
     analyzer_svc = docs[("Service", "rankscope-analyzer")]
     assert analyzer_svc["spec"]["ports"][0]["targetPort"] == "metrics"
+
+
+def test_chart_lints():
+    out = _helm("lint", "--strict", str(CHART))
+    assert out.returncode == 0, out.stdout + out.stderr
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert f'\nversion = "{chart["appVersion"]}"\n' in (ROOT / "pyproject.toml").read_text()  # the image's tag
+
+
+def test_chart_defaults_render_the_manifests():
+    rendered = _render()
+    manifests = {key: doc for key, doc in _docs().items() if key[0] != "Namespace"}  # helm's --create-namespace
+    assert set(rendered) == set(manifests) | {("Secret", "rankscope-token")}
+    for key, doc in manifests.items():
+        assert _without_helm_labels(rendered[key]) == doc, key
+    token = base64.b64decode(rendered[("Secret", "rankscope-token")]["data"]["token"])
+    assert len(token) == 64 and token.isalnum()  # generated when none is given
+    assert _render("--set", "token.value=s3cret")[("Secret", "rankscope-token")]["data"]["token"] == \
+        base64.b64encode(b"s3cret").decode()
+
+
+def test_chart_values_reach_the_pods():
+    docs = _render("--set", "agent.detail=deep", "--set-json", "agent.window=2.5", "--set", "agent.port=9500",
+                   "--set", "agent.listenAddress=[::]", "--set", "agent.privileged=true",
+                   "--set-json", 'agent.nodeSelector={"nvidia.com/gpu.present": "true"}',
+                   "--set-json", "agent.tolerations=[]", "--set-json", 'agent.resources={"limits": {"memory": "3Gi"}}',
+                   "--set", "image.repository=registry.local/rankscope", "--set", "image.tag=dev",
+                   "--set", "token.existingSecret=my-token", "--set", "analyzer.window=10",
+                   release="fleet", namespace="ml")
+    assert not [key for key in docs if key[0] == "Secret"]  # the user's own
+    ds = docs[("DaemonSet", "fleet-rankscope-agent")]
+    pod, c = ds["spec"]["template"]["spec"], _container(ds)
+    args = build_parser().parse_args(c["args"])
+    assert (args.detail, args.window, args.listen) == ("deep", 2.5, "[::]:9500")
+    assert c["ports"][0]["containerPort"] == 9500 and c["securityContext"]["privileged"] is True
+    assert c["image"] == "registry.local/rankscope:dev" and c["resources"]["limits"] == {"memory": "3Gi"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"} and "tolerations" not in pod
+    analyzer = docs[("Deployment", "fleet-rankscope-analyzer")]
+    cluster = build_parser().parse_args(_container(analyzer)["args"])
+    assert cluster.window == 10 and cluster.agents == "dns+http://fleet-rankscope-agent.ml.svc:9500"
+    assert docs[("Service", "fleet-rankscope-agent")]["spec"]["ports"][0]["port"] == 9500
+    for workload in (ds, analyzer):
+        volumes = workload["spec"]["template"]["spec"]["volumes"]
+        assert next(v for v in volumes if v["name"] == "token")["secret"]["secretName"] == "my-token"
+    assert set(_render("--set", "analyzer.enabled=false")) == {
+        ("DaemonSet", "rankscope-agent"), ("Service", "rankscope-agent"), ("Secret", "rankscope-token")}
+
+
+def test_chart_refuses_bad_values():
+    out = _helm("template", "rankscope", str(CHART), "--set", "agent.detail=verbose")
+    assert out.returncode != 0 and "agent/detail" in out.stderr
 
 
 def test_image_builds_with_the_install_script():
