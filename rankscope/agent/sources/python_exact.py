@@ -64,6 +64,13 @@ COUNTER_NAMES = ("too_deep", "unreadable_name")
 MAX_ENTRIES_PER_S = 20_000
 GC_START, GC_DONE = ("python", "gc__start"), ("python", "gc__done")  # USDT probes of CPython's GC
 GC_NAME = "gc__start"  # the GC's FunctionStats where it is timed through USDT (else libpython's gc_collect_main)
+# BPF maps read here (their C declarations: bpf/*.bpf.c).
+PYX_TARGETS = "pyx_targets"  # pid -> what to time in it, and the entries probed
+PYX_NAMES = "pyx_names"  # slot -> a function name to time
+PYX_STATS = "pyx_stats"  # (pid, code object) -> calls, time, histogram
+PYX_VERDICT = "pyx_verdict"  # (pid, code object) -> timed or not (LRU)
+PYX_GC = "pyx_gc"  # pid -> GC collections through USDT
+PYX_COUNTERS = "pyx_counters"  # per CPU: COUNTER_NAMES
 
 
 class TimerError(PythonAttachError):
@@ -161,7 +168,7 @@ class PythonTimer:
                 bpf = compile_bpf(bpf_sources.text("python_exact.bpf.c"), [])
             except Exception as e:  # bcc raises bare Exception for compile and load failures
                 raise TimerError(f"cannot build the Python timer (root, kernel headers?): {e}") from e
-            table = bpf["pyx_names"]
+            table = bpf[PYX_NAMES]
             for i, name in enumerate(self._names):
                 raw = name.encode()
                 leaf = table.Leaf()
@@ -224,11 +231,11 @@ class PythonTimer:
             raise TimerError(f"pid {pid}: {e}") from e
         bpf = self.bpf  # compiled on first use: light mode on interpreters with gc_collect_main needs none
         lay = interp.layout
-        conf = bpf["pyx_targets"].Leaf()
+        conf = bpf[PYX_TARGETS].Leaf()
         conf.frame_code, conf.code_name = lay.frame_code, lay.code_name
         conf.unicode_length, conf.unicode_ascii_size = lay.unicode_length, lay.unicode_ascii_size
         conf.code_tag_mask = lay.code_tag_mask
-        bpf["pyx_targets"][ctypes.c_uint32(pid)] = conf
+        bpf[PYX_TARGETS][ctypes.c_uint32(pid)] = conf
         try:
             for fn, returns in (("pyx_enter", False), ("pyx_return", True)):
                 w.eval_probes.append(uprobe_links.attach(bpf, fn, path, offsets, returns=returns, pid=pid))
@@ -272,8 +279,8 @@ class PythonTimer:
         bpf = self._bpf
         if bpf is None:  # never probed anything
             return
-        bpf["pyx_targets"].pop(ctypes.c_uint32(pid), None)
-        bpf["pyx_gc"].pop(ctypes.c_uint32(pid), None)
+        bpf[PYX_TARGETS].pop(ctypes.c_uint32(pid), None)
+        bpf[PYX_GC].pop(ctypes.c_uint32(pid), None)
         for name in ("pyx_stats", "pyx_verdict"):
             table = bpf[name]
             for key in [k for k in table.keys() if k.pid == pid]:
@@ -284,7 +291,7 @@ class PythonTimer:
         if self._bpf is None:
             return {}
         self._bound_cost()
-        stats, verdicts = self._bpf["pyx_stats"], self._bpf["pyx_verdict"]
+        stats, verdicts = self._bpf[PYX_STATS], self._bpf[PYX_VERDICT]
         per_pid: dict[int, dict[str, PyTimed]] = {}
         for key, val in stats.items():
             w = self._watched.get(key.pid)
@@ -311,7 +318,7 @@ class PythonTimer:
     def _bound_cost(self) -> None:
         """Stop probing the eval loop of processes that entered it too often since the previous read, and
         of their peers."""
-        targets = self._bpf["pyx_targets"]
+        targets = self._bpf[PYX_TARGETS]
         now = time.monotonic()
         hot = set()
         for pid, w in list(self._watched.items()):
@@ -336,7 +343,7 @@ class PythonTimer:
         if self._bpf is None:
             return {}
         out = {}
-        for key, val in self._bpf["pyx_gc"].items():
+        for key, val in self._bpf[PYX_GC].items():
             w = self._watched.get(key.value)
             if w is None:
                 continue
@@ -353,7 +360,7 @@ class PythonTimer:
         """Totals since load: timed calls nested too deep to be timed, code objects whose name was unreadable."""
         if self._bpf is None:
             return dict.fromkeys(COUNTER_NAMES, 0)
-        table = self._bpf["pyx_counters"]
+        table = self._bpf[PYX_COUNTERS]
         return {name: sum(table[ctypes.c_int(i)]) for i, name in enumerate(COUNTER_NAMES)}
 
     def close(self) -> None:

@@ -70,6 +70,11 @@ KIND_FRAMES, KIND_NO_TSTATE, KIND_NO_FRAME, KIND_UNREADABLE = 0, 1, 2, 3
 FLAG_TRUNCATED, FLAG_PARTIAL = 1, 2
 COUNTER_NAMES = ("samples", "dropped", "thread_search_exhausted", "sleeps", "off_cpu_dropped")
 FLUSH_BATCH = 12  # thread ids per py_flush run (PY_FLUSH_BATCH)
+# BPF maps read here (their C declarations: bpf/*.bpf.c).
+PY_WATCHED = "py_watched"  # pid -> the interpreter to walk (sampled while a key)
+PY_SLEEPING = "py_sleeping"  # tid -> the stack it went to sleep in, and when
+PY_CTL = "py_ctl"  # [0]: the generation of the stack maps the programs add to (user space reads the other)
+PY_COUNTERS = "py_counters"  # per CPU: COUNTER_NAMES
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ class PythonSampler:
         resolver = resolver or CodeResolver(interp)
         try:
             prog = self._program(interp.layout)
-            watched = prog.bpf["py_watched"]
+            watched = prog.bpf[PY_WATCHED]
             leaf = watched.Leaf()
             leaf.runtime, leaf.ns_dev, leaf.ns_ino = interp.runtime, interp.ns_dev, interp.ns_ino
             watched[ctypes.c_uint32(pid)] = leaf
@@ -156,10 +161,10 @@ class PythonSampler:
             return
         _, prog, resolver = entry
         prog.pids.discard(pid)
-        sleeping = prog.bpf["py_sleeping"]
+        sleeping = prog.bpf[PY_SLEEPING]
         try:
             _flush(prog.flush_fd, [tid for tid, owner in _sleeping(sleeping) if owner == pid])
-            prog.bpf["py_watched"].pop(ctypes.c_uint32(pid), None)
+            prog.bpf[PY_WATCHED].pop(ctypes.c_uint32(pid), None)
             # Its sleeps would not be counted any more (the wake-up checks py_watched); free their room now.
             for tid, owner in _sleeping(sleeping):
                 if owner == pid:
@@ -191,7 +196,7 @@ class PythonSampler:
 
         from bcc.libbcc import lib
 
-        table = prog.bpf["py_sleeping"]
+        table = prog.bpf[PY_SLEEPING]
         for tid in asleep:
             leaf = table.Leaf()
             leaf.ts = since
@@ -311,10 +316,10 @@ class PythonSampler:
         """Count the time so far of the threads still asleep, switch the programs to the other generation of
         counts, then empty the one they were adding to: (samples, off-CPU nanoseconds) per stack key."""
         try:
-            _flush(prog.flush_fd, [tid for tid, _ in _sleeping(prog.bpf["py_sleeping"])])
+            _flush(prog.flush_fd, [tid for tid, _ in _sleeping(prog.bpf[PY_SLEEPING])])
         except SamplerError as e:  # long sleeps then show when they end
             log.warning("%s", e)
-        ctl = prog.bpf["py_ctl"]
+        ctl = prog.bpf[PY_CTL]
         zero = ctypes.c_uint32(0)
         gen = ctl[zero].value & 1
         ctl[zero] = ctypes.c_uint32(gen ^ 1)
@@ -356,7 +361,7 @@ class PythonSampler:
         was full."""
         totals = dict.fromkeys(COUNTER_NAMES, 0)
         for prog in self._programs.values():
-            table = prog.bpf["py_counters"]
+            table = prog.bpf[PY_COUNTERS]
             for i, name in enumerate(COUNTER_NAMES):
                 totals[name] += sum(v for v in table[ctypes.c_int(i)])
         return totals

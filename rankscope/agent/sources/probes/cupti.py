@@ -48,6 +48,16 @@ KIND_KERNEL = 3
 KIND_CONCURRENT_KERNEL = 10
 KERNEL_KINDS = (KIND_KERNEL, KIND_CONCURRENT_KERNEL)
 MAX_NAME = 512  # bytes read of a kernel name (mangled C++ names can be long; patterns truncate further)
+# BPF maps read here (their C declarations: bpf/*.bpf.c).
+RAW_ACTIVITY = "raw_activity"  # ring buffer: every activity record, while raw_on (deep detail)
+RAW_ON = "raw_on"  # [0] = 1: stream raw records
+JOIN_ON = "join_on"  # [0] = 1: kernels are joined to their launches (the launch probe is attached)
+GPU_ACTIVITY = "gpu_activity"  # (pid, kind, name) -> count, GPU time, histogram
+GPU_BUSY = "gpu_busy"  # (pid, device) -> time any kernel ran
+LAUNCH_QUEUE = "launch_queue"  # pid -> launches joined to their kernels, total launch-to-start delay
+LAUNCH_QUEUE_HIST = "launch_queue_hist"  # (pid, log2 slot) -> launches
+NCCL_COLL_GPU = "nccl_coll_gpu"  # (pid, NCCL function name) -> GPU spans of its collectives
+NCCL_LINKS = "nccl_links"  # (pid, rank, comm, peer, send) -> steps, bytes, wire and peer-wait time
 
 
 @dataclass(frozen=True)
@@ -152,7 +162,7 @@ class CuptiReader:
         except ProbeError:
             self.close()
             raise
-        self._bpf["raw_activity"].open_ring_buffer(self._on_raw)
+        self._bpf[RAW_ACTIVITY].open_ring_buffer(self._on_raw)
 
     def _attach(self, probe: str) -> list[Uprobes]:
         """Attaches the probe's function at each of its sites, the kernel raising its semaphore; all or none."""
@@ -178,11 +188,11 @@ class CuptiReader:
             self._launch_probes = self._attach(LAUNCH_PROBE)
         elif not on:
             self._launch_probes = uprobe_links.detach(self._launch_probes)
-        self._bpf["join_on"][ctypes.c_int(0)] = ctypes.c_uint32(int(self.launches_on))
+        self._bpf[JOIN_ON][ctypes.c_int(0)] = ctypes.c_uint32(int(self.launches_on))
 
     def set_raw(self, on: bool) -> None:
         """Deep mode: also send every record to user space (collected by poll_raw)."""
-        table = self._bpf["raw_on"]
+        table = self._bpf[RAW_ON]
         table[ctypes.c_int(0)] = ctypes.c_uint32(int(on))
 
     def poll_raw(self, timeout_ms: int = 0) -> list[RawActivity]:
@@ -191,36 +201,36 @@ class CuptiReader:
         return out
 
     def _on_raw(self, _ctx, data, _size) -> None:
-        r = self._bpf["raw_activity"].event(data)
+        r = self._bpf[RAW_ACTIVITY].event(data)
         self._raw.append(RawActivity(r.pid, r.kind, r.start, r.end, r.device, r.stream, r.correlation,
                                      self.name(r.name), r.bytes))
 
     def activity(self) -> list[ActivityStats]:
         """Cumulative totals per record kind and kernel since attach."""
         return [ActivityStats(k.kind, self.name(k.name), v.count, v.total_ns, v.bytes, tuple(v.hist))
-                for k, v in self._bpf["gpu_activity"].items() if k.pid == self.pid]
+                for k, v in self._bpf[GPU_ACTIVITY].items() if k.pid == self.pid]
 
     def launches(self) -> LaunchStats:
         """Cumulative launches joined to their kernels since attach (counting while the probe was on)."""
-        v = self._bpf["launch_queue"].get(ctypes.c_uint32(self.pid))
+        v = self._bpf[LAUNCH_QUEUE].get(ctypes.c_uint32(self.pid))
         if v is None:
             return LaunchStats(0, 0, ())
-        slots = {k.slot: n.value for k, n in self._bpf["launch_queue_hist"].items() if k.pid == self.pid}
+        slots = {k.slot: n.value for k, n in self._bpf[LAUNCH_QUEUE_HIST].items() if k.pid == self.pid}
         return LaunchStats(v.joined, v.total_ns, tuple(slots.get(s, 0) for s in range(max(slots, default=-1) + 1)))
 
     def nccl_colls(self) -> list[CollTotals]:
         """Cumulative GPU-side spans of NCCL collectives per function since attach (NCCL profiler plugin)."""
         return [CollTotals(self.name(k.func), v.count, v.total_ns, tuple(v.hist))
-                for k, v in self._bpf["nccl_coll_gpu"].items() if k.pid == self.pid]
+                for k, v in self._bpf[NCCL_COLL_GPU].items() if k.pid == self.pid]
 
     def nccl_links(self) -> list[LinkTotals]:
         """Cumulative network steps per (communicator, peer, direction) since attach (NCCL profiler plugin)."""
         return [LinkTotals(k.comm, k.rank, k.peer, bool(k.send), v.steps, v.bytes, v.wire_ns, v.peer_wait_ns)
-                for k, v in self._bpf["nccl_links"].items() if k.pid == self.pid]
+                for k, v in self._bpf[NCCL_LINKS].items() if k.pid == self.pid]
 
     def busy_ns(self) -> dict[int, int]:
         """Cumulative GPU busy time per device (union of activity intervals) since attach."""
-        return {k.device: v.busy_ns for k, v in self._bpf["gpu_busy"].items() if k.pid == self.pid}
+        return {k.device: v.busy_ns for k, v in self._bpf[GPU_BUSY].items() if k.pid == self.pid}
 
     def name(self, pointer: int) -> str:
         """A kernel name from CUPTI's string in the process, read once per pointer (CUPTI keeps one string
