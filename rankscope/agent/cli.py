@@ -18,6 +18,7 @@ from rankscope.agent.service.http import ListenError
 from rankscope.agent.session import Session
 from rankscope.agent.sources.python_exact import TracedFunction
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
+from rankscope.analyzer.diagnosis import diagnose
 from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 
 
@@ -142,12 +143,18 @@ def cmd_trace(args: argparse.Namespace) -> int:
               f"for {args.duration:g} s", file=sys.stderr, flush=True)
         cap = capture(session.program, pids, args.duration)
         functions = chrome.functions_of(session.program)
-        for pattern in session.window():
-            doc = chrome.chrome_trace(chrome.RankInfo.of(pattern), cap, functions)
+        patterns = session.window()  # the capture's own window: each rank's step split beside its trace
+        rows = {r["pid"]: r for doc in diagnose(patterns, DEFAULT_HANG_TIMEOUT_S).values() for r in doc["ranks"]}
+        for pattern in patterns:
+            row = rows.get(pattern.pid)
+            doc = chrome.chrome_trace(chrome.RankInfo.of(pattern), cap, functions, row)
             path = os.path.join(args.output, chrome.file_name(pattern.rank))
             with open(path, "wb") as f:
                 f.write(chrome.encode(doc))
-            print(f"rankscope: rank {pattern.rank}: {len(doc['traceEvents'])} events -> {path}", file=sys.stderr)
+            split = (f"step {row['step_time_s'] * 1e3:.1f} ms, comm {row['comm_s'] / row['step_time_s']:.0%}; "
+                     if row and row.get("step_time_s") else "")
+            print(f"rankscope: rank {pattern.rank}: {split}{len(doc['traceEvents'])} events -> {path}",
+                  file=sys.stderr)
         if cap.lost:
             print(f"rankscope: {cap.lost} events lost (shown in the traces)", file=sys.stderr)
     finally:

@@ -19,6 +19,7 @@ import json
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -82,9 +83,11 @@ def _lanes(starts: np.ndarray, ends: np.ndarray) -> list[int]:
     return lanes
 
 
-def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function]) -> dict:
+def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function],
+                 summary: Mapping[str, Any] | None = None) -> dict:
     """The trace document of one rank. Events that began before the capture start at its start
-    (`args.clipped`)."""
+    (`args.clipped`). `summary`: the rank's row of the diagnosis over the capture's window (its step split),
+    kept in the `rankscope` metadata."""
     recs = cap.events.get(info.pid, np.zeros(0))
     pid = info.pid
 
@@ -147,7 +150,8 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
         "baseTimeNanoseconds": cap.start_ns + cap.mono_to_unix_ns,
         "rankscope": {"job": info.job, "rank": info.rank, "pid": pid, "host": info.host,
                       "seconds": round((cap.end_ns - cap.start_ns) / 1e9, 3),
-                      "dropped_events": cap.dropped, "truncated_events": cap.truncated, "max_events": MAX_EVENTS},
+                      "dropped_events": cap.dropped, "truncated_events": cap.truncated, "max_events": MAX_EVENTS,
+                      **({"summary": dict(summary)} if summary else {})},
         "traceEvents": meta + events,
     }
 
