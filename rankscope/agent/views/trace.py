@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.agent.loader.program import (TRACE_CALL, TRACE_COLLECTIVE, TRACE_INSTANT, TRACE_SCHED,
-                                            ProbeProgram)
+from rankscope.agent.loader.program import (TRACE_CALL, TRACE_COLLECTIVE, TRACE_INSTANT, TRACE_RECORD,
+                                            TRACE_SCHED, ProbeProgram)
 from rankscope.agent.trace_capture import MAX_EVENTS, Captured
 from rankscope.schema.patterns import RankPattern
 
@@ -88,7 +88,7 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
     """The trace document of one rank. Events that began before the capture start at its start
     (`args.clipped`). `summary`: the rank's row of the diagnosis over the capture's window (its step split),
     kept in the `rankscope` metadata."""
-    recs = cap.events.get(info.pid, np.zeros(0))
+    recs = cap.events.get(info.pid, np.zeros(0, TRACE_RECORD))
     pid = info.pid
 
     def ts(ns: int) -> float:
@@ -104,7 +104,7 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
     events: list[dict] = []
     threads: set[int] = set()
     for kind, tid, f, start, end, nbytes, seq in recs[["kind", "tid", "fn", "start_ns", "end_ns", "bytes",
-                                                       "seq"]].tolist() if len(recs) else []:
+                                                       "seq"]].tolist():
         if kind == TRACE_CALL:
             ev = {"ph": "X", "cat": fn(f).category, "name": fn(f).name, "pid": pid, "tid": tid, **span(start, end)}
             args = ev.setdefault("args", {})
@@ -119,8 +119,8 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
         elif kind == TRACE_SCHED and f < len(STATES):
             events.append({"ph": "X", "cat": "sched", "name": STATES[f], "pid": pid, "tid": SCHED_TID,
                            **span(start, end)})
-    coll = recs[recs["kind"] == TRACE_COLLECTIVE] if len(recs) else recs
-    lanes = _lanes(np.maximum(coll["start_ns"], cap.start_ns), coll["end_ns"]) if len(coll) else []
+    coll = recs[recs["kind"] == TRACE_COLLECTIVE]
+    lanes = _lanes(np.maximum(coll["start_ns"], cap.start_ns), coll["end_ns"])
     for (f, start, end, nbytes, seq), lane in zip(coll[["fn", "start_ns", "end_ns", "bytes", "seq"]].tolist(), lanes):
         ev = {"ph": "X", "cat": "kernel", "name": f"ncclKernel {fn(f).name}", "pid": pid,
               "tid": COLLECTIVE_TID + lane, **span(start, end)}
@@ -132,7 +132,7 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
         events.append({"ph": "i", "s": "p", "cat": "rankscope", "name": f"rankscope: {cap.lost} events lost",
                        "pid": pid, "tid": 0, "ts": ts(cap.end_ns),
                        "args": {"dropped": cap.dropped, "truncated": cap.truncated}})
-    backends = {fn(f).category for f in coll["fn"].tolist()} if len(coll) else set()
+    backends = {fn(f).category for f in coll["fn"].tolist()}
     names = cap.threads.get(pid, {})
     meta = [_meta("process_name", pid, 0, name=f"rank {info.rank}"),
             _meta("process_labels", pid, 0, labels=f"job {info.job}, pid {pid}, host {info.host}"),
