@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import run, wait_until
+from conftest import one_line_error, run, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
 import launch  # noqa: E402
@@ -159,3 +159,14 @@ def test_agent_serves_one_capture_at_a_time(job, agent):
     status, _, body = _get(f"{a.url}/v1/trace?seconds=1&rank=0")  # the first is over: a new one runs
     assert status == 200 and json.loads(body)["distributedInfo"]["rank"] == 0
     assert _get(f"{a.url}/v1/trace?seconds=600")[0] == 400
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--duration", "0"), "--duration must be positive and at most 60"),
+    (("--duration", "61"), "--duration must be positive and at most 60"),
+    (("-o", "/proc/no-such-dir"), "-o: cannot write to /proc/no-such-dir"),
+    ((), "no such process"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    error = one_line_error(run("trace", "--pid", "999999999", "-o", str(tmp_path / "t"), *args))
+    assert message in error, error
