@@ -1,4 +1,4 @@
-"""The `rankscope` command line (contract.md): diagnose, agent, cluster, sim, demo; profile and dump."""
+"""The `rankscope` command line (contract.md): diagnose, agent, cluster, sim, demo; profile, trace and dump."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,7 @@ from rankscope.agent.service.http import ListenError
 from rankscope.agent.session import Session
 from rankscope.agent.sources.python_exact import TracedFunction
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
+from rankscope.analyzer.diagnosis import diagnose
 from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 
 
@@ -117,6 +118,47 @@ def cmd_profile(args: argparse.Namespace) -> int:
     finally:
         if out is not sys.stdout.buffer:
             out.close()
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from rankscope.agent.observe import watch
+    from rankscope.agent.trace_capture import MAX_SECONDS, capture
+    from rankscope.agent.views import trace as chrome
+
+    if not 0 < args.duration <= MAX_SECONDS:
+        raise UsageError(f"--duration must be positive and at most {MAX_SECONDS:g} s")
+    pids = parse_pids(args.pid)
+    try:  # before attaching: a path that cannot be written fails before the job is touched
+        os.makedirs(args.output, exist_ok=True)
+        if not os.access(args.output, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise UsageError(f"-o: cannot write to {args.output}: {e.strerror}") from None
+    session = make_session(args, DEEP)  # one bounded look, asked for: kernel launches and forward timed too
+    try:
+        job = watch(session, pids)
+        session.window()  # the capture starts once every process is watched
+        print(f"rankscope: tracing {len(pids)} {'process' if len(pids) == 1 else 'processes'} of job {job} "
+              f"for {args.duration:g} s", file=sys.stderr, flush=True)
+        cap = capture(session.program, pids, args.duration)
+        functions = chrome.functions_of(session.program)
+        patterns = session.window()  # the capture's own window: each rank's step split beside its trace
+        rows = {r["pid"]: r for doc in diagnose(patterns, DEFAULT_HANG_TIMEOUT_S).values() for r in doc["ranks"]}
+        for pattern in patterns:
+            row = rows.get(pattern.pid)
+            doc = chrome.chrome_trace(chrome.RankInfo.of(pattern), cap, functions, row)
+            path = os.path.join(args.output, chrome.file_name(pattern.rank))
+            with open(path, "wb") as f:
+                f.write(chrome.encode(doc))
+            split = (f"step {row['step_time_s'] * 1e3:.1f} ms, comm {row['comm_s'] / row['step_time_s']:.0%}; "
+                     if row and row.get("step_time_s") else "")
+            print(f"rankscope: rank {pattern.rank}: {split}{len(doc['traceEvents'])} events -> {path}",
+                  file=sys.stderr)
+        if cap.lost:
+            print(f"rankscope: {cap.lost} events lost (shown in the traces)", file=sys.stderr)
+    finally:
+        session.close()
     return 0
 
 
@@ -239,6 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare RANK with the median of the other processes: what grew, per second of the window")
     p.add_argument("-o", "--output", metavar="PATH", help="write to PATH (default: stdout)")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("trace", help="record a timeline of each rank: Chrome trace JSON for Perfetto and HTA")
+    p.add_argument("--pid", required=True, help="comma-separated PIDs of the ranks on this machine")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds to record (default 5, at most 60)")
+    p.add_argument("-o", "--output", default="rankscope-trace", metavar="DIR",
+                   help="directory for the traces, rank<R>.trace.json each (default rankscope-trace)")
+    add_trace_function(p)
+    p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("dump", help="every thread's Python stack of running processes, now, without stopping them")
     p.add_argument("--pid", required=True, help="comma-separated PIDs (any CPython 3.10-3.14 processes)")

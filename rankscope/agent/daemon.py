@@ -14,6 +14,8 @@ from rankscope.agent.service.history import StepHistory
 from rankscope.agent.service.http import make_app, serve_windows
 from rankscope.agent.service.snapshot import AgentHealth, Snapshot, TargetView, targets_of
 from rankscope.agent.session import JOB_PATTERNS, Session
+from rankscope.agent.trace_capture import capture
+from rankscope.agent.views import trace as chrome
 from rankscope.agent.views.dump import dump, to_json
 from rankscope.agent.views.profile import window_profiles
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline
@@ -103,11 +105,25 @@ class Agent:
         groups, errors = dump([(t.pid, ranks.get(t.pid, t.identity.rank)) for t in list(self.session.targets.values())])
         return to_json(groups, errors)
 
+    def trace(self, seconds: float, job: str | None, rank: int | None) -> list[dict]:
+        """A trace capture of one job's ranks (GET /v1/trace): `job`'s, or the only job's; `rank`'s alone if
+        named. Ranks as the last window's patterns name them."""
+        running = [p for p in self.snapshot.patterns if p.state == "running" and p.pid in self.session.targets]
+        jobs = sorted({p.job for p in running})
+        if job is None and len(jobs) > 1:
+            raise ValueError(f"several jobs are watched, choose one with ?job=: {jobs[:64]}")
+        chosen = [p for p in running if (job is None or p.job == job) and (rank is None or p.rank == rank)]
+        if not chosen:
+            raise LookupError(f"no watched rank {rank} of job {job} in the last window; jobs: {jobs[:64]}")
+        cap = capture(self.session.program, [p.pid for p in chosen], seconds)
+        functions = chrome.functions_of(self.session.program)
+        return [chrome.chrome_trace(chrome.RankInfo.of(p), cap, functions) for p in chosen]
+
 
 async def serve(agent: Agent, host: str, port: int, window_s: float, token: str | None) -> None:
     loop = asyncio.get_running_loop()
     try:
-        await serve_windows(make_app(lambda: agent.snapshot, token, agent.stacks), host, port, window_s,
+        await serve_windows(make_app(lambda: agent.snapshot, token, agent.stacks, agent.trace), host, port, window_s,
                             lambda: loop.run_in_executor(None, agent.window), "agent",
                             first=lambda: loop.run_in_executor(None, agent.discover))
     finally:

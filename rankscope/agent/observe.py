@@ -12,6 +12,17 @@ from rankscope.analyzer.diagnosis import diagnose
 from rankscope.schema.wire import encode_patterns
 
 
+def watch(session: Session, pids: list[int]) -> str:
+    """Attach `session` to `pids`, the ranks of one job: that job's name (TargetError if they are of several)."""
+    for pid in pids:
+        session.add(pid)
+    jobs = {t.identity.job for t in session.targets.values()}
+    if len(jobs) > 1:
+        raise TargetError(f"the processes belong to different jobs ({', '.join(sorted(jobs))}): "
+                          "look at one job at a time")
+    return next(iter(jobs), "?")
+
+
 def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: float,
             watching: Callable[[str], None] = lambda _: None, save: BinaryIO | None = None) -> dict:
     """The diagnosis document of the job `pids` belong to, after `duration` seconds (Ctrl-C ends early).
@@ -20,18 +31,13 @@ def observe(session: Session, pids: list[int], duration: float, hang_timeout_s: 
 
     The caller closes the session, after showing the result: removing probes takes the kernel a while.
     """
-    for pid in pids:
-        session.add(pid)
-    jobs = {t.identity.job for t in session.targets.values()}
-    if len(jobs) > 1:
-        raise TargetError(f"the processes belong to different jobs ({', '.join(sorted(jobs))}): "
-                          "diagnose one job at a time")
+    job = watch(session, pids)
     # The window opens once every process is watched: attaching takes seconds (compiling probes), and a rank
     # watched longer than the others would be compared over a different, busier stretch (the agent compiling
     # beside it). A process that already exited stays in the result.
     gone = [p for p in session.window() if p.state == "exited"]
     watching(f"rankscope: watching {len(pids)} {'process' if len(pids) == 1 else 'processes'} of job "
-             f"{next(iter(jobs), '?')} for {duration:g} s")
+             f"{job} for {duration:g} s")
     try:
         time.sleep(duration)  # the observation window itself
     except KeyboardInterrupt:

@@ -1,6 +1,7 @@
 // Shared by every probe kind: which processes are watched, per-function time accounting, and the
 // collective bookkeeping that lets a later sync complete an asynchronous collective.
-// Everything is aggregated here in the kernel; user space reads the maps once a window.
+// Everything is aggregated here in the kernel; user space reads the maps once a window (a trace capture
+// aside: its per-call events stream while it runs).
 #ifndef RANKSCOPE_COMMON_H
 #define RANKSCOPE_COMMON_H
 #include <uapi/linux/ptrace.h>
@@ -71,7 +72,52 @@ struct coll_done_rec {
 BPF_RINGBUF_OUTPUT(coll_done, DONE_PAGES);
 BPF_ARRAY(done_lost, u64, 1);
 
+// A trace capture (agent/trace_capture.py): per-call events stream to user space only while one runs for the
+// process. Outside one, a probe hit pays one array lookup more (trace_on) and nothing else. Events that find
+// the stream full are counted in trace_lost; the capture shows them in the trace.
+#define TRACE_PAGES 512  // 2 MiB, ~43k events between two reads (the capture reads every 50 ms)
+#define TRACE_CALL 1        // a timed call returned on its thread
+#define TRACE_COLLECTIVE 2  // a collective completed: enqueue to completion
+#define TRACE_INSTANT 3     // a counted call (kernel launches: no uretprobe, so no duration)
+#define TRACE_SCHED 4       // the main thread left a scheduler state (fn: the state, sched.bpf.c's enum)
+struct trace_rec {
+    u32 kind;
+    u32 pid;
+    u32 tid;
+    u32 fn;
+    u64 start_ns;
+    u64 end_ns;
+    u64 bytes;
+    u64 seq;  // a collective's number in its process; its enqueue call carries it too
+};
+BPF_ARRAY(trace_on, u32, 1);            // nonzero while a capture runs
+BPF_HASH(trace_pids, u32, u32, 1024);   // the processes it captures
+BPF_RINGBUF_OUTPUT(trace_events, TRACE_PAGES);
+BPF_ARRAY(trace_lost, u64, 1);
+
+static __always_inline void trace_emit(u32 kind, u32 pid, u32 tid, u32 fn, u64 start, u64 end, u64 bytes,
+                                       u64 seq) {
+    int zero = 0;
+    u32 *on = trace_on.lookup(&zero);
+    if (!on || !*on || !trace_pids.lookup(&pid))
+        return;
+    struct trace_rec r = {.kind = kind, .pid = pid, .tid = tid, .fn = fn, .start_ns = start, .end_ns = end,
+                          .bytes = bytes, .seq = seq};
+    if (trace_events.ringbuf_output(&r, sizeof(r), 0)) {
+        u64 *lost = trace_lost.lookup(&zero);
+        if (lost)
+            __sync_fetch_and_add(lost, 1);
+    }
+}
+
+// The same, for the calling thread.
+static __always_inline void trace_here(u32 kind, u32 fn, u64 start, u64 end, u64 bytes, u64 seq) {
+    u64 id = bpf_get_current_pid_tgid();
+    trace_emit(kind, id >> 32, (u32)id, fn, start, end, bytes, seq);
+}
+
 static __always_inline void emit_done(u32 pid, const struct coll_rec *rec) {
+    trace_here(TRACE_COLLECTIVE, rec->fn, rec->enter_ns, rec->done_ns, rec->bytes, rec->seq);
     struct coll_done_rec out = {.pid = pid, .fn = rec->fn, .seq = rec->seq, .enter_ns = rec->enter_ns,
                                 .done_ns = rec->done_ns, .bytes = rec->bytes};
     if (coll_done.ringbuf_output(&out, sizeof(out), 0)) {
@@ -110,6 +156,8 @@ static __always_inline int count_call(u32 fn, u64 bytes) {
         __sync_fetch_and_add(&v->count, 1);
         __sync_fetch_and_add(&v->bytes, bytes);
     }
+    u64 now = bpf_ktime_get_ns();
+    trace_here(TRACE_INSTANT, fn, now, now, bytes, 0);
     return 0;
 }
 
@@ -138,6 +186,7 @@ static __always_inline int timed_return(u32 fn) {
     u64 ns = timed_exit(fn, &call);
     if (!ns)
         return 0;
+    trace_here(TRACE_CALL, fn, call.ts, call.ts + ns, call.bytes, 0);
     struct fn_val *v = stats_for(fn);
     if (v) {
         __sync_fetch_and_add(&v->count, 1);
@@ -163,6 +212,7 @@ static __always_inline int collective_return(u32 fn, bool blocking) {
     struct coll_rec rec = {.seq = seq, .enter_ns = call.ts, .done_ns = blocking ? now : 0,
                            .bytes = call.bytes, .fn = fn};
     coll_ring.update(&rk, &rec);
+    trace_here(TRACE_CALL, fn, call.ts, now, call.bytes, seq);
     if (blocking)
         emit_done(rk.pid, &rec);
     struct fn_val *v = stats_for(fn);
@@ -196,6 +246,7 @@ static __always_inline int sync_return(u32 fn) {
     if (!ns)
         return 0;
     u64 now = call.ts + ns;
+    trace_here(TRACE_CALL, fn, call.ts, now, 0, 0);
     p->pending_first = 0;
     p->pending_last = 0;
     u32 pid = bpf_get_current_pid_tgid() >> 32;

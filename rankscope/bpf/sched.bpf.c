@@ -55,6 +55,8 @@ static __always_inline u64 close_state(struct thread_state *st, u32 pid, u32 tid
         return 0;
     u64 ns = now - st->since;
     *was = st->state;
+    if (tid == pid)  // the main thread's states are a trace capture's scheduler track
+        trace_emit(TRACE_SCHED, pid, tid, st->state, st->since, now, 0, 0);
     struct thread_val *v = thread_stats_for(pid, tid);
     if (!v)
         return ns;

@@ -1,5 +1,5 @@
 """The agent's read-only HTTP API (contract.md): thin handlers over the latest Snapshot (and, for
-/v1/stacks, a read of the ranks' memory now), behind the limits and the bearer-token check that the cluster
+/v1/stacks, a read of the ranks' memory now; for /v1/trace, a bounded capture), behind the limits and the bearer-token check that the cluster
 analyzer's API shares."""
 from __future__ import annotations
 
@@ -16,13 +16,20 @@ from rankscope.agent.service.agent_metrics import agent_metrics
 from rankscope.agent.service.auth import Handler, bearer_auth
 from rankscope.agent.service.page import add_page
 from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition
+from rankscope.agent.loader.program import CaptureBusy
 from rankscope.agent.service.snapshot import Snapshot
+from rankscope.agent.trace_capture import MAX_SECONDS
+from rankscope.agent.views import trace as chrome
 from rankscope.agent.views.folded import folded_diff
 from rankscope.agent.views.formats import encode
 from rankscope.agent.views.profile import DEFAULT_WHAT, RankProfile, diff, diff_json, peers_of
 from rankscope.schema.wire import encode_patterns, pattern_to_json
 
 log = logging.getLogger(__name__)
+
+# (seconds, job or None, rank or None) -> the ranks' trace documents; LookupError: no such job or rank,
+# ValueError: several jobs and none chosen, CaptureBusy: another capture runs.
+TraceCapturer = Callable[[float, str | None, int | None], list[dict[str, Any]]]
 
 MSGPACK = "application/msgpack"
 MAX_BODY_BYTES = 4 * 1024  # every endpoint is a GET: a body is never needed
@@ -39,10 +46,12 @@ def empty_diagnosis(job: str | None = None) -> dict:
 
 @web.middleware
 async def _time_limit(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # A route's handler may take longer by its own bound (a trace capture: its capped duration).
+    limit = HANDLER_TIMEOUT_S + getattr(request.match_info.handler, "extra_time_s", 0.0)
     try:
-        return await asyncio.wait_for(handler(request), HANDLER_TIMEOUT_S)
+        return await asyncio.wait_for(handler(request), limit)
     except asyncio.TimeoutError:
-        raise web.HTTPServiceUnavailable(text=f"request took longer than {HANDLER_TIMEOUT_S:.0f} s\n") from None
+        raise web.HTTPServiceUnavailable(text=f"request took longer than {limit:.0f} s\n") from None
 
 
 def secure_app(token: str | None) -> web.Application:
@@ -138,8 +147,36 @@ def profile_response(snap: Snapshot, request: web.Request) -> web.Response:
     return web.Response(text=folded_diff(d))
 
 
+def trace_response(request: web.Request, trace: TraceCapturer) -> web.Response:
+    """GET /v1/trace?seconds=S[&rank=R][&job=J]: a capture of S seconds (at most MAX_SECONDS, one at a time)
+    of the job's ranks: a zip of their traces, or rank R's trace alone. Runs off the event loop."""
+    text = request.query.get("seconds", "5")
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"seconds must be a number, not {text[:64]!r}\n") from None
+    if not 0 < seconds <= MAX_SECONDS:
+        raise web.HTTPBadRequest(text=f"seconds must be positive and at most {MAX_SECONDS:g}\n")
+    rank, job = _int_query(request, "rank"), request.query.get("job")
+    if job is not None and len(job) > MAX_JOB_NAME:
+        raise web.HTTPBadRequest(text=f"job name longer than {MAX_JOB_NAME} characters\n")
+    try:
+        docs = trace(seconds, job, rank)
+    except CaptureBusy as e:
+        raise web.HTTPConflict(text=f"{e}\n") from None
+    except LookupError as e:
+        raise web.HTTPNotFound(text=f"{e.args[0]}\n") from None
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=f"{e}\n") from None
+    if rank is not None:
+        return web.Response(body=chrome.encode(docs[0]), content_type=chrome.CONTENT_TYPE)
+    return web.Response(body=chrome.zipped(docs), content_type=chrome.ZIP_CONTENT_TYPE,
+                        headers={"Content-Disposition": 'attachment; filename="rankscope-trace.zip"'})
+
+
 def make_app(current: Callable[[], Snapshot], token: str | None = None,
-             stacks: Callable[[], dict[str, Any]] | None = None) -> web.Application:
+             stacks: Callable[[], dict[str, Any]] | None = None,
+             trace: TraceCapturer | None = None) -> web.Application:
     async def targets(_: web.Request) -> web.Response:
         snap = current()
         return web.json_response({"targets": [asdict(t) for t in snap.targets], "errors": snap.errors,
@@ -165,8 +202,16 @@ def make_app(current: Callable[[], Snapshot], token: str | None = None,
         # Reads /proc/PID/mem of every rank: off the event loop.
         return web.json_response(await asyncio.get_running_loop().run_in_executor(None, stacks))
 
+    async def trace_capture(request: web.Request) -> web.Response:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, trace_response, request, trace)
+
+    trace_capture.extra_time_s = MAX_SECONDS
+
     app = secure_app(token)
     app.router.add_get("/v1/targets", targets)
+    if trace is not None:
+        app.router.add_get("/v1/trace", trace_capture)
     app.router.add_get("/v1/profile", profile)
     if stacks is not None:
         app.router.add_get("/v1/stacks", thread_stacks)

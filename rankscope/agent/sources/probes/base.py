@@ -89,6 +89,12 @@ class ProbeKind:
     identifies_job: bool = True  # mapping this library makes a process a training process (not libpython)
     # -D defines its source needs from the running kernel (structure offsets); raises KindUnavailable.
     kernel_defines: Callable[[], dict[str, int]] | None = None
+    # Its calls' category in a trace (agent/views/trace.py): Kineto's name where it has one; default its name.
+    trace_category: str = ""
+
+    @property
+    def category(self) -> str:
+        return self.trace_category or self.name
 
     def bpf_text(self) -> str:
         """Its BPF source, headers not inlined yet: `source`, then its probes' macro lines in their order."""

@@ -9,6 +9,7 @@ from rankscope.schema.patterns import Role
 
 CUDA = ProbeKind(
     name="cuda",
+    trace_category="cuda_driver",
     library=re.compile(r"^libcuda\.so(\.\d+)*$"),
     source="cuda.bpf.c",
     probes=(

@@ -10,6 +10,7 @@ from rankscope.schema.patterns import Role
 
 CUDART = ProbeKind(
     name="cudart",
+    trace_category="cuda_runtime",
     library=re.compile(r"^libcudart\.so(\.\d+)*$"),
     source="cudart.bpf.c",
     probes=(

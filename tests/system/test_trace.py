@@ -1,0 +1,172 @@
+"""Trace captures of a real torch job (tests/jobs/mlp_regression.py under torchrun: DDP over gloo, one gradient
+bucket, so one all-reduce a step): the traces validate, each rank's collectives are its steps, the scheduler
+track covers the capture, and HolisticTraceAnalysis loads the set as one job whose temporal breakdown agrees
+with rankscope's own comm share of the same window. Also the agent's GET /v1/trace. Real eBPF: needs root.
+
+HTA is not a dependency of rankscope (it pulls JupyterLab): its test runs where `hta` imports, from this
+interpreter or from $RANKSCOPE_HTA_PATH, a directory it was installed into, e.g.
+    pip install --target DIR --no-deps HolisticTraceAnalysis "pandas<3" plotly networkx pydot psutil pyyaml \
+        python-dateutil pytz tzdata six narwhals pyparsing packaging
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import one_line_error, run, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
+import launch  # noqa: E402
+
+from rankscope.agent.views.trace import COLLECTIVE_TID, SCHED_TID  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="eBPF needs root")
+
+RANKS = 2
+CAPTURE_S = 3.0
+COMM_SHARE_TOLERANCE = 0.03  # HTA's comm share of a rank against rankscope's, absolute
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    j = launch.start("mlp_regression.py", RANKS, [], tmp_path_factory.mktemp("job"))
+    yield j
+    j.kill()
+
+
+@pytest.fixture(scope="module")
+def traced(job, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
+    out = tmp_path_factory.mktemp("traces")
+    result = run("trace", "--pid", ",".join(str(job.pids[r]) for r in range(RANKS)), "--duration", str(CAPTURE_S),
+                 "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    return out, {r: json.loads((out / f"rank{r}.trace.json").read_text()) for r in range(RANKS)}
+
+
+def window(doc: dict) -> tuple[float, float]:
+    """The capture's start and end, unix s."""
+    start = doc["baseTimeNanoseconds"] / 1e9
+    return start, start + doc["rankscope"]["seconds"]
+
+
+def test_traces_validate(traced):
+    _, docs = traced
+    for rank, doc in docs.items():
+        assert doc["distributedInfo"] == {"rank": rank, "world_size": RANKS, "backend": "gloo"}
+        assert doc["rankscope"]["dropped_events"] == doc["rankscope"]["truncated_events"] == 0
+        events = doc["traceEvents"]
+        assert all({"ph", "ts", "pid", "tid"} <= e.keys() for e in events)
+        assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+        assert {e["pid"] for e in events} == {doc["rankscope"]["pid"]}
+
+
+def test_a_ranks_collectives_are_its_steps(job, traced):
+    _, docs = traced
+    for rank, doc in docs.items():
+        start, end = window(doc)
+        job.wait_written(end)
+        steps = sum(start <= t <= end for t in job.step_ends(rank))
+        colls = [e for e in doc["traceEvents"] if e["tid"] >= COLLECTIVE_TID and e["ph"] == "X"]
+        # One all-reduce a step; at each end of the capture a step and its all-reduce may fall on either side.
+        assert steps >= 0.5 * CAPTURE_S / 0.1 and abs(len(colls) - steps) <= 2, (len(colls), steps)
+        assert {e["name"] for e in colls} == {"ncclKernel gloo_allreduce"}
+        # Each is linked to its call on a gloo worker thread, and both are the same span.
+        calls = {e["args"]["correlation"]: e for e in doc["traceEvents"] if e.get("cat") == "gloo" and e["ph"] == "X"}
+        for c in colls:
+            call = calls[c["args"]["correlation"]]
+            assert (call["ts"], call["dur"]) == (c["ts"], c["dur"])
+
+
+def test_the_scheduler_track_covers_the_capture(traced):
+    _, docs = traced
+    for doc in docs.values():
+        states = sorted((e["ts"], e["dur"], e["name"]) for e in doc["traceEvents"] if e["tid"] == SCHED_TID
+                        and e["ph"] == "X")
+        assert {name for _, _, name in states} >= {"running", "asleep"}
+        assert all(t0 + d0 <= t1 + 0.001 for (t0, d0, _), (t1, _, _) in zip(states, states[1:]))  # no overlap
+        covered = sum(d for _, d, _ in states) / 1e6
+        # The state open when the capture ends is not closed yet: a step's worth at most.
+        assert CAPTURE_S - 0.2 <= covered <= CAPTURE_S + 0.01, covered
+
+
+def _hta_path() -> str | None:
+    """A PYTHONPATH under which `hta` imports, or None."""
+    extra = os.environ.get("RANKSCOPE_HTA_PATH", "")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [extra, os.environ.get("PYTHONPATH")])))
+    ok = subprocess.run([sys.executable, "-c", "import hta.trace_analysis"], env=env, capture_output=True).returncode == 0
+    return env["PYTHONPATH"] if ok else None
+
+
+HTA_BREAKDOWN = r'''
+import json, sys
+from hta.trace_analysis import TraceAnalysis
+df = TraceAnalysis(trace_dir=sys.argv[1]).get_temporal_breakdown(visualize=False)
+print(json.dumps({int(r["rank"]): r["non_compute_time(us)"] / r["kernel_time(us)"] for _, r in df.iterrows()}))
+'''
+
+
+def test_hta_loads_the_job_and_agrees_on_the_comm_share(traced):
+    path = _hta_path()
+    if path is None:
+        pytest.skip("HolisticTraceAnalysis is not installed (see this module's docstring)")
+    out, docs = traced
+    result = subprocess.run([sys.executable, "-c", HTA_BREAKDOWN, str(out)], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, PYTHONPATH=path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    hta = {int(r): share for r, share in json.loads(result.stdout.splitlines()[-1]).items()}
+    assert sorted(hta) == list(range(RANKS))
+    for rank, doc in docs.items():
+        own = doc["rankscope"]["summary"]
+        ours = own["comm_s"] / own["step_time_s"]  # the diagnosis of the capture's own window
+        print(f"rank {rank}: comm share HTA {hta[rank]:.3f}, rankscope {ours:.3f}")
+        assert hta[rank] == pytest.approx(ours, abs=COMM_SHARE_TOLERANCE), (hta[rank], ours)
+
+
+def _get(url: str) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, "", e.read()
+
+
+def test_agent_serves_one_capture_at_a_time(job, agent):
+    a = agent("--pid", ",".join(str(p) for p in job.pids.values()))
+    wait_until(lambda: len(a.get("/v1/diagnosis")["ranks"]) == RANKS, 60, "the agent's first window")
+    answers: list[tuple[int, str, bytes]] = []
+    both = [threading.Thread(target=lambda: answers.append(_get(f"{a.url}/v1/trace?seconds=2"))) for _ in range(2)]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join()
+    assert sorted(status for status, _, _ in answers) == [200, 409], answers
+    _, ctype, body = next(a for a in answers if a[0] == 200)
+    assert ctype == "application/zip"
+    with zipfile.ZipFile(io.BytesIO(body)) as z:
+        assert sorted(z.namelist()) == [f"rank{r}.trace.json" for r in range(RANKS)]
+        doc = json.loads(z.read("rank1.trace.json"))
+    assert doc["distributedInfo"]["rank"] == 1 and doc["rankscope"]["seconds"] == pytest.approx(2, abs=0.2)
+    assert any(e["tid"] >= COLLECTIVE_TID for e in doc["traceEvents"])
+    status, _, body = _get(f"{a.url}/v1/trace?seconds=1&rank=0")  # the first is over: a new one runs
+    assert status == 200 and json.loads(body)["distributedInfo"]["rank"] == 0
+    assert _get(f"{a.url}/v1/trace?seconds=600")[0] == 400
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--duration", "0"), "--duration must be positive and at most 60"),
+    (("--duration", "61"), "--duration must be positive and at most 60"),
+    (("-o", "/proc/no-such-dir"), "-o: cannot write to /proc/no-such-dir"),
+    ((), "no such process"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    error = one_line_error(run("trace", "--pid", "999999999", "-o", str(tmp_path / "t"), *args))
+    assert message in error, error
