@@ -95,11 +95,16 @@ BPF_HASH(trace_pids, u32, u32, 1024);   // the processes it captures
 BPF_RINGBUF_OUTPUT(trace_events, TRACE_PAGES);
 BPF_ARRAY(trace_lost, u64, 1);
 
+static __always_inline bool tracing(u32 pid) {
+    int zero = 0;
+    u32 *on = trace_on.lookup(&zero);
+    return on && *on && trace_pids.lookup(&pid);
+}
+
 static __always_inline void trace_emit(u32 kind, u32 pid, u32 tid, u32 fn, u64 start, u64 end, u64 bytes,
                                        u64 seq) {
     int zero = 0;
-    u32 *on = trace_on.lookup(&zero);
-    if (!on || !*on || !trace_pids.lookup(&pid))
+    if (!tracing(pid))
         return;
     struct trace_rec r = {.kind = kind, .pid = pid, .tid = tid, .fn = fn, .start_ns = start, .end_ns = end,
                           .bytes = bytes, .seq = seq};
@@ -156,8 +161,11 @@ static __always_inline int count_call(u32 fn, u64 bytes) {
         __sync_fetch_and_add(&v->count, 1);
         __sync_fetch_and_add(&v->bytes, bytes);
     }
-    u64 now = bpf_ktime_get_ns();
-    trace_here(TRACE_INSTANT, fn, now, now, bytes, 0);
+    u64 id = bpf_get_current_pid_tgid();
+    if (tracing(id >> 32)) {  // the clock read only while a capture runs: this is the launch path
+        u64 now = bpf_ktime_get_ns();
+        trace_emit(TRACE_INSTANT, id >> 32, (u32)id, fn, now, now, bytes, 0);
+    }
     return 0;
 }
 
