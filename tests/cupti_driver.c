@@ -14,6 +14,13 @@
 
 #include <cupti.h>
 
+// The kernel record CUPTI of these headers' release writes (CUDA 13.0 appended fields under a new name).
+#if CUPTI_API_VERSION >= 130000
+typedef CUpti_ActivityKernel10 kernel_record;
+#else
+typedef CUpti_ActivityKernel9 kernel_record;
+#endif
+
 struct shim_stats {
     uint64_t emitted, dropped, skipped_buffers, cupti_dropped, launches, launches_dropped, api_wanted, api_failures;
 };
@@ -40,7 +47,7 @@ static size_t put_api(uint8_t *buffer, size_t used, CUpti_ActivityKind kind, uin
 }
 
 static size_t put_kernel(uint8_t *buffer, size_t used, uint32_t correlation, uint64_t start) {
-    CUpti_ActivityKernel9 *k = (void *)(buffer + used);
+    kernel_record *k = (void *)(buffer + used);
     k->kind = CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
     k->start = start;
     k->end = start + 30000;
@@ -68,7 +75,7 @@ int main(int argc, char **argv) {
 
     static uint8_t buffer[4096] __attribute__((aligned(8)));
     size_t used = 0;
-    CUpti_ActivityKernel9 *k = (void *)(buffer + used);
+    kernel_record *k = (void *)(buffer + used);
     k->kind = CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
     k->start = 1000000000123ull;
     k->end = 1000000250456ull;

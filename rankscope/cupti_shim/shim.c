@@ -9,8 +9,12 @@
 // the shim's own looks at the semaphore once a flush period and turns the API kinds on or off. No CUPTI
 // callbacks: nothing runs in the job's API-calling threads.
 //
-// libcupti is opened at run time (the copy the process already maps, e.g. torch's, else RANKSCOPE_CUPTI_LIB,
-// else libcupti.so.12 from the loader's path), so the shim links against nothing CUDA and loads anywhere.
+// One shim per CUDA major (RANKSCOPE_CUPTI_MAJOR, set by build.py with the line's headers): libcupti.so.MAJOR
+// is opened at run time (the copy the process already maps, e.g. torch's, else RANKSCOPE_CUPTI_LIB, else the
+// soname from the loader's path), so the shim links against nothing CUDA and loads anywhere. CUPTI writes its
+// records in its own release's layout, read here with the compiled headers' record types: a CUPTI whose API
+// version is outside RANKSCOPE_CUPTI_API_MIN..MAX (the releases whose layouts were compared, cuda_lines.py)
+// is refused at start, never decoded on trust.
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdatomic.h>
@@ -28,6 +32,17 @@
 #include "periodic.h"
 
 #define SHIM_API __attribute__((visibility("default")))
+#define STR(x) #x
+#define XSTR(x) STR(x)
+#define CUPTI_SONAME "libcupti.so." XSTR(RANKSCOPE_CUPTI_MAJOR)
+
+// The kernel record of the compiled headers' release (CUPTI 13.0 renamed it when it appended fields; every
+// field read here keeps its offset across the accepted releases).
+#if CUPTI_API_VERSION >= 130000
+typedef CUpti_ActivityKernel10 kernel_record;
+#else
+typedef CUpti_ActivityKernel9 kernel_record;
+#endif
 #define BUFFER_BYTES (1u << 20)
 #define DEFAULT_MAX_RATE 50000  // records/s handed to the agent (~1.5 us each while attached); the rest are dropped
 
@@ -70,6 +85,7 @@ static struct {
     CUptiResult (*flush_period)(uint32_t);
     CUptiResult (*dropped_records)(CUcontext, uint32_t, size_t *);
     CUptiResult (*result_string)(CUptiResult, const char **);
+    CUptiResult (*get_version)(uint32_t *);
 } cupti;
 
 static void say(const char *what, CUptiResult rc) {
@@ -80,12 +96,12 @@ static void say(const char *what, CUptiResult rc) {
 }
 
 static void *open_cupti(void) {
-    void *h = dlopen("libcupti.so.12", RTLD_NOW | RTLD_NOLOAD);
+    void *h = dlopen(CUPTI_SONAME, RTLD_NOW | RTLD_NOLOAD);
     const char *path = getenv("RANKSCOPE_CUPTI_LIB");
     if (!h && path && *path)
         h = dlopen(path, RTLD_NOW);
     if (!h)
-        h = dlopen("libcupti.so.12", RTLD_NOW);
+        h = dlopen(CUPTI_SONAME, RTLD_NOW);
     return h;
 }
 
@@ -101,6 +117,7 @@ static int resolve(void *h) {
     SYM(flush_period, "cuptiActivityFlushPeriod");
     SYM(dropped_records, "cuptiActivityGetNumDroppedRecords");
     SYM(result_string, "cuptiGetResultString");
+    SYM(get_version, "cuptiGetVersion");
 #undef SYM
     return 0;
 }
@@ -128,7 +145,7 @@ static void emit(const CUpti_Activity *rec) {
     switch (rec->kind) {
     case CUPTI_ACTIVITY_KIND_KERNEL:
     case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
-        const CUpti_ActivityKernel9 *k = (const void *)rec;
+        const kernel_record *k = (const void *)rec;
         EMIT(kind, k->start, k->end, k->deviceId, k->streamId, k->correlationId, (uintptr_t)k->name, 0);
         break;
     }
@@ -273,8 +290,18 @@ SHIM_API int InitializeInjection(void) {
     stats.max_rate = rate && *rate ? strtoull(rate, NULL, 10) : DEFAULT_MAX_RATE;
     void *h = open_cupti();
     if (!h || resolve(h)) {
-        fprintf(stderr, "rankscope-cupti: libcupti.so.12 not found (set RANKSCOPE_CUPTI_LIB); "
+        fprintf(stderr, "rankscope-cupti: " CUPTI_SONAME " not found (set RANKSCOPE_CUPTI_LIB); "
                         "GPU activity is not reported\n");
+        return 1;
+    }
+    uint32_t version = 0;
+    if (cupti.get_version(&version) != CUPTI_SUCCESS || version < RANKSCOPE_CUPTI_API_MIN ||
+        version > RANKSCOPE_CUPTI_API_MAX) {
+        fprintf(stderr, "rankscope-cupti: CUPTI API version %u is not one this shim reads (%u to %u, CUDA "
+                        XSTR(RANKSCOPE_CUPTI_MAJOR) "); load the shim of the job's CUDA line, or a newer "
+                        "rankscope; GPU activity is not reported\n", version, RANKSCOPE_CUPTI_API_MIN,
+                RANKSCOPE_CUPTI_API_MAX);
+        cupti.next_record = NULL;  // buffers, if any arrive, go back unread
         return 1;
     }
     // CUPTI allows one subscriber per process: if another tool (Nsight, a profiler) holds it, yield.

@@ -1,6 +1,6 @@
 """NVIDIA's pip wheels as a source of headers and libraries, without a CUDA toolkit.
 
-Wheels are downloaded once into a cache folder (kept between runs: nccl's is ~320 MB) and the members
+Wheels are downloaded once into a cache folder (kept between runs: each nccl's is ~310 MB) and the members
 needed are extracted next to them, so building the shim or testing against the real libnccl works on a
 fresh machine with only PyPI reachable."""
 from __future__ import annotations
@@ -12,11 +12,10 @@ from pathlib import Path
 
 from rankscope.native import cache_root
 
-# Pinned so a build is reproducible; the headers' record layouts are what the shim is compiled against.
-CUPTI = "nvidia-cuda-cupti-cu12==12.8.90"
-RUNTIME = "nvidia-cuda-runtime-cu12==12.9.79"  # cuda.h, libcudart.so.12
-NVCC = "nvidia-cuda-nvcc-cu12==12.9.86"  # crt/host_defines.h, which cuda.h's headers include
-NCCL = "nvidia-nccl-cu12==2.27.7"
+# The glibc baselines NVIDIA's wheels are tagged with (cu12: manylinux1 to 2014; CUDA 13's: 2_25 to 2_28); pip
+# matches --platform tags exactly, so each is named.
+PLATFORMS = ("manylinux1_x86_64", "manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_18_x86_64",
+             "manylinux_2_25_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64")
 
 
 class WheelError(RuntimeError):
@@ -36,7 +35,7 @@ def wheel(requirement: str) -> Path:
         return found[0]
     wheel_dir().mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-           "--only-binary=:all:", "--platform", "manylinux2014_x86_64", "-d", str(wheel_dir()), requirement]
+           "--only-binary=:all:", *(f"--platform={p}" for p in PLATFORMS), "-d", str(wheel_dir()), requirement]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     found = sorted(wheel_dir().glob(pattern))
     if result.returncode != 0 or not found:

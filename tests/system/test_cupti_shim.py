@@ -1,5 +1,6 @@
-"""The CUPTI shim without a GPU: built against the real CUPTI headers, loaded with the real libcupti, its
-completed-buffer path fed real CUPTI record structs; the agent reads them through real USDT probes."""
+"""The CUPTI shim of each CUDA line without a GPU: built against the line's real CUPTI headers, loaded with its
+real libcupti (.so.12, .so.13), its completed-buffer path fed real CUPTI record structs of that release; the
+agent reads them through real USDT probes. Every test that takes `line` runs once per CUDA major."""
 from __future__ import annotations
 
 import os
@@ -19,12 +20,15 @@ from rankscope.agent.sources.gpu import GpuViews
 from rankscope.agent.sources.nvml import GpuHealthReader
 from rankscope.agent.sources.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
                                                   LaunchStats, RawActivity, short_kernel_name)
-from rankscope.cupti_shim.build import build_shim, cupti_library, include_dirs
+from rankscope.cupti_shim.build import build_shim
+from rankscope.cupti_shim.cuda_lines import LINES, CudaLine
 from rankscope.schema.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel, RankPattern
 
 DRIVER_SOURCE = Path(__file__).parent.parent / "cupti_driver.c"
 KERNEL = "_Z9gemm_tileILi128EEvPKfS1_Pf"
 RECORDS_PER_BUFFER = 3
+# What each line's libcupti answers at InitializeInjection on a machine without NVIDIA's driver.
+NO_DRIVER_ERROR = {12: "CUPTI_ERROR_NOT_INITIALIZED", 13: "CUPTI_ERROR_UNKNOWN"}
 
 
 # tests/cupti_driver.c's launch buffers: 0 the kernel of launch 7001 (5 us after its launch call returned),
@@ -81,20 +85,28 @@ class Driver:
         return self.proc.stderr.read()
 
 
+@pytest.fixture(scope="module", params=LINES, ids=lambda line: f"cuda{line.major}")
+def line(request) -> CudaLine:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def driver_binary(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cupti") / "cupti_driver"
+def driver_binary(line, tmp_path_factory) -> Path:
+    """The driver compiled against the line's headers: it writes that CUPTI release's record structs."""
+    out = tmp_path_factory.mktemp("cupti") / f"cupti_driver{line.major}"
     subprocess.run(["gcc", "-O1", "-Wall", "-o", str(out), str(DRIVER_SOURCE),
-                    *(f"-I{d}" for d in include_dirs()), "-ldl"], check=True)
+                    *(f"-I{d}" for d in line.include_dirs()), "-ldl"], check=True)
     return out
 
 
 @pytest.fixture
-def start_driver(driver_binary) -> Iterator:
+def start_driver(line, driver_binary) -> Iterator:
     started: list[Driver] = []
 
-    def start(**env: str) -> Driver:
-        d = Driver(driver_binary, build_shim(), {**os.environ, "RANKSCOPE_CUPTI_LIB": str(cupti_library()), **env})
+    def start(libcupti: Path | None = None, **env: str) -> Driver:
+        """The driver with the line's shim and libcupti (or `libcupti`, another line's)."""
+        d = Driver(driver_binary, build_shim(line.major),
+                   {**os.environ, "RANKSCOPE_CUPTI_LIB": str(libcupti or line.libcupti()), **env})
         started.append(d)
         return d
 
@@ -105,16 +117,33 @@ def start_driver(driver_binary) -> Iterator:
             d.proc.wait()
 
 
-def test_shim_exports_injection_entry_and_semaphore_probe():
-    notes = subprocess.run(["readelf", "-n", str(build_shim())], capture_output=True, text=True, check=True).stdout
+def test_shim_exports_injection_entry_and_semaphore_probe(line):
+    shim = build_shim(line.major)
+    assert shim.name == f"librankscope_cupti{line.major}.so"
+    notes = subprocess.run(["readelf", "-n", str(shim)], capture_output=True, text=True, check=True).stdout
     assert "Provider: rankscope" in notes and "Name: activity" in notes and "Name: launch" in notes
     assert "Semaphore: 0x0000000000000000" not in notes  # the probe is guarded by a semaphore
-    symbols = subprocess.run(["nm", "-D", "--defined-only", str(build_shim())], capture_output=True, text=True,
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(shim)], capture_output=True, text=True,
                              check=True).stdout
     assert " T InitializeInjection" in symbols
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", str(shim)], capture_output=True, text=True,
+                               check=True).stdout
+    assert "cupti" not in undefined  # libcupti is opened at run time, by the line's soname
 
 
-def test_records_reach_agent_through_usdt(start_driver):
+def test_shim_refuses_the_other_lines_cupti(line, start_driver):
+    """Another major's CUPTI writes records in another release's layout: the shim says so and reads none."""
+    other = next(o for o in LINES if o.major != line.major)
+    driver = start_driver(libcupti=other.libcupti())
+    reader = CuptiReader(driver.pid)
+    try:
+        assert driver.emit(1) == (0, 0, 1)  # attached, yet the buffer goes back unread
+    finally:
+        reader.close()
+    assert "is not one this shim reads" in driver.close()
+
+
+def test_records_reach_agent_through_usdt(line, start_driver):
     driver = start_driver()
     # No agent attached: the semaphore is off and the buffer goes back unread.
     assert driver.emit(1) == (0, 0, 1)
@@ -150,7 +179,7 @@ def test_records_reach_agent_through_usdt(start_driver):
         reader.close()
     # Detached: the semaphore is off again and the shim skips its buffers.
     assert driver.emit(1) == (3 * RECORDS_PER_BUFFER, 0, 2)
-    assert "CUPTI_ERROR_NOT_INITIALIZED" in driver.close()  # said once, and the process went on
+    assert NO_DRIVER_ERROR[line.major] in driver.close()  # said once, and the process went on
 
 
 def test_rate_limit_drops_records_over_budget(start_driver):

@@ -32,7 +32,9 @@ from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.nccl_profiler import COLL_PROBE, LINK_PROBE, CollTotals, LinkTotals
 from rankscope.schema.patterns import KERNEL_NAME_CHARS, TOP_KERNELS, GpuActivity, GpuKernel
 
-SHIM_LIBRARY = re.compile(r"^librankscope_cupti\.so$")
+# One shim per CUDA major (librankscope_cupti12.so, ...13.so); the same probes in each. Unnumbered: a shim built
+# before there were two lines, still loaded by a running job.
+SHIM_LIBRARY = re.compile(r"^librankscope_cupti(\d+)?\.so$")
 PROVIDER, PROBE, LAUNCH_PROBE = "rankscope", "activity", "launch"
 BPF_SOURCES = ("cupti_launch.bpf.c", "cupti.bpf.c", "nccl_profiler.bpf.c")  # one program of the three
 # The shim's probes and their BPF functions. All but the launch probe (deep mode only) are attached for the
