@@ -54,10 +54,11 @@ LINES: tuple[CudaLine, ...] = (
     CudaLine(12, cupti="nvidia-cuda-cupti-cu12==12.8.90", runtime="nvidia-cuda-runtime-cu12==12.9.79",
              host_defines="nvidia-cuda-nvcc-cu12==12.9.86", nccl="nvidia-nccl-cu12==2.27.7",
              cupti_api=(18, 28),  # CUDA 12.0 .. 12.9 Update 1
-             checked_cupti=tuple(f"nvidia-cuda-cupti-cu12=={v}" for v in ("12.0.146", "12.4.127", "12.6.80", "12.9.79"))),
+             checked_cupti=tuple(f"nvidia-cuda-cupti-cu12=={v}"
+                                 for v in ("12.0.146", "12.4.127", "12.6.80", "12.9.79"))),
     CudaLine(13, cupti="nvidia-cuda-cupti==13.0.85", runtime="nvidia-cuda-runtime==13.0.96",
              host_defines="nvidia-cuda-crt==13.0.88", nccl="nvidia-nccl-cu13==2.32.3",
              cupti_api=(130000, 130500),  # CUDA 13.0 .. 13.5
-             checked_cupti=tuple(f"nvidia-cuda-cupti=={v}" for v in ("13.2.86", "13.4.92", "13.5.25"))),
+             checked_cupti=tuple(f"nvidia-cuda-cupti=={v}" for v in ("13.0.48", "13.2.86", "13.4.92", "13.5.25"))),
 )
 BY_MAJOR: dict[int, CudaLine] = {line.major: line for line in LINES}
