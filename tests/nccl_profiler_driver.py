@@ -1,8 +1,13 @@
 """Stands in for NCCL in front of rankscope's NCCL profiler plugin: loads the shim library, takes its
-ncclProfiler_v4 and calls it the way NCCL 2.27 does (src/plugin/profiler.cc, src/transport/net.cc), with the
-v4 descriptors declared here independently of the plugin's C declarations, and, like NCCL, reading the
-activation mask before each task. Driven one line at a time (conftest's CommandProcess): prints "ready",
-then per command "mask M colls LINKS_EMITTED LINKS_DROPPED".
+ncclProfiler_vABI (4 to 7) and calls it the way NCCL does (src/plugin/profiler.cc, src/transport/net.cc), with
+that version's descriptors declared here independently of the plugin's C declarations (v5 on: a 64-bit event
+type, the communicator id before the mask in init, parentGroup and later v7's fields at the ends of coll and
+p2p), and, like NCCL, reading the activation mask before each task.
+
+    nccl_profiler_driver.py SHIM ABI [--ring LIBNCCL WIRE_MS SLOW_TO SLOW_WIRE_MS]
+
+Driven one line at a time (conftest's CommandProcess): prints "ready", then per command
+"mask M colls LINKS_EMITTED LINKS_DROPPED".
 
   init HASH NRANKS RANK         a communicator (every later command uses the last one)
   follow                        one watcher period of the plugin (mask and link hand-over)
@@ -13,7 +18,7 @@ then per command "mask M colls LINKS_EMITTED LINKS_DROPPED".
                                 (sends) and WIRE_MS on the wire
   finalize                      the communicator's end
 
-With `--ring LIBNCCL WIRE_MS SLOW_TO SLOW_WIRE_MS` instead, it maps LIBNCCL (as NCCL's process would) and is
+With `--ring LIBNCCL WIRE_MS SLOW_TO SLOW_WIRE_MS`, it maps LIBNCCL (as NCCL's process would) and is
 rank RANK of a ring of WORLD_SIZE (the environment's torchrun variables) on communicator RING_COMM: it prints
 "ready", then forever sends 8 steps to the next rank
 and receives 8 from the previous one, WIRE_MS on the wire per step, SLOW_WIRE_MS on the link RANK -> SLOW_TO
@@ -30,11 +35,12 @@ EV_GROUP, EV_COLL, EV_PROXY_OP, EV_PROXY_STEP, EV_KERNEL_CH = 1 << 0, 1 << 1, 1 
 SEND_GPU_WAIT, SEND_WAIT, RECV_WAIT, RECV_FLUSH_WAIT, RECV_GPU_WAIT, SEND_PEER_WAIT, KERNEL_CH_STOP = 8, 9, 10, 11, 12, 20, 22
 
 
-class Coll(ctypes.Structure):
-    _fields_ = [("seqNumber", ctypes.c_uint64), ("func", ctypes.c_char_p), ("sendBuff", ctypes.c_void_p),
-                ("recvBuff", ctypes.c_void_p), ("count", ctypes.c_size_t), ("root", ctypes.c_int),
-                ("datatype", ctypes.c_char_p), ("nChannels", ctypes.c_uint8), ("nWarps", ctypes.c_uint8),
-                ("algo", ctypes.c_char_p), ("proto", ctypes.c_char_p)]
+V4_COLL = [("seqNumber", ctypes.c_uint64), ("func", ctypes.c_char_p), ("sendBuff", ctypes.c_void_p),
+           ("recvBuff", ctypes.c_void_p), ("count", ctypes.c_size_t), ("root", ctypes.c_int),
+           ("datatype", ctypes.c_char_p), ("nChannels", ctypes.c_uint8), ("nWarps", ctypes.c_uint8),
+           ("algo", ctypes.c_char_p), ("proto", ctypes.c_char_p)]
+V5_COLL = [*V4_COLL, ("parentGroup", ctypes.c_void_p)]
+V7_COLL = [*V5_COLL, ("kernelVariant", ctypes.c_char_p), ("isSymColl", ctypes.c_bool), ("userTag", ctypes.c_uint64)]
 
 
 class ProxyOp(ctypes.Structure):
@@ -46,31 +52,33 @@ class KernelCh(ctypes.Structure):
     _fields_ = [("channelId", ctypes.c_uint8), ("pTimer", ctypes.c_uint64)]
 
 
-class Body(ctypes.Union):
-    _fields_ = [("coll", Coll), ("proxyOp", ProxyOp), ("step", ctypes.c_int), ("kernelCh", KernelCh)]
-
-
-class Descr(ctypes.Structure):
-    _anonymous_ = ("u",)
-    _fields_ = [("type", ctypes.c_uint8), ("parentObj", ctypes.c_void_p), ("rank", ctypes.c_int), ("u", Body)]
-
-
-class StateArgs(ctypes.Union):
+class StateArgs(ctypes.Union):  # the same in v4 to v7
     _fields_ = [("transSize", ctypes.c_size_t), ("pTimer", ctypes.c_uint64)]
 
 
 HANDLE = ctypes.POINTER(ctypes.c_void_p)
-INIT = ctypes.CFUNCTYPE(ctypes.c_int, HANDLE, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_uint64,
-                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
-START = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, HANDLE, ctypes.POINTER(Descr))
 STOP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(StateArgs))
 FINALIZE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
 
-class Profiler(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char_p), ("init", INIT), ("startEvent", START), ("stopEvent", STOP),
-                ("recordEventState", RECORD), ("finalize", FINALIZE)]
+def abi_types(abi: int) -> tuple[type, type]:
+    """(event descriptor, ncclProfiler_vABI table) of one profiler ABI version."""
+    coll = type("Coll", (ctypes.Structure,), {"_fields_": V4_COLL if abi == 4 else V7_COLL if abi >= 7 else V5_COLL})
+    body = type("Body", (ctypes.Union,), {"_fields_": [("coll", coll), ("proxyOp", ProxyOp), ("step", ctypes.c_int),
+                                                       ("kernelCh", KernelCh)]})
+    event_type = ctypes.c_uint8 if abi == 4 else ctypes.c_uint64
+    descr = type("Descr", (ctypes.Structure,), {"_anonymous_": ("u",), "_fields_": [
+        ("type", event_type), ("parentObj", ctypes.c_void_p), ("rank", ctypes.c_int), ("u", body)]})
+    # init(context, [commId,] mask, commName, [commHash,] nNodes, nranks, rank, logfn)
+    comm, mask, name = ctypes.c_uint64, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p
+    head = (mask, name, comm) if abi == 4 else (comm, mask, name)
+    init = ctypes.CFUNCTYPE(ctypes.c_int, HANDLE, *head, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+    start = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, HANDLE, ctypes.POINTER(descr))
+    profiler = type("Profiler", (ctypes.Structure,), {"_fields_": [
+        ("name", ctypes.c_char_p), ("init", init), ("startEvent", start), ("stopEvent", STOP),
+        ("recordEventState", RECORD), ("finalize", FINALIZE)]})
+    return descr, profiler
 
 
 class Stats(ctypes.Structure):
@@ -78,16 +86,18 @@ class Stats(ctypes.Structure):
 
 
 class Nccl:
-    def __init__(self, shim: str):
+    def __init__(self, shim: str, abi: int):
         self.lib = ctypes.CDLL(shim)
-        self.profiler = Profiler.in_dll(self.lib, "ncclProfiler_v4")
+        self.abi = abi
+        self.descr, profiler = abi_types(abi)
+        self.profiler = profiler.in_dll(self.lib, f"ncclProfiler_v{abi}")
         self.mask = ctypes.c_int(0)  # NCCL's ncclProfilerEventMask: owned by NCCL, set by the plugin
         self.context = ctypes.c_void_p()
         self.rank = 0
         self.seq = 0
         self._names: dict[str, ctypes.Array] = {}  # NCCL's names are constants: one string each, kept
 
-    def start(self, descr: Descr) -> ctypes.c_void_p:
+    def start(self, descr) -> ctypes.c_void_p:
         handle = ctypes.c_void_p()
         self.profiler.startEvent(self.context, ctypes.byref(handle), ctypes.byref(descr))
         return handle
@@ -99,16 +109,21 @@ class Nccl:
 
     def init(self, comm_hash: int, nranks: int, rank: int) -> None:
         self.rank = rank
-        rc = self.profiler.init(ctypes.byref(self.context), ctypes.byref(self.mask), b"", comm_hash, 1, nranks, rank,
-                                None)
+        mask = ctypes.byref(self.mask)
+        head = (mask, b"", comm_hash) if self.abi == 4 else (comm_hash, mask, b"")
+        rc = self.profiler.init(ctypes.byref(self.context), *head, 1, nranks, rank, None)
         assert rc == 0, rc
 
     def coll(self, func: str, count: int, dtype: str, channels: int, t0: int, span: int) -> None:
         mask = self.mask.value  # a task reads the mask once, when it is enqueued
         if not mask & (EV_COLL | EV_KERNEL_CH):
             return
-        group = self.start(Descr(type=EV_GROUP))
-        d = Descr(type=EV_COLL, parentObj=group, rank=self.rank)
+        group = self.start(self.descr(type=EV_GROUP))
+        # v4: the task's parent is its group; v5 on: its API event (none: not in the plugin's mask), the group
+        # in parentGroup.
+        d = self.descr(type=EV_COLL, parentObj=group if self.abi == 4 else None, rank=self.rank)
+        if self.abi >= 5:
+            d.coll.parentGroup = group
         d.coll.seqNumber, d.coll.count, d.coll.nChannels = self.seq, count, channels
         d.coll.func, d.coll.datatype = self.name(func), self.name(dtype)
         self.seq += 1
@@ -118,7 +133,7 @@ class Nccl:
         if mask & EV_KERNEL_CH:  # the profiler proxy: channel c's kernel work spans [t0 + c, t0 + span - c]
             handles = []
             for c in range(channels):
-                k = Descr(type=EV_KERNEL_CH, parentObj=task)
+                k = self.descr(type=EV_KERNEL_CH, parentObj=task)
                 k.kernelCh.channelId, k.kernelCh.pTimer = c, t0 + c
                 handles.append(self.start(k))
             for c, h in enumerate(handles):
@@ -129,11 +144,11 @@ class Nccl:
     def steps(self, peer: int, send: bool, n: int, nbytes: int, wire_s: float, wait_s: float) -> None:
         if not self.mask.value & (EV_PROXY_OP | EV_PROXY_STEP):
             return
-        d = Descr(type=EV_PROXY_OP, rank=self.rank)
+        d = self.descr(type=EV_PROXY_OP, rank=self.rank)
         d.proxyOp.pid, d.proxyOp.peer, d.proxyOp.nSteps, d.proxyOp.isSend = os.getpid(), peer, n, int(send)
         op = self.start(d)
         for step in range(n):
-            s = self.start(Descr(type=EV_PROXY_STEP, parentObj=op, rank=self.rank, step=step))
+            s = self.start(self.descr(type=EV_PROXY_STEP, parentObj=op, rank=self.rank, step=step))
             size = StateArgs(transSize=nbytes)
             if send:  # as net.cc: GPU data ready, then the receiver's credit, then on the wire until done
                 self.profiler.recordEventState(s, SEND_GPU_WAIT, ctypes.byref(StateArgs()))
@@ -172,14 +187,15 @@ def ring(nccl: Nccl, wire_ms: float, slow_to: int, slow_wire_ms: float) -> None:
 
 
 def main() -> None:
-    if sys.argv[2:3] != ["--ring"]:
+    ring_args = sys.argv[4:] if sys.argv[3:4] == ["--ring"] else None
+    if ring_args is None:
         # The commands drive every watcher period ("follow"); the plugin's own watcher, 1 s by default, would
         # otherwise split a command's link sums into two hand-overs whenever its period ends mid-command.
         os.environ["RANKSCOPE_SHIM_FLUSH_MS"] = str(24 * 3600 * 1000)
-    nccl = Nccl(sys.argv[1])
-    if sys.argv[2:3] == ["--ring"]:
-        ctypes.CDLL(sys.argv[3])
-        return ring(nccl, float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
+    nccl = Nccl(sys.argv[1], int(sys.argv[2]))
+    if ring_args is not None:
+        ctypes.CDLL(ring_args[0])
+        return ring(nccl, float(ring_args[1]), int(ring_args[2]), float(ring_args[3]))
     print("ready", flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()

@@ -13,9 +13,9 @@
 // a flush period). While attached, the proxy thread does a clock read and a few atomic adds per step; the
 // USDT traps come once per collective and once per link per flush period, never per step.
 //
-// NCCL's profiler ABI, version 4 (NCCL 2.25 to 2.27; later releases still load it), is declared below
-// from NCCL's documented plugin interface (plugins/profiler/README.md in NCCL's sources): plugins carry
-// their own copy of the structs by design.
+// NCCL's profiler ABI, versions 4 to 7, each exported (NCCL takes the newest it knows: 2.25-2.27 v4, 2.28 v5,
+// 2.29-2.30 v6, 2.31-2.32 v7, as the cu13 wheels' libnccl look them up), declared below from NCCL's plugin
+// headers (src/include/plugin/profiler/profiler_v*.h): plugins carry their own copy of the structs by design.
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdatomic.h>
@@ -34,7 +34,7 @@
 
 #define SHIM_API __attribute__((visibility("default")))
 
-// --- NCCL profiler ABI v4 -------------------------------------------------------------------------------
+// --- NCCL profiler ABI v4 to v7 ------------------------------------------------------------------------
 typedef enum { nccl_success = 0, nccl_internal_error = 3 } nccl_result_t;
 typedef void (*nccl_logger_t)(int level, unsigned long flags, const char *file, int line, const char *fmt, ...);
 
@@ -47,53 +47,65 @@ enum {  // event states
     ST_SEND_PEER_WAIT = 20, ST_KERNEL_CH_STOP = 22,
 };
 
+// The descriptor's union, the members read here. v5 to v7 only add members after these (the API, copy-engine
+// and kernel-phase events) and fields at the ends of coll and p2p (parentGroup, kernelVariant, userTag), so
+// these are laid out alike in every version; NCCL passes a pointer, so the union's full size does not matter.
+typedef union {
+    struct {
+        uint64_t seq;
+        const char *func;
+        const void *send_buff;
+        void *recv_buff;
+        size_t count;
+        int root;
+        const char *datatype;
+        uint8_t n_channels, n_warps;
+        const char *algo, *proto;
+    } coll;
+    struct {
+        const char *func;
+        void *buff;
+        const char *datatype;
+        size_t count;
+        int peer;
+        uint8_t n_channels;
+    } p2p;
+    struct {
+        pid_t pid;
+        uint8_t channel;
+        int peer, n_steps, chunk_size, is_send;
+    } proxy_op;
+    struct {
+        int step;
+    } proxy_step;
+    struct {
+        uint8_t channel;
+        uint64_t ptimer;
+    } kernel_ch;
+} nccl_event_body_t;
+
 typedef struct {
     uint8_t type;
     void *parent;
     int rank;
-    union {
-        struct {
-            uint64_t seq;
-            const char *func;
-            const void *send_buff;
-            void *recv_buff;
-            size_t count;
-            int root;
-            const char *datatype;
-            uint8_t n_channels, n_warps;
-            const char *algo, *proto;
-        } coll;
-        struct {
-            const char *func;
-            void *buff;
-            const char *datatype;
-            size_t count;
-            int peer;
-            uint8_t n_channels;
-        } p2p;
-        struct {
-            pid_t pid;
-            uint8_t channel;
-            int peer, n_steps, chunk_size, is_send;
-        } proxy_op;
-        struct {
-            int step;
-        } proxy_step;
-        struct {
-            uint8_t channel;
-            uint64_t ptimer;
-        } kernel_ch;
-    };
+    nccl_event_body_t body;
 } nccl_event_descr_v4_t;
 
-typedef union {
+typedef struct {  // v5 widened the type to 64 bits (event types past bit 7); v6 and v7 keep this header
+    uint64_t type;
+    void *parent;
+    int rank;
+    nccl_event_body_t body;
+} nccl_event_descr_v5_t;
+
+typedef union {  // the same in v4 to v7
     struct {
         size_t trans_size;
     } proxy_step;
     struct {
         uint64_t ptimer;
     } kernel_ch;
-} nccl_event_state_args_v4_t;
+} nccl_event_state_args_t;
 
 typedef struct {
     const char *name;
@@ -101,9 +113,19 @@ typedef struct {
                           int nranks, int rank, nccl_logger_t log);
     nccl_result_t (*start_event)(void *context, void **handle, nccl_event_descr_v4_t *descr);
     nccl_result_t (*stop_event)(void *handle);
-    nccl_result_t (*record_event_state)(void *handle, int state, nccl_event_state_args_v4_t *args);
+    nccl_result_t (*record_event_state)(void *handle, int state, nccl_event_state_args_t *args);
     nccl_result_t (*finalize)(void *context);
 } nccl_profiler_v4_t;
+
+typedef struct {  // v5 to v7: init takes the communicator id before the mask
+    const char *name;
+    nccl_result_t (*init)(void **context, uint64_t comm_id, int *mask, const char *comm_name, int n_nodes,
+                          int nranks, int rank, nccl_logger_t log);
+    nccl_result_t (*start_event)(void *context, void **handle, nccl_event_descr_v5_t *descr);
+    nccl_result_t (*stop_event)(void *handle);
+    nccl_result_t (*record_event_state)(void *handle, int state, nccl_event_state_args_t *args);
+    nccl_result_t (*finalize)(void *context);
+} nccl_profiler_v5_t;
 
 // --- probes -------------------------------------------------------------------------------------------
 SHIM_API unsigned short rankscope_nccl_coll_semaphore __attribute__((section(".probes")));
@@ -240,9 +262,7 @@ static void start_watcher(void) {
         fprintf(stderr, "rankscope-nccl: no watcher thread; NCCL events stay off\n");
 }
 
-static nccl_result_t init(void **context, int *mask, const char *comm_name, uint64_t comm_hash, int n_nodes,
-                          int nranks, int rank, nccl_logger_t log) {
-    (void)comm_name; (void)n_nodes; (void)log;
+static nccl_result_t init(void **context, int *mask, uint64_t comm_hash, int rank, int nranks) {
     *context = NULL;
     struct context *ctx = calloc(1, sizeof(*ctx));
     if (!ctx)
@@ -314,13 +334,13 @@ static void stop_kernel_ch(struct kernel_ch *k, uint64_t stop) {
     atomic_fetch_add(&plugin.colls, 1);
 }
 
-static void *start_proxy_op(struct context *ctx, const nccl_event_descr_v4_t *d) {
+static void *start_proxy_op(struct context *ctx, int peer, int is_send) {
     struct proxy_op *op = calloc(1, sizeof(*op));
     if (!op)
         return NULL;
     op->type = EV_PROXY_OP;
-    op->is_send = d->proxy_op.is_send;
-    op->link = find_link(ctx, d->proxy_op.peer, d->proxy_op.is_send);
+    op->is_send = is_send;
+    op->link = find_link(ctx, peer, is_send);
     return op;
 }
 
@@ -354,10 +374,11 @@ static void stop_step(struct step *s) {
     atomic_fetch_add(&l->steps, 1);
 }
 
-static nccl_result_t start_event(void *context, void **handle, nccl_event_descr_v4_t *d) {
-    struct context *ctx = context;
+// Every version's startEvent, once its descriptor's header is read.
+static nccl_result_t start_event(struct context *ctx, void **handle, uint64_t type, void *parent,
+                                 const nccl_event_body_t *d) {
     *handle = NULL;
-    switch (d->type) {
+    switch (type) {
     case EV_GROUP:
         *handle = (void *)&group_event;
         break;
@@ -368,25 +389,25 @@ static nccl_result_t start_event(void *context, void **handle, nccl_event_descr_
         *handle = start_task(ctx, d->p2p.func, d->p2p.datatype, d->p2p.count, d->p2p.n_channels, 0);
         break;
     case EV_KERNEL_CH:
-        if (d->parent && *(const uint8_t *)d->parent == EV_COLL)
-            *handle = start_kernel_ch(d->parent, d->kernel_ch.ptimer);
+        if (parent && *(const uint8_t *)parent == EV_COLL)
+            *handle = start_kernel_ch(parent, d->kernel_ch.ptimer);
         break;
     case EV_PROXY_OP:
         // With PXN, this proxy thread also serves ops of another process of the node: their context and
         // parent are that process's pointers, not to be touched here. Its own plugin cannot see them either:
         // those transfers are not counted (NCCL's documented limit).
         if (d->proxy_op.pid == getpid())
-            *handle = start_proxy_op(ctx, d);
+            *handle = start_proxy_op(ctx, d->proxy_op.peer, d->proxy_op.is_send);
         break;
     case EV_PROXY_STEP:
-        if (d->parent && *(const uint8_t *)d->parent == EV_PROXY_OP)
-            *handle = start_step(d->parent, d->proxy_step.step);
+        if (parent && *(const uint8_t *)parent == EV_PROXY_OP)
+            *handle = start_step(parent, d->proxy_step.step);
         break;
     }
     return nccl_success;
 }
 
-static nccl_result_t record_event_state(void *handle, int state, nccl_event_state_args_v4_t *args) {
+static nccl_result_t record_event_state(void *handle, int state, nccl_event_state_args_t *args) {
     if (!handle)
         return nccl_success;
     switch (*(const uint8_t *)handle) {
@@ -416,14 +437,39 @@ static nccl_result_t stop_event(void *handle) {
     return nccl_success;
 }
 
+// Each version's entry points: the descriptor header and init's argument order are all that differ.
+static nccl_result_t init_v4(void **context, int *mask, const char *comm_name, uint64_t comm_hash, int n_nodes,
+                             int nranks, int rank, nccl_logger_t log) {
+    (void)comm_name; (void)n_nodes; (void)log;
+    return init(context, mask, comm_hash, rank, nranks);
+}
+
+static nccl_result_t init_v5(void **context, uint64_t comm_id, int *mask, const char *comm_name, int n_nodes,
+                             int nranks, int rank, nccl_logger_t log) {
+    (void)comm_name; (void)n_nodes; (void)log;
+    return init(context, mask, comm_id, rank, nranks);
+}
+
+static nccl_result_t start_event_v4(void *context, void **handle, nccl_event_descr_v4_t *d) {
+    return start_event(context, handle, d->type, d->parent, &d->body);
+}
+
+static nccl_result_t start_event_v5(void *context, void **handle, nccl_event_descr_v5_t *d) {
+    return start_event(context, handle, d->type, d->parent, &d->body);
+}
+
 SHIM_API const nccl_profiler_v4_t ncclProfiler_v4 = {
-    .name = "rankscope",
-    .init = init,
-    .start_event = start_event,
-    .stop_event = stop_event,
-    .record_event_state = record_event_state,
-    .finalize = finalize,
+    .name = "rankscope", .init = init_v4, .start_event = start_event_v4, .stop_event = stop_event,
+    .record_event_state = record_event_state, .finalize = finalize,
 };
+
+#define PROFILER_V5 {.name = "rankscope", .init = init_v5, .start_event = start_event_v5, .stop_event = stop_event, \
+                     .record_event_state = record_event_state, .finalize = finalize}
+SHIM_API const nccl_profiler_v5_t ncclProfiler_v5 = PROFILER_V5;
+// v6 and v7 add events the plugin leaves off in its mask (copy-engine collectives, kernel phases): to it, they
+// are v5. Collectives NCCL runs on copy engines are therefore not timed.
+SHIM_API const nccl_profiler_v5_t ncclProfiler_v6 = PROFILER_V5;
+SHIM_API const nccl_profiler_v5_t ncclProfiler_v7 = PROFILER_V5;
 
 // Counters a test (or a debugger) reads.
 struct rankscope_nccl_stats {

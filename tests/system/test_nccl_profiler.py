@@ -1,9 +1,11 @@
 """rankscope's NCCL profiler plugin without a GPU: the shim library is loaded by a stand-in for NCCL
-(tests/nccl_profiler_driver.py) that calls its ncclProfiler_v4 as NCCL 2.27 does; the agent reads the
-plugin's collective spans and link timing through real USDT probes and eBPF."""
+(tests/nccl_profiler_driver.py) that calls its ncclProfiler_vN as NCCL does for each profiler ABI version N
+the plugin exports (the tests that take `abi` run once per version); the agent reads the plugin's collective
+spans and link timing through real USDT probes and eBPF."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,20 +15,23 @@ from conftest import diagnose_json, wait_until
 
 from rankscope.agent.sources.probes.cupti import CuptiReader
 from rankscope.agent.sources.probes.nccl_profiler import CollTotals, CommWindow, LinkTotals
-from rankscope.cupti_shim import wheels
 from rankscope.cupti_shim.build import build_shim
+from rankscope.cupti_shim.cuda_lines import BY_MAJOR, LINES
 
 DRIVER = Path(__file__).parent.parent / "nccl_profiler_driver.py"
 COMM = 0xF3A61C2D4E8B7059
 EVENTS_ON = (1 << 1) | (1 << 2) | (1 << 3) | (1 << 4) | (1 << 6)  # coll, p2p, proxy op, proxy step, kernel channel
 STEP_BYTES = 524_288
+ABIS = (4, 5, 6, 7)  # NCCL 2.25-2.27, 2.28, 2.29-2.30, 2.31-2.32
+# The plugin is the same in every line's library: driven through the CUDA 13 one, whose NCCL loads v7.
+SHIM_MAJOR = 13
 
 
 class Nccl:
     """The driver's reply: NCCL's activation mask and the plugin's counters."""
 
-    def __init__(self, command_process):
-        self.proc = command_process(sys.executable, str(DRIVER), str(build_shim()))
+    def __init__(self, command_process, abi: int):
+        self.proc = command_process(sys.executable, str(DRIVER), str(build_shim(SHIM_MAJOR)), str(abi))
         self.pid = self.proc.pid
 
     def __call__(self, line: str) -> tuple[int, int, int, int]:
@@ -35,20 +40,30 @@ class Nccl:
         return tuple(int(w) for w in words[1:])
 
 
-@pytest.fixture
-def nccl(command_process) -> Nccl:
-    n = Nccl(command_process)
+@pytest.fixture(params=ABIS, ids=lambda abi: f"v{abi}")
+def nccl(command_process, request) -> Nccl:
+    n = Nccl(command_process, request.param)
     n(f"init {COMM} 8 2")
     return n
 
 
-def test_plugin_exports_profiler_v4_and_guarded_probes():
-    notes = subprocess.run(["readelf", "-n", str(build_shim())], capture_output=True, text=True, check=True).stdout
+@pytest.mark.parametrize("major", [line.major for line in LINES], ids=lambda m: f"cuda{m}")
+def test_plugin_exports_every_profiler_abi_and_guarded_probes(major):
+    shim = build_shim(major)
+    notes = subprocess.run(["readelf", "-n", str(shim)], capture_output=True, text=True, check=True).stdout
     assert "Name: nccl_coll" in notes and "Name: nccl_link" in notes
     assert "Semaphore: 0x0000000000000000" not in notes
-    symbols = subprocess.run(["nm", "-D", "--defined-only", str(build_shim())], capture_output=True, text=True,
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(shim)], capture_output=True, text=True,
                              check=True).stdout
-    assert " D ncclProfiler_v4" in symbols
+    assert all(f" D ncclProfiler_v{abi}" in symbols for abi in ABIS)
+
+
+def test_the_line_nccl_looks_up_the_newest_abi_exported():
+    """The cu13 wheel's NCCL asks for ncclProfiler_v7 first: the plugin serves it, nothing newer goes unused."""
+    strings = subprocess.run(["strings", str(BY_MAJOR[13].libnccl())], capture_output=True, text=True,
+                             check=True).stdout
+    looked_up = {int(v) for v in re.findall(r"^getNcclProfiler_v(\d+)$", strings, re.M)}
+    assert max(looked_up) == max(ABIS) and set(ABIS) <= looked_up
 
 
 def test_no_agent_no_events(nccl):
@@ -114,15 +129,17 @@ def test_comm_window_turns_totals_into_pattern_fields():
 
 
 def test_diagnose_names_the_slow_link_from_the_plugin(procs):
-    """Four ring ranks whose link 1 -> 2 is 4x slower on the wire: rankscope diagnose reads each rank's
-    plugin through USDT and eBPF, and the link matrix names exactly that link."""
+    """Four ring ranks whose link 1 -> 2 is 4x slower on the wire, beside the cu13 libnccl and through the
+    v7 ABI it loads: rankscope diagnose reads each rank's plugin through USDT and eBPF, and the link matrix
+    names exactly that link."""
     world = 4
-    libnccl = wheels.extract(wheels.NCCL, ("nvidia/nccl/lib/",)) / "nvidia/nccl/lib/libnccl.so.2"
+    libnccl = BY_MAJOR[SHIM_MAJOR].libnccl()
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": "ring",
                "RANKSCOPE_SHIM_FLUSH_MS": "200"}
-        procs.append(subprocess.Popen([sys.executable, str(DRIVER), str(build_shim()), "--ring", str(libnccl), "0.5", "2", "2"],
-                                      stdout=subprocess.PIPE, text=True, env=env))
+        procs.append(subprocess.Popen([sys.executable, str(DRIVER), str(build_shim(SHIM_MAJOR)), str(max(ABIS)),
+                                       "--ring", str(libnccl), "0.5", "2", "2"], stdout=subprocess.PIPE, text=True,
+                                      env=env))
     for p in procs:
         assert p.stdout.readline().strip() == "ready"
     doc = diagnose_json([p.pid for p in procs], 3)
