@@ -1,4 +1,4 @@
-"""Calls CUDA runtime functions of a libcudart.so.12 (argv[1]) through ctypes on command, for
+"""Calls CUDA runtime functions of a libcudart.so.12 or .so.13 (argv[1]) through ctypes on command, for
 tests/test_cudart.py; with a libcuda.so.1 (argv[2], optional) also the driver's cuStreamSynchronize directly.
 
 stdin lines: "memcpy BYTES KIND", "memcpyasync BYTES KIND", "malloc BYTES", "sync", "driver-sync" -> prints

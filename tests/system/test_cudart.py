@@ -1,5 +1,5 @@
-"""The CUDA runtime probes (libcudart.so.12). On NVIDIA's real library without a GPU, whose calls fail (no
-driver) after their entry, where the probes fire and decode their arguments; and on the stand-in, whose calls
+"""The CUDA runtime probes (libcudart.so.12 and .so.13). On NVIDIA's real library of each CUDA line without a
+GPU, whose calls fail (no driver) after their entry, where the probes fire and decode their arguments; and on the stand-in, whose calls
 go through the stand-in driver as the real runtime's go through the real one: a driver call made inside a
 runtime call is the runtime call's work, accounted once."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from conftest import CommandProcess
 
 from rankscope.agent.session import Session
-from rankscope.cupti_shim import wheels
+from rankscope.cupti_shim.cuda_lines import LINES, CudaLine
 from rankscope.sim.build import build_libraries
 
 DRIVER = Path(__file__).parent.parent / "cudart_driver.py"
@@ -37,11 +37,11 @@ def _functions(session: Session, pid: int) -> dict[str, tuple[int, int]]:
     return {name: (f.count, f.bytes) for name, f in pattern.functions.items()}
 
 
-def test_probes_decode_real_cudart_calls(command_process, session):
-    lib = wheels.extract(wheels.RUNTIME, ("nvidia/cuda_runtime/lib/",)) / "nvidia/cuda_runtime/lib/libcudart.so.12"
-    proc = _runtime_process(command_process, lib)
+@pytest.mark.parametrize("line", LINES, ids=lambda line: f"cuda{line.major}")
+def test_probes_decode_real_cudart_calls(command_process, session, line: CudaLine):
+    proc = _runtime_process(command_process, line.libcudart())
     target = session.add(proc.pid)
-    assert target.libraries["cudart"].endswith("libcudart.so.12")
+    assert target.libraries["cudart"].endswith(f"libcudart.so.{line.major}")
     for line in ("memcpy 4096 1", "memcpyasync 100 2", "malloc 1048576", "sync", "sync"):
         assert proc.call(line) == [CUDA_ERROR_INSUFFICIENT_DRIVER], line
     assert _functions(session, proc.pid) == {

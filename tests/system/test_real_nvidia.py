@@ -1,7 +1,8 @@
-"""The NCCL probes on NVIDIA's real libnccl.so.2 (pip nvidia-nccl-cu12), without a GPU: the library loads,
-its calls fail only after their entry, where the probes fire and decode their arguments.
+"""The NCCL probes on NVIDIA's real libnccl.so.2 of each CUDA line (pip nvidia-nccl-cu12 2.27, nvidia-nccl-cu13
+2.32), without a GPU: the library loads, its calls fail only after their entry, where the probes fire and
+decode their arguments. Every test runs once per line.
 
-The wheel (~320 MB) is cached under ~/.cache/rankscope/wheels and downloaded when absent."""
+The wheels (~310 MB each) are cached under ~/.cache/rankscope/wheels and downloaded when absent."""
 from __future__ import annotations
 
 import sys
@@ -13,7 +14,7 @@ from conftest import CommandProcess, wait_until
 from rankscope.agent.host.symbols import code_byte, exported_functions
 from rankscope.agent.session import Session
 from rankscope.agent.sources.probes.nccl import communicators, world_communicator
-from rankscope.cupti_shim import wheels
+from rankscope.cupti_shim.cuda_lines import LINES
 
 DRIVER = Path(__file__).parent.parent / "nccl_real_driver.py"
 NCCL_FLOAT32, NCCL_BFLOAT16, NCCL_SUM, NCCL_MAX = 7, 9, 0, 2
@@ -27,9 +28,9 @@ def fnv1a(data: bytes) -> int:
     return h
 
 
-@pytest.fixture(scope="module")
-def libnccl() -> Path:
-    return wheels.extract(wheels.NCCL, ("nvidia/nccl/lib/",)) / "nvidia/nccl/lib/libnccl.so.2"
+@pytest.fixture(scope="module", params=LINES, ids=lambda line: f"cuda{line.major}")
+def libnccl(request) -> Path:
+    return request.param.libnccl()
 
 
 @pytest.fixture
@@ -53,7 +54,7 @@ def test_probes_decode_real_nccl_calls(nccl_process):
         assert sorted(lib.probes) == sorted(p.name for p in session.program.probe_of.values()
                                             if p.name.startswith("nccl"))
         # One entry + one return probe per function: the pnccl aliases were not probed a second time.
-        assert len(lib.events) == 2 * len(lib.probes)
+        assert len(lib.attached) == 2 * len(lib.probes)
         assert code_byte(nccl_process.pid, "libnccl.so.2", "pncclAllReduce") == 0xCC  # int3 at the shared address
 
         rc, uid_hex = nccl_process.call("uid")
