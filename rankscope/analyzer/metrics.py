@@ -34,6 +34,7 @@ class RankTable:
     fn_s: np.ndarray  # rows x functions; 0 where the rank never called the function
     gc_s: np.ndarray  # in the Python garbage collector
     runq_s: np.ndarray  # the main thread runnable but not running (waiting for a CPU); NaN: no scheduler view
+    oncpu_s: np.ndarray  # the main thread running; NaN: no scheduler view
     py_names: list[str]  # columns of py_s
     py_s: np.ndarray  # rows x Python functions: self wall time per step; 0 where not among the rank's top
     timed_names: list[str]  # columns of timed_s
@@ -123,8 +124,8 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None)
         fn_roles=roles,
         fn_s=fn_per_step,
         gc_s=in_role(Role.GC),
-        runq_s=np.fromiter((p.sched["main"].runq_s if "main" in p.sched else np.nan for p in patterns), float, n)
-        * per_step,
+        runq_s=_main_thread(patterns, "runq_s") * per_step,
+        oncpu_s=_main_thread(patterns, "on_cpu_s") * per_step,
         py_names=list(py_names),
         py_s=py * per_step[:, None],
         timed_names=timed_names,
@@ -143,3 +144,9 @@ def _named_columns(rows: list[dict[str, float]]) -> tuple[list[str], np.ndarray]
         for name, value in row.items():
             out[i, names[name]] = value
     return list(names), out
+
+
+def _main_thread(patterns: Sequence[RankPattern], field: str) -> np.ndarray:
+    """Per rank: one of its main thread's scheduler times (ThreadTimes) in the window; NaN without that view."""
+    return np.fromiter((getattr(p.sched["main"], field) if "main" in p.sched else np.nan for p in patterns), float,
+                       len(patterns))

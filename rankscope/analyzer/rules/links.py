@@ -34,6 +34,10 @@ from rankscope.schema.patterns import LinkStats, RankPattern, Role
 
 LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
 LINK_BANDWIDTH = 0.9  # ...at a bandwidth below this share of the peers' (the transfer as the rank saw it)
+# ...or below this share where a straggler was found: the rank receiving over its ring link finishes late
+# too (mlp-4, 4 ranks on 2 loaded cores: at 0.84-0.90 of its peers' bandwidth); the accuracy matrix's slow
+# links ran at 0.01-0.29.
+LINK_BANDWIDTH_BESIDE_STRAGGLER = 0.5
 MIN_STEPS = 8  # network steps over a link in the window before its throughput is judged...
 MIN_BYTES = 1 << 20  # ...and bytes: a few small steps measure latency, not bandwidth
 MIN_LINKS = 3  # judged links of a role: with two, which one is "the others"?
@@ -383,7 +387,8 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     with np.errstate(invalid="ignore"):
         # A slow link moves the bytes slower: a rank that finishes late at the peers' bandwidth was only
         # descheduled at the end (4 CPU-bound ranks on 2 cores: 3.8 ms late at 69 vs 71 MB/s).
-        slower = ~(bandwidth > LINK_BANDWIDTH * peers_bw)  # unknown bandwidth does not clear a rank
+        share = LINK_BANDWIDTH_BESIDE_STRAGGLER if len(stragglers) else LINK_BANDWIDTH
+        slower = ~(bandwidth > share * peers_bw)  # unknown bandwidth does not clear a rank
         flagged = np.flatnonzero((z >= Z_MIN) & (excess >= LINK_MIN_LATENESS * step) & slower
                                  & ~np.isin(t.rank, list(stragglers)))
     if flagged.size == 0:
