@@ -193,7 +193,7 @@ def _rooted_between(anchors: np.ndarray, rooted: list[np.ndarray]) -> tuple[np.n
     broadcasts its buffers in one or several calls); `rooted`: each rank's rooted (enter, done) rows, sorted
     by enter. Ranks run one collective sequence, so the k-th of each rank in a gap is one instance."""
     n, m = anchors.shape
-    if m < 2 or not all(r.size for r in rooted):
+    if m < 2 or not rooted or not all(r.size for r in rooted):
         return np.zeros((n, 0)), np.zeros((n, 0))
     anchors = anchors[:, np.argsort(anchors.min(axis=0), kind="stable")]
     before = np.stack([np.searchsorted(r[:, 0], a) for r, a in zip(rooted, anchors)])  # rooted enters before each
@@ -293,8 +293,8 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     out = Alignment.empty(n)
     rooted = [np.array(sorted((c.enter, c.done) for c in p.collectives if c.op in rooted_ops and c.enter >= since),
                        dtype=float).reshape(-1, 2)
-              for p, seen in zip(patterns, compared) if seen] if rooted_ops else []
-    r_enter, r_done = _rooted_between(Ek, rooted) if rooted_ops else (np.zeros((len(Ek), 0)),) * 2
+              for p, seen in zip(patterns, compared) if seen] if rooted_ops else []  # none: no pass over records
+    r_enter, r_done = _rooted_between(Ek, rooted)
     stay = r_done - r_enter
     held = np.concatenate([np.zeros_like(Ek), stay - stay.min(axis=0) if stay.size else stay], axis=1)
     arrivals = np.concatenate([Ek, r_enter], axis=1)

@@ -254,12 +254,12 @@ class ProbeProgram:
             self.hot = on
             return
         self.hot = on
-        if not on:
+        if not on:  # every library's at once: their removals overlap
             uprobe_links.detach([p for lib in self.libraries.values() for p in lib.hot_attached])
-        for lib in self.libraries.values():
-            if not on:
+            for lib in self.libraries.values():
                 lib.hot_attached = []
-                continue
+            return
+        for lib in self.libraries.values():
             try:
                 self._attach_hot(self._bpf, lib)
             except ProbeError as e:  # the library's other probes go on
