@@ -76,6 +76,14 @@ class ThreadTimes:
 
 
 @dataclass
+class HostCpus:
+    """The CPUs a rank may run on (its affinity) and how idle they sat during the window, whoever ran there."""
+
+    count: int
+    idle: float  # share of their time, 0..1
+
+
+@dataclass
 class Neighbour:
     """A task that held the CPU right before a watched thread got it back after waiting for it."""
 
@@ -241,6 +249,7 @@ class RankPattern:
     # Recorded at a detail an agent raised for a slowdown (agent/detail.py): its probes cost the job time
     # themselves, so the window is not compared with the job's baseline (analyzer/baseline.py).
     raised_detail: bool = False
+    cpus: HostCpus | None = None  # None: unknown (an older agent, or the process exited)
 
     @property
     def window_s(self) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 
 from rankscope.schema.patterns import (SCHEMA_VERSION, CollectiveGpu, CollectiveRecord, FunctionStats, GpuActivity,
-                                       GpuHealth, GpuKernel, LinkStats, Neighbour, PyFunction, PyTimed, RankPattern,
+                                       GpuHealth, GpuKernel, HostCpus, LinkStats, Neighbour, PyFunction, PyTimed, RankPattern,
                                        Role, TcpFlow, ThreadTimes)
 
 _ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5, Role.GC: 6}
@@ -78,6 +78,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         **({"tcp": [[f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
                     for f in p.tcp]} if p.tcp else {}),
         **({"rd": True} if p.raised_detail else {}),
+        **({"cpu": [p.cpus.count, p.cpus.idle]} if p.cpus is not None else {}),
     }
 
 
@@ -119,6 +120,16 @@ def _list(x: Any, what: str, length: int | None = None) -> list:
     if length is not None and len(x) != length:
         raise PatternDecodeError(f"{what}: expected {length} fields, got {len(x)}")
     return x
+
+
+def _cpus_from_wire(raw: Any) -> HostCpus | None:
+    if raw is None:
+        return None
+    count, idle = _list(raw, "cpu", 2)
+    idle = _seconds(idle, "cpu idle share")
+    if idle > 1:
+        raise PatternDecodeError(f"cpu idle share {idle!r} is above 1")
+    return HostCpus(_int(count, "cpu count", minimum=1), idle)
 
 
 def _function_from_wire(name: Any, row: Any) -> FunctionStats:
@@ -296,6 +307,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
                                                                                "p99_s")],
             tcp=_tcp_from_wire(d.get("tcp", [])),
             raised_detail=d.get("rd", False) is True,
+            cpus=_cpus_from_wire(d.get("cpu")),
         )
     except PatternDecodeError:
         raise

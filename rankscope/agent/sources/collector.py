@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from rankscope.agent.detail import LIGHT, Detail
+from rankscope.agent.host.cpu_idle import CpuIdle
 from rankscope.agent.host.targets import Identity, Target, major_faults, thread_group
 from rankscope.agent.host.thread_state import where
 from rankscope.agent.loader import histograms
@@ -19,7 +20,7 @@ from rankscope.agent.loader.program import (COLL_RING, DONE_RECORD, FN_STATS, IN
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes import net, sched
 from rankscope.agent.sources.probes.nccl import communicators, world_communicator
-from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
+from rankscope.schema.patterns import CollectiveRecord, FunctionStats, HostCpus, RankPattern, Role
 
 STALLED_SAMPLES = 5  # /proc reads of a stalled rank: its state by majority
 # A rank whose last collective completed this long before the window's end is stalled (so far): where it
@@ -45,6 +46,7 @@ class Collector:
         self.host = host
         self._cursors: dict[int, _ProcessCursor] = {}
         self._window_start = time.time()
+        self._cpu_idle = CpuIdle()
         self.detail: Detail = LIGHT
 
     def forget(self, pid: int) -> None:
@@ -68,6 +70,7 @@ class Collector:
         threads = sched.threads(bpf)
         thieves = sched.thieves(bpf)
         sockets = net.sockets(bpf)
+        self._cpu_idle.advance()
 
         patterns = []
         for t in targets:
@@ -79,6 +82,7 @@ class Collector:
             if collectives:
                 cursor.last_progress = collectives[-1].done
             ident = self._identity(t, comms.get(t.pid, []))
+            cpus = self._cpu_idle.of(t.pid)
             patterns.append(RankPattern(
                 job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
                 # A rank attached during this window has been accounted only since then.
@@ -93,6 +97,7 @@ class Collector:
                 since=t.attached_at,
                 where=self._where(t.pid, pending_op.get(t.pid) or blocked_in.get(t.pid), stalled=self._stalled(t, now)),
                 tcp=cursor.tcp.flows(sockets.get(t.pid, {})),
+                cpus=None if cpus is None else HostCpus(*cpus),
             ))
             cursor.major_faults = faults
         return patterns

@@ -126,6 +126,27 @@ def delay(a: Alignment | None, rows: Sequence[int], excess: float) -> float:
     return waited if np.isfinite(waited) else excess
 
 
+def cpu_bound(t: RankTable, rows: Sequence[int]) -> float:
+    """The most the step could shrink without these ranks' extra work when CPUs limit it, as a share of the
+    step (inf when unknown). Without the extra, the same other work must still run on the CPUs, so the step
+    can shrink by no more than what they sat idle plus the extra on-CPU time spread over them. On a host with
+    idle CPUs this is above the time the others wait and changes nothing; on a CPU-saturated one the others'
+    waiting frees their CPUs for the straggler and for loader workers, and the wait overstates what the
+    straggler costs (cnn-3, 9 busy processes on 2 CPUs: 28 ms injected, the others wait 29 ms of a 75 ms step,
+    the step without it is 57 ms). Its premise: the other work on the CPUs does not grow with the wait (a
+    rank that spins while it waits for peers would make the bound too low)."""
+    ran = peer_deviation(t.oncpu_s, 0.0)[1]
+    step = t.job_step_s
+    extra, idle = 0.0, 0.0
+    for i in rows:
+        cpus = t.patterns[i].cpus
+        if cpus is None or not np.isfinite(ran[i]):
+            return float("inf")
+        extra += max(float(ran[i]), 0.0) / (cpus.count * step)
+        idle = max(idle, cpus.idle)
+    return idle + extra
+
+
 def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
     """What the scheduler saw of a rank, per step: it tells 'slow' from 'waiting for a CPU or a disk'."""
     p = t.patterns[i]
@@ -133,7 +154,8 @@ def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
         return {}
     per_step = t.step_s[i] / p.window_s
     return {"runq_s": float(t.runq_s[i]), "io_s": sum(x.io_s for x in p.sched.values()) * per_step,
-            "reclaim_s": sum(x.reclaim_s for x in p.sched.values()) * per_step, "major_faults": p.major_faults}
+            "reclaim_s": sum(x.reclaim_s for x in p.sched.values()) * per_step, "major_faults": p.major_faults,
+            **({"cpus": p.cpus.count, "cpus_idle": p.cpus.idle} if p.cpus is not None else {})}
 
 
 def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
@@ -192,7 +214,8 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
         ranks = [r["rank"] for r in per_rank]
         # What-if: without the straggler(s) the step shrinks by the time the others wait for the last one.
         rows_of = [row for row in flagged if int(t.rank[row]) in ranks]
-        cost = float(np.clip(delay(a, rows_of, max(r["delay_s"] for r in per_rank)) / step, 0.0, 1.0))
+        waited = delay(a, rows_of, max(r["delay_s"] for r in per_rank)) / step
+        cost = float(np.clip(min(waited, cpu_bound(t, rows_of)), 0.0, 1.0))
         caller = per_rank[0]["python_function"]
         where = {"gpu": f"GPU work, waits in {function}" + (f" called from {caller}" if caller else ""),
                  "cpu": f"host work in {function}" if function else "host work outside CUDA and NCCL calls",
