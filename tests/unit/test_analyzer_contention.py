@@ -57,3 +57,15 @@ def test_contention_without_lost_time_is_no_finding():
 def test_no_scheduler_view_keeps_the_compute_verdict():
     found = findings(simulate(4, host_extra={2: 0.015}))
     assert [(f["kind"], f["ranks"]) for f in found] == [("compute_straggler", [2])]
+
+
+def test_cost_counts_the_wait_for_a_cpu_inside_collectives():
+    """A victim arrives 8 ms late but its main thread waited 16 ms more for a CPU than its peers: the rest of
+    the wait stretched the collectives themselves, which every rank pays (a hog on a gloo rank's CPU)."""
+    pats = with_sched(simulate(4, host_extra={3: 0.008}), runq_extra={3: 0.016}, neighbour=HOG)
+    [f] = findings(pats)
+    assert f["kind"] == "cpu_contention"
+    ev = f["evidence"]
+    waited_for_cpu = ev["runq_s"] - ev["peers_runq_s"]  # per step of the job (with_sched spreads it per 48 ms)
+    assert waited_for_cpu > 2 * 0.008
+    assert f["cost"] == pytest.approx(waited_for_cpu / ev["step_time_s"], rel=0.02)
