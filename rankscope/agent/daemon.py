@@ -80,7 +80,8 @@ class Agent:
         current = {v.pid for v in views}
         docs = diagnose(patterns, self.hang_timeout_s, self.baselines, self.slowdown_threshold)
         self.baselines = {job: b for job, b in self.baselines.items() if job in docs}
-        self.session.set_detail(self.trigger.update(docs, time.time()))
+        self.session.set_detail(self.trigger.update({job: b.compared for job, b in self.baselines.items()},
+                                                    time.time()))
         self.confirmer.confirm(docs)
         for doc in docs.values():
             doc["mode"] = self.trigger.mode()

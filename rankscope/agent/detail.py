@@ -9,9 +9,11 @@ before it may trigger again, so that a lasting slowdown cannot keep the job in d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from rankscope.agent.sources.python_sampler import DEFAULT_FREQUENCY
+from rankscope.analyzer.baseline import Comparison
 from rankscope.analyzer.stability import CONFIRM_WINDOWS
 
 DEEP_SECONDS = 60.0
@@ -76,8 +78,9 @@ class SlowdownTrigger:
         compared with a baseline of light ones."""
         return self.trigger is not None
 
-    def update(self, docs: dict[str, dict[str, Any]], now: float) -> Detail:
-        """The detail for the next window, from this window's diagnosis documents (job -> document). Deep
+    def update(self, compared: Mapping[str, Comparison | None], now: float) -> Detail:
+        """The detail for the next window, from this window's step time of each job against its baseline
+        (job -> Baseline.compared: None without a baseline yet). Deep
         detail is raised once a job is slower than its baseline in CONFIRM_WINDOWS light windows in a row,
         as a regression is confirmed: raised on one noisy window, its own cost kept the job slower."""
         if self.fixed:
@@ -87,13 +90,11 @@ class SlowdownTrigger:
             self.trigger = None
             self._slower.clear()
         elif self.trigger is None:
-            self._slower = {job: self._slower.get(job, 0) + 1 for job, doc in docs.items()
-                            if (doc.get("baseline") or {}).get("slower")}  # analyzer/baseline.py Reference.slower
+            self._slower = {job: self._slower.get(job, 0) + 1 for job, c in compared.items() if c and c.slower}
         if self.trigger is None and now >= self._rest_until:
-            for job, doc in sorted(docs.items()):
-                if self._slower.get(job, 0) >= CONFIRM_WINDOWS:
-                    baseline = doc["baseline"]
-                    self.trigger = Trigger(job, now, now + self.deep_s, doc["step_time_s"], baseline["step_time_s"])
+            for job, c in sorted(compared.items()):
+                if c and self._slower.get(job, 0) >= CONFIRM_WINDOWS:
+                    self.trigger = Trigger(job, now, now + self.deep_s, c.step_s, c.baseline_step_s)
                     break
         return DEEP if self.trigger else LIGHT
 

@@ -65,6 +65,15 @@ class Reference:
         return max(self.spread_s, Z_FLOOR * self.profile.step_s)
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """One window's step time against the job's baseline: what the agent's slowdown trigger acts on."""
+
+    step_s: float
+    baseline_step_s: float
+    slower: bool  # Reference.slower
+
+
 class Baseline:
     """A job's recent window profiles; add each window after comparing it with `reference()` (diagnosis
     leaves out hung and regressed windows, so a regression does not become the baseline)."""
@@ -72,6 +81,7 @@ class Baseline:
     def __init__(self, keep: int = KEEP_WINDOWS):
         self._windows: deque[StepProfile] = deque(maxlen=keep)
         self.regression: dict[str, Any] | None = None  # the last comparable window's (diagnosis.py holds it)
+        self.compared: Comparison | None = None  # the last window's (None: no baseline yet, or no steps)
 
     def add(self, profile: StepProfile | None) -> None:
         if profile is not None:

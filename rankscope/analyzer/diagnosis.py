@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline, Reference, StepProfile
+from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline, Comparison, Reference, StepProfile
 from rankscope.analyzer.differential import align_collectives
 from rankscope.analyzer.metrics import RankTable, rank_table
 from rankscope.analyzer.peers import peer_groups
@@ -115,7 +115,12 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         return entry
 
     profile = StepProfile.of(table) if analyzed and not hung else None
+    compared = (Comparison(profile.step_s, reference.profile.step_s, reference.slower(profile.step_s,
+                                                                                        slowdown_threshold))
+                if reference and profile else None)
     listed = [f.to_dict() for f in findings]
+    if baseline is not None:
+        baseline.compared = compared
     if baseline is not None and comparable:
         if not any(f.kind in NOT_BASELINE for f in findings):
             baseline.add(profile)
@@ -129,7 +134,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         "step_time_s": plain(profile.step_s if profile else None),
         "baseline": plain({"step_time_s": reference.profile.step_s, "windows": reference.windows,
                            "end": reference.profile.end, "noise_s": reference.noise_s,
-                           "slower": bool(profile and reference.slower(profile.step_s, slowdown_threshold))})
+                           "slower": bool(compared and compared.slower)})
         if reference else None,
         "ranks": [rank_entry(p) for p in sorted(patterns, key=lambda p: (p.rank, p.pid))],
         "findings": listed,

@@ -2,16 +2,15 @@
 import pytest
 
 from rankscope.agent.detail import COOLDOWN, DEEP, LIGHT, SlowdownTrigger
-from rankscope.analyzer.baseline import Reference, StepProfile
+from rankscope.analyzer.baseline import Comparison, Reference, StepProfile
 
 
-def doc(step: float | None, base: float | None, noise: float = 0.0) -> dict:
-    """A diagnosis document's step time and baseline, its verdict from the analyzer's own rule (10%)."""
+def doc(step: float, base: float | None, noise: float = 0.0) -> Comparison | None:
+    """A window's step time against the job's baseline, its verdict from the analyzer's own rule (10%)."""
     if base is None:
-        return {"step_time_s": step, "baseline": None}
+        return None
     ref = Reference(StepProfile(end=0.0, step_s=base, host_s=0.0, functions={}, python={}), 10, noise)
-    return {"step_time_s": step, "baseline": {"step_time_s": base, "windows": 10, "noise_s": ref.noise_s,
-                                              "slower": ref.slower(step, 0.10)}}
+    return Comparison(step, base, ref.slower(step, 0.10))
 
 
 def test_light_until_a_step_exceeds_the_baseline_by_the_threshold():
