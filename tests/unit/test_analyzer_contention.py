@@ -69,3 +69,13 @@ def test_cost_counts_the_wait_for_a_cpu_inside_collectives():
     waited_for_cpu = ev["runq_s"] - ev["peers_runq_s"]  # per step of the job (with_sched spreads it per 48 ms)
     assert waited_for_cpu > 2 * 0.008
     assert f["cost"] == pytest.approx(waited_for_cpu / ev["step_time_s"], rel=0.02)
+
+
+def test_working_longer_on_a_loaded_host_is_not_contention():
+    """On a host loaded several deep a rank that works 15 ms longer also waits longer for a CPU, here more than
+    it ran: it ran 6 ms of its extra time beyond its peers, which a victim of a hog never does."""
+    pats = with_sched(simulate(4, host_extra={3: 0.015}), runq_extra={3: 0.009})
+    steps = WINDOW / STEP
+    pats[3].sched["main"].on_cpu_s += 0.006 * steps
+    found = findings(pats)
+    assert [(f["kind"], f["ranks"]) for f in found] == [("compute_straggler", [3])], found

@@ -8,8 +8,8 @@ import msgpack
 import pytest
 
 from rankscope.schema.patterns import (KERNEL_NAME_CHARS, MAX_LINKS, SCHEMA_VERSION, TOP_KERNELS, CollectiveGpu,
-                                       CollectiveRecord, FunctionStats, GpuActivity, GpuHealth, GpuKernel, LinkStats,
-                                       PyTimed, RankPattern, Role, TcpFlow)
+                                       CollectiveRecord, FunctionStats, GpuActivity, GpuHealth, GpuKernel, HostCpus,
+                                       LinkStats, PyTimed, RankPattern, Role, TcpFlow)
 from rankscope.schema.wire import PatternDecodeError, decode_patterns, encode_patterns, pattern_to_json
 
 T0 = 1_700_000_123.456789
@@ -161,6 +161,16 @@ def test_timed_python_functions_round_trip_and_may_be_absent():
 def test_malformed_timed_python_functions_raise_decode_error(pyt):
     with pytest.raises(PatternDecodeError):
         decode_patterns(_mutated(pyt=pyt))
+
+
+def test_host_cpus_round_trip_may_be_absent_and_are_checked():
+    p = typical()
+    p.cpus = HostCpus(8, 0.25)
+    assert decode_patterns(encode_patterns([p]))[0].cpus == HostCpus(8, 0.25)
+    assert decode_patterns(_mutated())[0].cpus is None  # an agent before the field
+    for bad in ([8, 1.5], [0, 0.5], [8, -0.1], [8], "x"):
+        with pytest.raises(PatternDecodeError):
+            decode_patterns(_mutated(cpu=bad))
 
 
 def with_gpu(p: RankPattern) -> RankPattern:

@@ -25,7 +25,8 @@ LATE_RATIO = 4.0  # host every rank is late in some steps, a straggler in most: 
 # 0.79 of the steps, 2.6x its peers (cnn-3, 9 busy processes on 2 CPUs: rank 0's forward runs 7 ms slower
 # in some windows). A peer the straggler holds up in a rooted collective (a broadcast's root waits for every
 # receiver) arrives late at the next collective too (0.88-0.93), so the ratio alone is not the rule.
-CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended
+CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
+CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
 
 _HOST_TIME = None  # "function" of time outside every probed function
@@ -85,15 +86,17 @@ def _runq_excess(t: RankTable) -> np.ndarray:
 
 
 def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray:
-    """The straggling rows whose extra time is mostly waiting for a CPU, not computing: at least
-    CONTENTION_SHARE of it, and more than the extra time it ran. A rank that computes longer on a busy host
-    also waits longer for a CPU (mlp-4 with other load: 20.8 ms extra a step, 10.9 ms of it runnable, and 12.1
-    ms more on CPU than its peers); a hog's victim runs no longer than its peers (lm-2-long: 197 ms more
-    runnable, 5 ms more on CPU)."""
+    """The straggling rows whose extra time is waiting for a CPU, not computing: at least CONTENTION_SHARE of
+    it, while the rank ran hardly longer than its peers (under CONTENTION_RAN of it). A hog's victim does
+    the same work as its peers (it ran at most 0.06 of its extra time beyond theirs, in 12 windows: lm-2-long
+    197 ms more runnable, 5 ms more on CPU). A rank that works longer on a busy host waits longer for a CPU
+    too, and on a host loaded 5 deep more than it ran: a GC storm under helpers' test runs, 168 ms more on
+    CPU and 178 ms more runnable a step; a compute straggler, 12.1 and 10.9 ms; those ran at least 0.31 of
+    their extra time."""
     runq = _runq_excess(t)[rows]
     ran = peer_deviation(t.oncpu_s, 0.0)[1][rows]
     with np.errstate(invalid="ignore"):
-        return rows[(runq >= CONTENTION_SHARE * excess[rows]) & ~(ran >= runq)]
+        return rows[(runq >= CONTENTION_SHARE * excess[rows]) & ~(ran >= CONTENTION_RAN * excess[rows])]
 
 
 def _python_excess(names: list[str], per_step: np.ndarray, i: int, valid: np.ndarray, excess: float) -> str | None:
@@ -124,27 +127,6 @@ def delay(a: Alignment | None, rows: Sequence[int], excess: float) -> float:
     lined up (the direct measure), else `excess`, their extra work per step."""
     waited = a.waited_for(rows) if a is not None else float("nan")
     return waited if np.isfinite(waited) else excess
-
-
-def cpu_bound(t: RankTable, rows: Sequence[int]) -> float:
-    """The most the step could shrink without these ranks' extra work when CPUs limit it, as a share of the
-    step (inf when unknown). Without the extra, the same other work must still run on the CPUs, so the step
-    can shrink by no more than what they sat idle plus the extra on-CPU time spread over them. On a host with
-    idle CPUs this is above the time the others wait and changes nothing; on a CPU-saturated one the others'
-    waiting frees their CPUs for the straggler and for loader workers, and the wait overstates what the
-    straggler costs (cnn-3, 9 busy processes on 2 CPUs: 28 ms injected, the others wait 29 ms of a 75 ms step,
-    the step without it is 57 ms). Its premise: the other work on the CPUs does not grow with the wait (a
-    rank that spins while it waits for peers would make the bound too low)."""
-    ran = peer_deviation(t.oncpu_s, 0.0)[1]
-    step = t.job_step_s
-    extra, idle = 0.0, 0.0
-    for i in rows:
-        cpus = t.patterns[i].cpus
-        if cpus is None or not np.isfinite(ran[i]):
-            return float("inf")
-        extra += max(float(ran[i]), 0.0) / (cpus.count * step)
-        idle = max(idle, cpus.idle)
-    return idle + extra
 
 
 def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
@@ -214,8 +196,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
         ranks = [r["rank"] for r in per_rank]
         # What-if: without the straggler(s) the step shrinks by the time the others wait for the last one.
         rows_of = [row for row in flagged if int(t.rank[row]) in ranks]
-        waited = delay(a, rows_of, max(r["delay_s"] for r in per_rank)) / step
-        cost = float(np.clip(min(waited, cpu_bound(t, rows_of)), 0.0, 1.0))
+        cost = float(np.clip(delay(a, rows_of, max(r["delay_s"] for r in per_rank)) / step, 0.0, 1.0))
         caller = per_rank[0]["python_function"]
         where = {"gpu": f"GPU work, waits in {function}" + (f" called from {caller}" if caller else ""),
                  "cpu": f"host work in {function}" if function else "host work outside CUDA and NCCL calls",
