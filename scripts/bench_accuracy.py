@@ -3,6 +3,7 @@
     scripts/bench accuracy [--repeats N] [--windows K] [--shapes A,B] [--faults X,Y] [--json PATH]
                            [--misses DIR] [--keep-all] [--load N]   (root)
     scripts/bench accuracy --table RESULTS.json...   (the table of earlier runs, merged)
+    scripts/bench accuracy --replay DIR...   (kept windows diagnosed again by the current analyzer)
 
 Each case is a fresh torchrun job of one shape (tests/jobs/: user-style training code, faults injected from
 outside the job's code by tests/jobs/inject/sitecustomize.py), or the simulated GPU job (rankscope.sim: its
@@ -21,7 +22,9 @@ same pinned job before the hog starts), and, for agent cases, time to the findin
 A wrong diagnose verdict, a false finding, a step time off by more than 10% or a cost off by more than 30% keeps
 its evidence in --misses: the patterns observed (diagnose --save-patterns), the document and diagnose's log (an
 agent case: every window's document and patterns, and the agent's log), to analyze offline with
-rankscope.analyzer; --keep-all keeps every run's, right or wrong (a corpus to try a rule change on).
+rankscope.analyzer; --keep-all keeps every run's, right or wrong (a corpus to try a rule change on), and
+--replay diagnoses such a corpus again with the current analyzer and prints its table (diagnose windows; the
+truth stays the one measured when the window was kept).
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "jobs"))
 import launch  # noqa: E402  (tests/jobs/launch.py: torchrun jobs with injected faults)
 
+from rankscope.analyzer.diagnosis import DEFAULT_HANG_TIMEOUT_S, diagnose  # noqa: E402
+from rankscope.schema.wire import decode_patterns  # noqa: E402
 from rankscope.sim.harness import free_port, wait_until  # noqa: E402
 
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
@@ -144,6 +149,10 @@ class Run:
     truth_step_s: float | None = None  # the job's own
     cost: float | None = None
     truth_cost: float | None = None
+    # The issue's own measure, where the fault is one known delay a step (compute: the rank spins that long
+    # before optimizer.step): that delay's share of the faulty step. The what-if above is stricter: on a host
+    # the job oversubscribes, the others' waiting lends the straggler CPU and the job loses less than that.
+    injected_cost: float | None = None
     to_finding_s: float | None = None
     error: str = ""
     job: str = ""  # the job's run id: runs of one job are its consecutive diagnose windows
@@ -159,6 +168,12 @@ class Run:
         if self.cost is None or not self.truth_cost:
             return None
         return self.cost / self.truth_cost - 1
+
+    @property
+    def injected_err(self) -> float | None:
+        if self.cost is None or not self.injected_cost:
+            return None
+        return self.cost / self.injected_cost - 1
 
 
 @dataclass(frozen=True)
@@ -182,10 +197,15 @@ def log(msg: str) -> None:
     print(f"[accuracy {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def added_s(healthy_step: float) -> float:
+    """Seconds a faulty rank adds per step: half the healthy step, within 20-300 ms."""
+    return min(max(0.02, 0.5 * healthy_step), 0.3)
+
+
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     """$RANKSCOPE_FAULT for the case: delays scaled to the shape's healthy step time."""
     v = shape.target(fault.name)
-    extra = min(max(0.02, 0.5 * healthy_step), 0.3)  # seconds a faulty rank adds per step
+    extra = added_s(healthy_step)
     if shape.sim:  # GPU-side equivalents: a slower GPU, input stall, a slower link
         return {"compute": f"slow-gpu:{v}:1.5", "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
                 "slowlink": f"slow-link:{v}:4"}.get(fault.name, "")
@@ -277,6 +297,8 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         if doc["findings"] and right and fault.expect and healthy_step and run.truth_step_s:
             run.cost = doc["findings"][0]["cost"]
             run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
+            if fault.name == "compute" and not shape.sim:
+                run.injected_cost = min(added_s(healthy_step) / run.truth_step_s, 1.0)
     if misses.wanted(run):
         name = f"{shape.name}-{fault.name}-{job.run_id}-{window}"
         shutil.copyfile(saved, misses.path(f"{name}.msgpack"))
@@ -391,15 +413,41 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         step = [abs(r.step_err) for r in rs if r.step_err is not None]
         cost = [r.cost_err for r in rs if r.cost_err is not None]
+        injected = [r.injected_err for r in rs if r.injected_err is not None]
         ttf = [r.to_finding_s for r in rs if r.to_finding_s is not None]
         truth = [r.truth_step_s for r in rs if r.truth_step_s]
         rows.append({"shape": key[0], "fault": key[1], "runs": len(rs), "jobs": len({r.job for r in rs}),
                      "truth_step_s": med(truth),
                      "right": sum(r.right for r in rs), "step_err_worst": max(step) if step else None,
                      "false": sum(len(r.false) for r in rs), "errors": sum(bool(r.error) for r in rs),
-                     "step_err": med(step), "cost_err": med(cost), "to_finding_s": med(ttf),
+                     "step_err": med(step), "cost_err": med(cost), "injected_err": med(injected),
+                     "to_finding_s": med(ttf),
                      "seen": sorted({", ".join(r.findings) or "-" for r in rs})})
     return rows
+
+
+def replay(dirs: list[Path]) -> list[Run]:
+    """The diagnose windows kept in `dirs` (--misses, --keep-all), diagnosed again by the current analyzer: a
+    rule change tried on real jobs' windows before it lands. A cost is scored where the kept run had its truth
+    (a right verdict then)."""
+    shapes, faults = {s.name: s for s in SHAPES}, {f.name: f for f in FAULTS}
+    runs = []
+    for path in sorted(p for d in dirs for p in d.glob("*.json")):
+        kept, saved = json.loads(path.read_text()), path.with_suffix(".msgpack")
+        shape, fault = shapes.get(kept["run"]["shape"]), faults.get(kept["run"]["fault"])
+        if not saved.exists() or shape is None or fault is None or fault.mode != "diagnose":
+            continue
+        run = Run(**{k: v for k, v in kept["run"].items() if k not in ("step_err", "cost_err", "injected_err")})
+        if run.fault == "compute" and not shape.sim and run.truth_cost is not None and run.truth_step_s:
+            healthy = (1 - run.truth_cost) * run.truth_step_s  # the reference the kept run was scored against
+            run.injected_cost = min(added_s(healthy) / run.truth_step_s, 1.0)
+        timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
+        doc = next(iter(diagnose(decode_patterns(saved.read_bytes()), timeout).values()))
+        run.right, run.false = score(shape, fault, doc["findings"])
+        run.findings, run.step_s = [label(f) for f in doc["findings"]], doc["step_time_s"]
+        run.cost = doc["findings"][0]["cost"] if run.right and run.truth_cost is not None and doc["findings"] else None
+        runs.append(run)
+    return runs
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -410,8 +458,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         ttf = "-" if r["to_finding_s"] is None else f"{r['to_finding_s']:.1f} s"
         step = "-" if r["step_err"] is None else f"{r['step_err']:.0%} ({r['step_err_worst']:.0%})"
         truth = "-" if r.get("truth_step_s") is None else f"{r['truth_step_s'] * 1e3:.0f} ms"
+        cost = pct(r["cost_err"]) + (f" ({pct(r['injected_err'])} of injected)" if r.get("injected_err") is not None
+                                     else "")
         lines.append(f"| {r['shape']} | {r['fault']} | {truth} | {r['right']}/{r['runs']} | {r['jobs']} | "
-                     f"{r['false']} | {step} | {pct(r['cost_err'])} | {ttf} | {'; '.join(r['seen'])[:80]} |")
+                     f"{r['false']} | {step} | {cost} | {ttf} | {'; '.join(r['seen'])[:80]} |")
     return "\n".join(lines)
 
 
@@ -425,13 +475,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--misses", default="accuracy-misses", help="where wrong verdicts keep their patterns and document")
     ap.add_argument("--keep-all", action="store_true", help="keep every run's patterns and document in --misses")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' JSON files instead")
+    ap.add_argument("--replay", nargs="+", metavar="DIR", type=Path,
+                    help="diagnose the windows kept in DIR again with the current analyzer; print their table")
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="a loaded machine: N busy processes beside the jobs, on and off at random (see neighbours)")
     args = ap.parse_args(argv)
     if args.table:
-        runs = [Run(**{k: v for k, v in r.items() if k not in ("step_err", "cost_err")})
+        runs = [Run(**{k: v for k, v in r.items() if k not in ("step_err", "cost_err", "injected_err")})
                 for f in args.table for r in json.loads(Path(f).read_text())["runs"]]
         print(table(summarize(runs)))
+        return 0
+    if args.replay:
+        print(table(summarize(replay(args.replay))))
         return 0
     if os.geteuid() != 0:
         print("bench_accuracy: needs root (eBPF)", file=sys.stderr)
@@ -469,8 +524,8 @@ def main(argv: list[str] | None = None) -> int:
 def save(path: Path, shapes: list[Shape], runs: list[Run]) -> None:
     """The results so far (rewritten after every case: a matrix cut short keeps what it measured)."""
     path.write_text(json.dumps({"shapes": [asdict(s) for s in shapes], "rows": summarize(runs),
-                                "runs": [asdict(r) | {"step_err": r.step_err, "cost_err": r.cost_err}
-                                         for r in runs]}, indent=1))
+                                "runs": [asdict(r) | {"step_err": r.step_err, "cost_err": r.cost_err,
+                                                      "injected_err": r.injected_err} for r in runs]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""`scripts/bench accuracy --replay`: kept windows diagnosed again by the current analyzer, scored as kept."""
+import importlib.util
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from test_analyzer import simulate
+
+from rankscope.schema.wire import encode_patterns
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def bench_accuracy():
+    spec = importlib.util.spec_from_file_location("bench_accuracy", ROOT / "scripts" / "bench_accuracy.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_accuracy"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def keep(bench, folder: Path, name: str, fault: str, patterns, findings: list[str], step: float) -> None:
+    """A window as the matrix keeps it: patterns, and the run (the verdict then, the job's truth)."""
+    run = bench.Run("mlp-4", fault, right=False, false=[], findings=findings, truth_step_s=step,
+                    truth_cost=0.25 if fault == "compute" else None)
+    (folder / f"{name}.msgpack").write_bytes(encode_patterns(patterns))
+    (folder / f"{name}.json").write_text(json.dumps({"run": asdict(run), "document": {}, "log": ""}))
+
+
+def test_replay_scores_kept_windows_with_the_current_analyzer(tmp_path):
+    bench = bench_accuracy()
+    keep(bench, tmp_path, "mlp-4-compute-a-0", "compute", simulate(4, host_extra={3: 0.016}), [], 0.064)
+    keep(bench, tmp_path, "mlp-4-healthy-b-0", "healthy", simulate(4), ["slow_link[2]"], 0.048)
+    runs = {r.fault: r for r in bench.replay([tmp_path])}
+    assert runs["compute"].right and runs["compute"].findings == ["compute_straggler[3]"]
+    assert runs["compute"].cost is not None and runs["compute"].cost_err is not None
+    assert runs["compute"].injected_cost == min(bench.added_s(0.75 * 0.064) / 0.064, 1.0)
+    assert runs["healthy"].right and runs["healthy"].false == []
+    table = bench.table(bench.summarize(list(runs.values())))
+    assert "| mlp-4 | compute |" in table and "of injected" in table
