@@ -37,7 +37,7 @@ def host_name() -> str:
 
 class Session:
     def __init__(self, program: ProbeProgram | None = None, traced: tuple[TracedFunction, ...] = (),
-                 detail: Detail = LIGHT):
+                 detail: Detail = LIGHT, inject_shim: bool = False):
         self.program = program or ProbeProgram()
         self.program.hot = detail.hot_probes
         self.collector = Collector(self.program, host_name())
@@ -49,7 +49,7 @@ class Session:
         self.sources: list[Source] = [
             self.frames,
             PythonTiming(sampler, traced, detail),
-            GpuViews(launches=detail.hot_probes),
+            GpuViews(launches=detail.hot_probes, inject=inject_shim),
         ]
 
     def add(self, pid: int) -> Target:

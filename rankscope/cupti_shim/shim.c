@@ -17,6 +17,7 @@
 // is refused at start, never decoded on trust.
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -281,10 +282,11 @@ static void CUPTIAPI ignore_callback(void *ud, CUpti_CallbackDomain d, CUpti_Cal
 }
 
 // Entry point called by the CUDA driver at cuInit. Returns 1 (the driver ignores the value) whether or not
-// CUPTI could be set up: the job must never fail because of its observer.
+// CUPTI could be set up: the job must never fail because of its observer. Once per process: a late attach
+// (rankscope_shim_attach) racing a cuInit that also names the shim sets CUPTI up once.
 SHIM_API int InitializeInjection(void) {
-    static int done;
-    if (done++)
+    static atomic_flag done = ATOMIC_FLAG_INIT;
+    if (atomic_flag_test_and_set(&done))
         return 1;
     const char *rate = getenv("RANKSCOPE_SHIM_MAX_RATE");
     stats.max_rate = rate && *rate ? strtoull(rate, NULL, 10) : DEFAULT_MAX_RATE;
@@ -333,4 +335,24 @@ SHIM_API int InitializeInjection(void) {
         fprintf(stderr, "rankscope-cupti: no watcher thread; kernels are not joined to their launches\n");
     atexit(flush_at_exit);
     return 1;
+}
+
+static void *attach_late(void *unused) {
+    (void)unused;
+    InitializeInjection();
+    return NULL;
+}
+
+// Entry point of a late attach: an agent that loaded the shim into a running process (agent/inject) calls it
+// on a job thread it holds. CUPTI's set-up (loading libcupti, enabling records on live contexts: up to
+// hundreds of ms) runs on a thread of the shim's own, so that job thread is given back at once. CUPTI, as for
+// torch.profiler, records the kernels launched from then on. Returns 0, or pthread_create's error.
+SHIM_API int rankscope_shim_attach(void) {
+    pthread_t t;
+    int rc = pthread_create(&t, NULL, attach_late, NULL);
+    if (rc)
+        return rc;
+    pthread_setname_np(t, "rankscope-init");
+    pthread_detach(t);
+    return 0;
 }
