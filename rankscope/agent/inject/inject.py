@@ -115,8 +115,8 @@ def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIM
     if is_mapped(pid, name):
         return Injection(pid, library, loaded=False)
     try:
+        path = reachable_path(pid, library)  # first: says when the library does not exist
         offset = exported_functions(library).get(function)
-        path = reachable_path(pid, library)
         calls = loader_calls(pid)
     except (SymbolError, PlacementError, LoaderError) as e:
         raise InjectError(str(e)) from e

@@ -1,0 +1,78 @@
+// A process for tests/system/test_inject.py to load libraries into, checking from inside that it was put back
+// exactly as it was interrupted:
+//   spin: the main thread computes in registers only (a double in an SSE register, a counter in a general
+//         one) and checks them every iteration; a register not restored prints "corrupt" and exits 3.
+//         Prints "alive N" every 2^24 iterations.
+//   read: the main thread blocks in read(2) on stdin (a restarting system call); each line read is answered
+//         "ok LINE"; a read that returns anything but data or end of file prints "bad read" and exits 3.
+// Built with -shared -fPIC -DLIBRARY instead: a library to load, exporting entry() (returns 42).
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifdef LIBRARY
+// Loaded by the tests: EXIT_IN_CONSTRUCTOR kills its own process while dlopen runs (a process that exits
+// mid-injection); SLEEP_IN_CONSTRUCTOR outlasts the injector's deadline; NEEDS_MISSING_SYMBOL cannot load.
+__attribute__((constructor)) static void loaded(void) {
+#ifdef EXIT_IN_CONSTRUCTOR
+    kill(getpid(), SIGKILL);
+    pause();
+#endif
+#ifdef SLEEP_IN_CONSTRUCTOR
+    sleep(SLEEP_IN_CONSTRUCTOR);
+#endif
+}
+
+#ifdef NEEDS_MISSING_SYMBOL
+void rankscope_no_such_function(void);  // defined nowhere: dlopen(RTLD_NOW) refuses the library
+int entry(void) { rankscope_no_such_function(); return 42; }
+#else
+int entry(void) { return 42; }
+#endif
+#else
+static int spin(void) {
+    double sum = 0.0;
+    unsigned long i = 0;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("ready\n");
+    for (;;) {
+        sum += 1.0;
+        i++;
+        if (sum != (double)i) {
+            printf("corrupt %lu %f\n", i, sum);
+            return 3;
+        }
+        if ((i & ((1ul << 24) - 1)) == 0)
+            printf("alive %lu\n", i >> 24);
+    }
+}
+
+static int echo(void) {
+    char line[256];
+    size_t have = 0;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("ready\n");
+    for (;;) {
+        ssize_t n = read(0, line + have, 1);
+        if (n == 0)
+            return 0;
+        if (n != 1) {
+            printf("bad read %zd %s\n", n, strerror(errno));
+            return 3;
+        }
+        if (line[have] == '\n' || have == sizeof(line) - 2) {
+            line[have] = 0;
+            printf("ok %s\n", line);
+            have = 0;
+        } else {
+            have++;
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    return argc > 1 && strcmp(argv[1], "spin") == 0 ? spin() : echo();
+}
+#endif
