@@ -83,9 +83,9 @@ def is_mapped(pid: int, name: str) -> bool:
 
 
 def _threads(pid: int) -> list[int]:
-    """The main thread first (it is the one a Python job computes in), then the others; none in uninterruptible
-    sleep (in a driver, or on I/O: it would stop only on its way out of the kernel)."""
-    tids = sorted(tid for tid, status in procfs.task_status(pid).items() if not status.get("State", "").startswith("D"))
+    """The main thread first (it is the one a Python job computes in), then the others; none that exited, none
+    in uninterruptible sleep (in a driver, or on I/O: it would stop only on its way out of the kernel)."""
+    tids = sorted(tid for tid, status in procfs.task_status(pid).items() if status.get("State", "D")[0] not in "DZX")
     return sorted(tids, key=lambda tid: tid != pid)
 
 
@@ -133,7 +133,9 @@ def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIM
                 if not os.path.exists(f"/proc/{pid}"):
                     raise InjectError(f"process {pid} exited during the injection") from None
                 continue  # that thread exited: another one
-            except TraceError as e:
+            except OSError as e:  # a ptrace request refused, /proc unreadable
+                if not os.path.exists(f"/proc/{pid}"):
+                    raise InjectError(f"process {pid} exited during the injection") from None
                 raise InjectError(f"process {pid}: {e.strerror or e}") from None
             if done is not None:
                 stop_s, result = done
@@ -168,9 +170,11 @@ def _try_thread(pid: int, tid: int, path: str, offset: int, function: str, calls
             try:
                 if caller is not None:
                     caller.restore()
-                tracee.release()
-            except Gone:
-                pass
+            finally:  # a stopped thread is let go whatever happened
+                try:
+                    tracee.release()
+                except Gone:
+                    pass
             if caller is not None:
                 caller.resend()
 

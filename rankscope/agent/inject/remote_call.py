@@ -46,6 +46,7 @@ class RemoteCaller:
         self.fpu = tracee.fpu()
         self.signals: list[int] = []  # the process's own signals that stopped the thread mid-call
         self._scratch: tuple[int, bytes] | None = None  # (address, bytes that were there)
+        self._called = False  # registers changed: restore has work
         self._stack = (self.saved.rsp - RED_ZONE) & ~15
 
     def place(self, data: bytes) -> int:
@@ -53,6 +54,7 @@ class RemoteCaller:
         assert self._scratch is None, "one block of arguments per caller"
         addr = (self._stack - len(data)) & ~15
         self._scratch = (addr, self.tracee.read(addr, self._stack - addr))
+        self._called = True  # the bytes go back with the registers
         self.tracee.write(addr, data)
         self._stack = addr
         return addr
@@ -67,6 +69,7 @@ class RemoteCaller:
         self.tracee.write(regs.rsp, bytes(8))
         regs.rip, regs.rax, regs.orig_rax = function, 0, (1 << 64) - 1
         regs.eflags &= ~DIRECTION_FLAG
+        self._called = True
         self.tracee.set_regs(regs)
         self.tracee.resume()
         while True:
@@ -96,12 +99,19 @@ class RemoteCaller:
             self.signals.append(stop.signal)
 
     def restore(self) -> None:
-        """The thread's registers, vector state and the bytes written, as at the interrupt. The scratch bytes
-        go back before the registers, which point the thread at its own code again."""
-        if self._scratch is not None:
-            self.tracee.write(*self._scratch)
-        self.tracee.set_fpu(self.fpu)
-        self.tracee.set_regs(self.saved)
+        """The thread's registers, vector state and the bytes written, as at the interrupt (each put back even
+        if an earlier one failed). The scratch bytes go back before the registers, which point the thread at
+        its own code again. Nothing to do when no call was made."""
+        if not self._called:
+            return
+        try:
+            if self._scratch is not None:
+                self.tracee.write(*self._scratch)
+        finally:
+            try:
+                self.tracee.set_fpu(self.fpu)
+            finally:
+                self.tracee.set_regs(self.saved)
 
     def resend(self) -> None:
         """After the release: the signals held back during the calls, to the same thread (their siginfo, e.g.

@@ -23,7 +23,11 @@ NT_PRFPREG = 2  # FXSAVE area (x87 and SSE only): CPUs without XSAVE
 XSTATE_MAX = 1 << 14  # bytes; AVX-512's area is ~2.7 KiB, AMX's ~11 KiB
 WALL = 0x40000000  # waitpid's __WALL: a thread other than the leader is a "clone" child
 RELEASE_WAIT_S = 30.0  # for a thread still in the kernel when released (it cannot be let go running)
-POLL_S = 50e-6  # between two non-blocking waits (a blocking one could not honor the deadline)
+# A stop is polled for (a blocking wait could not honor the deadline): yielding the CPU between polls for the
+# first SPIN_S (a stop usually comes within a millisecond; a sleep would add a wake-up's scheduling delay on a
+# busy machine), then sleeping POLL_S between them.
+SPIN_S = 0.002
+POLL_S = 50e-6
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.ptrace.restype = ctypes.c_long
@@ -114,6 +118,7 @@ class Tracee:
 
     def wait(self, deadline: float) -> Stop:
         """The next stop of the running thread, polled until `deadline` (time.monotonic)."""
+        spin_until = time.monotonic() + SPIN_S
         while True:
             try:
                 got, status = os.waitpid(self.tid, os.WNOHANG | WALL)
@@ -126,9 +131,13 @@ class Tracee:
                     return Stop(os.WSTOPSIG(status), status >> 16)
                 self.attached = False  # exited or killed: the kernel released it
                 raise Gone(errno.ESRCH, f"process {self.pid} exited")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TraceError(errno.ETIMEDOUT, f"thread {self.tid} did not stop in time")
-            time.sleep(POLL_S)
+            if now < spin_until:
+                os.sched_yield()
+            else:
+                time.sleep(POLL_S)
 
     def regs(self) -> Regs:
         r = Regs()
