@@ -55,8 +55,9 @@ def built(tmp_path_factory) -> dict[str, Path]:
 class Target:
     """A started process that prints "ready" first; its stdout read line by line."""
 
-    def __init__(self, argv: list[str]):
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, argv: list[str], **env: str):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **env})
         self.pid = self.proc.pid
         assert self.line() == "ready"
 
@@ -206,6 +207,14 @@ def test_refusals_touch_nothing(built, start):
         debugger.release()
     assert target.ask("untouched") == "ok untouched" and not maps_library(target.pid, "libok.so")
     assert "needs root" in one_line_error(run("diagnose", "--pid", str(target.pid), "--inject-shim", user=65534))
+    opted_in = Target([str(built["target"]), "read"], CUDA_INJECTION64_PATH="/opt/nsight/libinjection.so")
+    try:  # CUDA will load what the job named at cuInit: the shim is not brought in beside it
+        with pytest.raises(InjectError, match="names /opt/nsight/libinjection.so in CUDA_INJECTION64_PATH"):
+            inject_shim(opted_in.pid)
+        assert shim_path(opted_in.pid) is None
+    finally:
+        opted_in.proc.kill()
+        opted_in.proc.wait()
 
 
 def test_a_library_the_container_cannot_see_is_copied_into_its_tmp(built, tmp_path):

@@ -9,6 +9,7 @@ import os
 import re
 
 from rankscope.agent.host import procfs
+from rankscope.agent.host.targets import TargetError, environment
 from rankscope.agent.inject.inject import DEFAULT_TIMEOUT_S, Injection, InjectError, inject
 from rankscope.agent.sources.probes.cupti import SHIM_LIBRARY
 from rankscope.cupti_shim.build import build_shim
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 
 ENTRY = "rankscope_shim_attach"
 SHIM_DIR_ENV = "RANKSCOPE_SHIM_DIR"
+INJECTION_ENV = "CUDA_INJECTION64_PATH"
 CUDA_MAJOR_OF = re.compile(r"^lib(?:cudart|cupti)\.so\.(\d+)")  # the job's CUDA line, from what it maps
 
 
@@ -60,6 +62,13 @@ def inject_shim(pid: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> Injection:
     if mapped is not None:
         log.info("pid %d: a CUPTI shim is already loaded (%s): nothing done", pid, mapped)
         return Injection(pid, mapped, loaded=False)
+    try:
+        opted_in = environment(pid).get(INJECTION_ENV)
+    except TargetError as e:
+        raise InjectError(str(e)) from e
+    if opted_in:  # CUDA loads that library at cuInit (the shim, or another tool holding CUPTI): not twice
+        raise InjectError(f"process {pid} names {opted_in} in {INJECTION_ENV}: CUDA loads it at cuInit; "
+                          f"nothing done")
     major = cuda_major(pid)
     if major is None:  # e.g. a job that has not loaded its CUDA runtime yet: the newest line's shim
         major = LINES[-1].major
