@@ -1,4 +1,5 @@
-// rankscope CUPTI shim: loaded by the CUDA driver from CUDA_INJECTION64_PATH, it turns on CUPTI activity
+// rankscope CUPTI shim: loaded by the CUDA driver from CUDA_INJECTION64_PATH (or into a running job that was
+// not started with it, by `rankscope --inject-shim`: rankscope_shim_attach below), it turns on CUPTI activity
 // records for kernels, memcpys and memsets and hands each completed record to the rankscope agent through
 // the USDT probe rankscope:activity. The probe has a semaphore: while no agent is attached, completed
 // buffers are returned to CUPTI unread, so the shim costs nothing beyond CUPTI's own record keeping.
