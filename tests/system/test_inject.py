@@ -164,7 +164,7 @@ def test_a_simulated_rank_gets_the_shim_from_diagnose_and_keeps_its_step_time(tm
         after = wait_until(lambda: steps_since(done, 20), 60, "20 steps after")
         assert job.alive()
         # The job's own step log: the same pace after (a loose bound: the machine may be busy).
-        assert _median_step(after) < 1.5 * _median_step(before) + 0.01, (_median_step(before), _median_step(after))
+        assert _median_step(after) < 2 * _median_step(before) + 0.02, (_median_step(before), _median_step(after))
         assert not inject_shim(job.pids[0]).loaded  # a second injection: already present
     finally:
         job.stop()

@@ -15,7 +15,6 @@ The thread is held for the time of dlopen and the call: `Injection.stop_s` measu
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import platform
 import time
@@ -27,8 +26,6 @@ from rankscope.agent.inject.loader import LoaderCalls, LoaderError, loader_calls
 from rankscope.agent.inject.placement import PlacementError, reachable_path
 from rankscope.agent.inject.remote_call import CallError, RemoteCaller, in_blocking_syscall
 from rankscope.agent.inject.tracee import Gone, TraceError, Tracee
-
-log = logging.getLogger(__name__)
 
 RTLD_NOW = 2
 DEFAULT_TIMEOUT_S = 2.0  # to find a safe point and to run dlopen and the call

@@ -47,13 +47,16 @@ class RemoteCaller:
         self.signals: list[int] = []  # the process's own signals that stopped the thread mid-call
         self._scratch: tuple[int, bytes] | None = None  # (address, bytes that were there)
         self._called = False  # registers changed: restore has work
-        self._stack = (self.saved.rsp - RED_ZONE) & ~15
+        self._stack = 0  # where the placed data begins; the return-address slot is the 8 bytes below
 
     def place(self, data: bytes) -> int:
-        """Writes `data` below the red zone (once per caller); its address."""
+        """Writes `data` below the red zone (once per caller, before the calls); its address. The calls'
+        return-address slot is kept just below it, so every byte written is among those put back."""
         assert self._scratch is None, "one block of arguments per caller"
-        addr = (self._stack - len(data)) & ~15
-        self._scratch = (addr, self.tracee.read(addr, self._stack - addr))
+        top = (self.saved.rsp - RED_ZONE) & ~15
+        addr = (top - len(data)) & ~15
+        low = addr - 16
+        self._scratch = (low, self.tracee.read(low, top - low))
         self._called = True  # the bytes go back with the registers
         self.tracee.write(addr, data)
         self._stack = addr
@@ -62,10 +65,12 @@ class RemoteCaller:
     def call(self, function: int, *args: int, deadline: float) -> int:
         """function(*args) on the thread; its return value (rax). CallError if it faults or is still running
         at `deadline` (the thread is then interrupted, so `restore` can run)."""
+        if self._scratch is None:
+            self.place(b"")
         regs = self.saved.copy()
         for name, value in zip(ARGUMENT_REGISTERS, args, strict=False):
             setattr(regs, name, value & (1 << 64) - 1)
-        regs.rsp = self._stack - 8  # the return address: rsp + 8 is 16-byte aligned at entry
+        regs.rsp = self._stack - 8  # the return address (in the saved slot): rsp + 8 is 16-byte aligned at entry
         self.tracee.write(regs.rsp, bytes(8))
         regs.rip, regs.rax, regs.orig_rax = function, 0, (1 << 64) - 1
         regs.eflags &= ~DIRECTION_FLAG
