@@ -2,7 +2,7 @@
 // exactly as it was interrupted:
 //   spin: the main thread computes in registers only (a double in an SSE register, a counter in a general
 //         one) and checks them every iteration; a register not restored prints "corrupt" and exits 3.
-//         Prints "alive N" every 2^24 iterations.
+//         SIGUSR1 ends the loop: "stopped N" (N iterations), exit 0.
 //   read: the main thread blocks in read(2) on stdin (a restarting system call); each line read is answered
 //         "ok LINE"; a read that returns anything but data or end of file prints "bad read" and exits 3.
 // Built with -shared -fPIC -DLIBRARY instead: a library to load, exporting entry() (returns 42).
@@ -32,21 +32,29 @@ int entry(void) { rankscope_no_such_function(); return 42; }
 int entry(void) { return 42; }
 #endif
 #else
+static volatile sig_atomic_t stop_requested;
+
+static void request_stop(int sig) {
+    (void)sig;
+    stop_requested = 1;
+}
+
 static int spin(void) {
     double sum = 0.0;
     unsigned long i = 0;
+    signal(SIGUSR1, request_stop);
     setvbuf(stdout, NULL, _IOLBF, 0);
     printf("ready\n");
-    for (;;) {
+    while (!stop_requested) {
         sum += 1.0;
         i++;
         if (sum != (double)i) {
             printf("corrupt %lu %f\n", i, sum);
             return 3;
         }
-        if ((i & ((1ul << 24) - 1)) == 0)
-            printf("alive %lu\n", i >> 24);
     }
+    printf("stopped %lu\n", i);
+    return 0;
 }
 
 static int echo(void) {
