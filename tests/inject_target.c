@@ -5,8 +5,11 @@
 //         SIGUSR1 ends the loop: "stopped N" (N iterations), exit 0.
 //   read: the main thread blocks in read(2) on stdin (a restarting system call); each line read is answered
 //         "ok LINE"; a read that returns anything but data or end of file prints "bad read" and exits 3.
+//   epoll: the same, blocked in epoll_wait(2) on stdin first (a call a stop ends with EINTR): "bad epoll"
+//         and exit 3 if it returns anything but a ready stdin.
 // Built with -shared -fPIC -DLIBRARY instead: a library to load, exporting entry() (returns 42).
 #include <errno.h>
+#include <sys/epoll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -57,12 +60,22 @@ static int spin(void) {
     return 0;
 }
 
-static int echo(void) {
+static int echo(int use_epoll) {
     char line[256];
     size_t have = 0;
+    int ep = epoll_create1(0);
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = 0};
+    epoll_ctl(ep, EPOLL_CTL_ADD, 0, &ev);
     setvbuf(stdout, NULL, _IOLBF, 0);
     printf("ready\n");
     for (;;) {
+        if (use_epoll && have == 0) {
+            int ready = epoll_wait(ep, &ev, 1, -1);
+            if (ready != 1) {
+                printf("bad epoll %d %s\n", ready, strerror(errno));
+                return 3;
+            }
+        }
         ssize_t n = read(0, line + have, 1);
         if (n == 0)
             return 0;
@@ -81,6 +94,8 @@ static int echo(void) {
 }
 
 int main(int argc, char **argv) {
-    return argc > 1 && strcmp(argv[1], "spin") == 0 ? spin() : echo();
+    if (argc > 1 && strcmp(argv[1], "spin") == 0)
+        return spin();
+    return echo(argc > 1 && strcmp(argv[1], "epoll") == 0);
 }
 #endif

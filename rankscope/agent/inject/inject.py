@@ -30,6 +30,7 @@ from rankscope.agent.inject.tracee import Gone, TraceError, Tracee
 RTLD_NOW = 2
 DEFAULT_TIMEOUT_S = 2.0  # to find a safe point and to run dlopen and the call
 RETRY_S = 0.002  # between two tries at a safe point (each costs the thread a few microseconds)
+MAIN_THREAD_S = 0.1  # tries on the main thread alone before the others are tried too
 STACK_ROOM = 64 << 10  # bytes of stack below the thread's rsp that dlopen may need
 MAX_ERROR = 512  # bytes read of dlerror's message
 
@@ -101,7 +102,8 @@ def _safe(pid: int, caller: RemoteCaller, calls: LoaderCalls) -> bool:
     regs = caller.saved
     if _stack_room(pid, regs.rsp) < STACK_ROOM:
         return False
-    return in_blocking_syscall(regs) or not calls.in_libc(regs.rip)
+    waiting = in_blocking_syscall(regs) or caller.resume is not regs  # blocked: restarted when put back
+    return waiting or not calls.in_libc(regs.rip)
 
 
 def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Injection:
@@ -119,10 +121,14 @@ def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIM
         raise InjectError(str(e)) from e
     if offset is None:
         raise InjectError(f"{library} exports no function {function}")
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     tries = 0
     while True:
-        for tid in _threads(pid):
+        # The main thread alone at first: the others (a server's epoll loop, NCCL's proxy) are left alone
+        # unless it stays busy in libc.
+        threads = _threads(pid)
+        for tid in threads if time.monotonic() - start > MAIN_THREAD_S else threads[:1]:
             tries += 1
             try:
                 done = _try_thread(pid, tid, path, offset, function, calls, deadline)

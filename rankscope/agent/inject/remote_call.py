@@ -24,6 +24,18 @@ RED_ZONE = 128  # bytes below rsp the interrupted function may be using (System 
 ARGUMENT_REGISTERS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
 DIRECTION_FLAG = 1 << 10  # eflags.DF: the ABI wants it clear on entry
 STOP_WAIT_S = 1.0  # for a thread past the deadline to stop again
+EINTR = 4
+SYSCALL_INSN = b"\x0f\x05"
+# System calls that a stop ends with -EINTR instead of restarting them (man 7 signal, "Interruption of system
+# calls ... by stop signals": epoll, semaphores, sigtimedwait, sockets with a timeout), and that did nothing
+# when they return EINTR, so running them again is what the thread would have seen without the interrupt (a
+# relative timeout starts again). x86_64 numbers.
+RESTARTED_AFTER_EINTR = {
+    0: "read", 1: "write", 19: "readv", 20: "writev", 43: "accept", 44: "sendto", 45: "recvfrom", 46: "sendmsg",
+    47: "recvmsg", 65: "semop", 69: "msgsnd", 70: "msgrcv", 128: "rt_sigtimedwait", 208: "io_getevents",
+    220: "semtimedop", 232: "epoll_wait", 281: "epoll_pwait", 288: "accept4", 299: "recvmmsg", 307: "sendmmsg",
+    441: "epoll_pwait2",
+}
 ERESTART = (512, 513, 514, 516)  # -ERESTARTSYS, -ERESTARTNOINTR, -ERESTARTNOHAND, -ERESTART_RESTARTBLOCK
 
 
@@ -43,11 +55,25 @@ class RemoteCaller:
     def __init__(self, tracee: Tracee):
         self.tracee = tracee
         self.saved = tracee.regs()
+        self.resume = self._restarting(self.saved)  # what the thread is put back with
         self.fpu = tracee.fpu()
         self.signals: list[int] = []  # the process's own signals that stopped the thread mid-call
         self._scratch: tuple[int, bytes] | None = None  # (address, bytes that were there)
         self._called = False  # registers changed: restore has work
         self._stack = 0  # where the placed data begins; the return-address slot is the 8 bytes below
+
+    def _restarting(self, regs: Regs) -> Regs:
+        """`regs`, or, when the interrupt ended one of the RESTARTED_AFTER_EINTR calls with EINTR, the registers
+        that run it again: rax back to the call's number and rip back onto its `syscall` instruction, as the
+        kernel restarts a call itself."""
+        if regs.result != -EINTR or regs.syscall not in RESTARTED_AFTER_EINTR:
+            return regs
+        if self.tracee.read(regs.rip - len(SYSCALL_INSN), len(SYSCALL_INSN)) != SYSCALL_INSN:
+            return regs  # not entered through `syscall` (vsyscall, int 0x80): left as the kernel left it
+        again = regs.copy()
+        again.rax, again.rip = regs.orig_rax, regs.rip - len(SYSCALL_INSN)
+        again.orig_rax = (1 << 64) - 1  # no second restart by the kernel
+        return again
 
     def place(self, data: bytes) -> int:
         """Writes `data` below the red zone (once per caller, before the calls); its address. The calls'
@@ -106,8 +132,10 @@ class RemoteCaller:
     def restore(self) -> None:
         """The thread's registers, vector state and the bytes written, as at the interrupt (each put back even
         if an earlier one failed). The scratch bytes go back before the registers, which point the thread at
-        its own code again. Nothing to do when no call was made."""
+        its own code again. Nothing to do when no call was made and no system call is to run again."""
         if not self._called:
+            if self.resume is not self.saved:
+                self.tracee.set_regs(self.resume)
             return
         try:
             if self._scratch is not None:
@@ -116,7 +144,7 @@ class RemoteCaller:
             try:
                 self.tracee.set_fpu(self.fpu)
             finally:
-                self.tracee.set_regs(self.saved)
+                self.tracee.set_regs(self.resume)
 
     def resend(self) -> None:
         """After the release: the signals held back during the calls, to the same thread (their siginfo, e.g.
