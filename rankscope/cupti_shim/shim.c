@@ -19,6 +19,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -347,10 +348,15 @@ static void *attach_late(void *unused) {
 // Entry point of a late attach: an agent that loaded the shim into a running process (agent/inject) calls it
 // on a job thread it holds. CUPTI's set-up (loading libcupti, enabling records on live contexts: up to
 // hundreds of ms) runs on a thread of the shim's own, so that job thread is given back at once. CUPTI, as for
-// torch.profiler, records the kernels launched from then on. Returns 0, or pthread_create's error.
+// torch.profiler, records the kernels launched from then on. The thread (and the watcher thread it starts)
+// blocks every signal: the job's signals stay with the job's threads. Returns 0, or pthread_create's error.
 SHIM_API int rankscope_shim_attach(void) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
     pthread_t t;
     int rc = pthread_create(&t, NULL, attach_late, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc)
         return rc;
     pthread_setname_np(t, "rankscope-init");

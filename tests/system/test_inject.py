@@ -126,7 +126,9 @@ def test_a_thread_blocked_in_a_system_call_restarts_it(built, start, mode):
 
 def test_plain_python_process_gets_the_shim_and_the_agent_attaches(start):
     target = start(sys.executable, "-c", PYTHON_TARGET)
+    blocked = procfs.task_status(target.pid)[target.pid]["SigBlk"]
     done = inject_shim(target.pid)
+    assert procfs.task_status(target.pid)[target.pid]["SigBlk"] == blocked  # the shim's threads block all, not it
     assert done.loaded and done.result == 0 and 0 < done.stop_s < STOP_BOUND_S
     assert shim_path(target.pid) is not None
     assert (PROVIDER, PROBE) in sdt_probes(shim_path(target.pid))  # its USDT probes are in the process
