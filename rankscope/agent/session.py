@@ -13,6 +13,8 @@ import time
 
 from rankscope.agent.detail import LIGHT, Detail
 from rankscope.agent.host.targets import Target, TargetError, inspect_process
+from rankscope.agent.inject.inject import InjectError
+from rankscope.agent.inject.shim import inject_shim
 from rankscope.agent.loader.program import ProbeProgram
 from rankscope.agent.sources.collector import Collector
 from rankscope.agent.sources.gpu import GpuViews
@@ -40,6 +42,7 @@ class Session:
                  detail: Detail = LIGHT, inject_shim: bool = False):
         self.program = program or ProbeProgram()
         self.program.hot = detail.hot_probes
+        self.inject_shim = inject_shim  # load the CUPTI shim into processes that do not map it (--inject-shim)
         self.collector = Collector(self.program, host_name())
         self.collector.detail = detail
         self.targets: dict[int, Target] = {}
@@ -49,7 +52,7 @@ class Session:
         self.sources: list[Source] = [
             self.frames,
             PythonTiming(sampler, traced, detail),
-            GpuViews(launches=detail.hot_probes, inject=inject_shim),
+            GpuViews(launches=detail.hot_probes),
         ]
 
     def add(self, pid: int) -> Target:
@@ -63,6 +66,11 @@ class Session:
             self.program.detach(pid)
             raise TargetError(f"process {pid} exited while attaching")
         self.targets[pid] = target
+        if self.inject_shim:  # before the sources attach: the GPU source then finds the shim's probes
+            try:
+                inject_shim(pid)
+            except InjectError as e:  # the process is as it was: its CPU-side pattern goes on
+                log.warning("pid %d: CUPTI shim not loaded: %s", pid, e)
         for source in self.sources:
             source.attach(target)
         return target

@@ -8,8 +8,6 @@ import logging
 
 from rankscope.agent.detail import Detail
 from rankscope.agent.host.targets import Target
-from rankscope.agent.inject.inject import InjectError
-from rankscope.agent.inject.shim import inject_shim
 from rankscope.agent.loader.program import ProbeError
 from rankscope.agent.sources.nvml import GpuHealthReader
 from rankscope.agent.sources.probes.cupti import ActivityWindow, CuptiReader, shim_path
@@ -21,8 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class GpuViews(Source):
-    def __init__(self, health: GpuHealthReader | None = None, launches: bool = False, inject: bool = False):
-        self._inject = inject  # load the shim into processes that do not map it (--inject-shim)
+    def __init__(self, health: GpuHealthReader | None = None, launches: bool = False):
         self._shim: dict[int, tuple[CuptiReader, ActivityWindow, CommWindow]] = {}
         self._launches = launches  # join kernels to their launches (deep mode: CUPTI then records each API call)
         self._refused: set[int] = set()  # processes whose shim could not be attached: said once
@@ -30,11 +27,6 @@ class GpuViews(Source):
         self._device_of: dict[int, int] = {}
 
     def attach(self, target: Target) -> None:
-        if self._inject:
-            try:
-                inject_shim(target.pid)
-            except InjectError as e:  # the process is as it was: its CPU-side pattern goes on
-                log.warning("pid %d: CUPTI shim not loaded: %s", target.pid, e)
         self.watch(target.pid)
 
     def watch(self, pid: int) -> bool:
