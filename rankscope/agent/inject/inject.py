@@ -128,10 +128,12 @@ def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIM
         # The main thread alone at first: the others (a server's epoll loop, NCCL's proxy) are left alone
         # unless it stays busy in libc.
         threads = _threads(pid)
+        if not threads and procfs.task_status(pid).get(pid, {}).get("State", "Z")[0] in "ZX":
+            raise InjectError(f"process {pid} exited during the injection")
         for tid in threads if time.monotonic() - start > MAIN_THREAD_S else threads[:1]:
             tries += 1
             try:
-                done = _try_thread(pid, tid, path, offset, function, calls, deadline)
+                done = _try_thread(pid, tid, path, offset, calls, deadline)
             except Gone:
                 if not os.path.exists(f"/proc/{pid}"):
                     raise InjectError(f"process {pid} exited during the injection") from None
@@ -149,10 +151,11 @@ def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIM
         time.sleep(RETRY_S)
 
 
-def _try_thread(pid: int, tid: int, path: str, offset: int, function: str, calls: LoaderCalls,
+def _try_thread(pid: int, tid: int, path: str, offset: int, calls: LoaderCalls,
                 deadline: float) -> tuple[float, int] | None:
-    """(stop seconds, function's result) once done; None when the thread was not at a safe point (released
-    untouched). InjectError when the load failed, the thread put back first."""
+    """(seconds the thread was held, from the interrupt to the release; the function's result) once done;
+    None when the thread was not at a safe point (let go untouched). InjectError when the load failed, the
+    thread put back first."""
     try:
         tracee = Tracee(pid, tid)
     except TraceError as e:
@@ -167,7 +170,7 @@ def _try_thread(pid: int, tid: int, path: str, offset: int, function: str, calls
         caller = RemoteCaller(tracee)
         if not _safe(pid, caller, calls):
             return None
-        return time.perf_counter() - held, _load_and_call(caller, path, offset, function, calls, deadline)
+        result = _load_and_call(caller, path, offset, calls, deadline)
     finally:
         if tracee.attached:
             try:
@@ -180,10 +183,10 @@ def _try_thread(pid: int, tid: int, path: str, offset: int, function: str, calls
                     pass
             if caller is not None:
                 caller.resend()
+    return time.perf_counter() - held, result
 
 
-def _load_and_call(caller: RemoteCaller, path: str, offset: int, function: str, calls: LoaderCalls,
-                   deadline: float) -> int:
+def _load_and_call(caller: RemoteCaller, path: str, offset: int, calls: LoaderCalls, deadline: float) -> int:
     tracee = caller.tracee
     try:
         handle = caller.call(calls.dlopen, caller.place(path.encode() + b"\0"), RTLD_NOW, deadline=deadline)
