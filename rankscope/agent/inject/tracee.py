@@ -200,6 +200,8 @@ class Tracee:
         if not self.attached:
             return
         if not self.stopped:
-            self.wait(time.monotonic() + RELEASE_WAIT_S)
+            stop = self.wait(time.monotonic() + RELEASE_WAIT_S)
+            if stop.event == 0:  # a signal of the process's own stopped it: delivered
+                signal = stop.signal
         self.attached = False
         _ptrace(PTRACE_DETACH, self.tid, 0, signal)
