@@ -261,7 +261,8 @@ def add_trace_function(p: argparse.ArgumentParser) -> None:
 def add_inject_shim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inject-shim", action="store_true",
                    help="GPU kernel times for processes started without CUDA_INJECTION64_PATH: load the CUPTI shim "
-                        "into each one (root; ptrace holds one of its threads for about a millisecond). This changes "
+                        "into each one that runs CUDA (root; ptrace holds one of its threads for about a millisecond "
+                        "on an idle host). This changes "
                         "the process: the shim stays loaded, and CUPTI records its kernels from then on (NCCL's "
                         "profiler plugin cannot be loaded late)")
 

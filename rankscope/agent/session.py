@@ -67,13 +67,21 @@ class Session:
             raise TargetError(f"process {pid} exited while attaching")
         self.targets[pid] = target
         if self.inject_shim:  # before the sources attach: the GPU source then finds the shim's probes
-            try:
-                inject_shim(pid)
-            except InjectError as e:  # the process is as it was: its CPU-side pattern goes on
-                log.warning("pid %d: CUPTI shim not loaded: %s", pid, e)
+            self._inject_shim(target)
         for source in self.sources:
             source.attach(target)
         return target
+
+    def _inject_shim(self, target: Target) -> None:
+        """Loads the CUPTI shim into a process that runs CUDA (maps libcuda): a CPU-only one (gloo), or one
+        that has not initialized CUDA yet, is left as it is."""
+        if "cuda" not in target.libraries:
+            log.warning("pid %d maps no libcuda: no GPU work to time, the CUPTI shim is not loaded", target.pid)
+            return
+        try:
+            inject_shim(target.pid)
+        except InjectError as e:  # the process is as it was: its CPU-side pattern goes on
+            log.warning("pid %d: CUPTI shim not loaded: %s", target.pid, e)
 
     def window(self) -> list[RankPattern]:
         """The patterns of every watched process since the previous window."""
