@@ -22,10 +22,12 @@ from conftest import RANKSCOPE, maps_library, one_line_error, run, wait_until
 
 from rankscope.agent.host import procfs
 from rankscope.agent.host.symbols import sdt_probes
+from rankscope.agent.host.targets import Target
 from rankscope.agent.inject.inject import InjectError, Injection, inject
 from rankscope.agent.inject.loader import load_bias
 from rankscope.agent.inject.shim import inject_shim
 from rankscope.agent.inject.tracee import Tracee
+from rankscope.agent.session import Session
 from rankscope.agent.sources.gpu import GpuViews
 from rankscope.agent.sources.probes.cupti import PROBE, PROVIDER, shim_path
 from rankscope.sim.job import start_job
@@ -53,7 +55,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
     return {name.removeprefix("lib/"): out / name for name in (*variants, "lib/libjunk.so")}
 
 
-class Target:
+class Child:
     """A started process that prints "ready" first; its stdout read line by line."""
 
     def __init__(self, argv: list[str], **env: str):
@@ -75,11 +77,11 @@ class Target:
 
 
 @pytest.fixture
-def start() -> Iterator[Callable[..., Target]]:
-    started: list[Target] = []
+def start() -> Iterator[Callable[..., Child]]:
+    started: list[Child] = []
 
-    def start(*argv: str) -> Target:
-        started.append(Target(list(argv)))
+    def start(*argv: str) -> Child:
+        started.append(Child(list(argv)))
         return started[-1]
 
     yield start
@@ -143,6 +145,19 @@ def test_plain_python_process_gets_the_shim_and_the_agent_attaches(start):
     again = inject_shim(target.pid)
     assert (again.loaded, again.stop_s) == (False, 0.0)  # already present: nothing done
     assert target.running()
+
+
+def test_the_session_loads_the_shim_only_into_processes_that_run_cuda(start, caplog):
+    target = start(sys.executable, "-c", PYTHON_TARGET)
+    session = Session(inject_shim=True)
+    try:
+        watched = Target(pid=target.pid, name="python", start_time=0, libraries={"libpython": "/x"})
+        session._inject_shim(watched)  # CPU only: left alone
+        assert shim_path(target.pid) is None and "maps no libcuda" in caplog.text
+        session._inject_shim(Target(pid=target.pid, name="python", start_time=0, libraries={"cuda": "/y"}))
+        assert shim_path(target.pid) is not None
+    finally:
+        session.close()
 
 
 def _median_step(ends: list[float]) -> float:
@@ -213,7 +228,7 @@ def test_refusals_touch_nothing(built, start):
         debugger.release()
     assert target.ask("untouched") == "ok untouched" and not maps_library(target.pid, "libok.so")
     assert "needs root" in one_line_error(run("diagnose", "--pid", str(target.pid), "--inject-shim", user=65534))
-    opted_in = Target([str(built["target"]), "read"], CUDA_INJECTION64_PATH="/opt/nsight/libinjection.so")
+    opted_in = Child([str(built["target"]), "read"], CUDA_INJECTION64_PATH="/opt/nsight/libinjection.so")
     try:  # CUDA will load what the job named at cuInit: the shim is not brought in beside it
         with pytest.raises(InjectError, match="names /opt/nsight/libinjection.so in CUDA_INJECTION64_PATH"):
             inject_shim(opted_in.pid)
