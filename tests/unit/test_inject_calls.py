@@ -7,7 +7,7 @@ import ctypes
 import pytest
 
 from rankscope.agent.inject.inject import ctypes_int
-from rankscope.agent.inject.loader import LoaderCalls
+from rankscope.agent.inject.loader import LOCKING, LoaderCalls
 from rankscope.agent.inject.remote_call import in_blocking_syscall
 from rankscope.agent.inject.shim import CUDA_MAJOR_OF
 from rankscope.agent.inject.tracee import Regs
@@ -43,10 +43,17 @@ def test_c_int_from_rax():
     assert ctypes_int(0xDEADBEEF_0000000B) == 11  # the upper half of rax is not part of an int
 
 
-def test_libc_ranges():
-    calls = LoaderCalls(dlopen=0x1000, dlerror=None, libc_ranges=((0x7000, 0x8000), (0x9000, 0xA000)))
-    assert calls.in_libc(0x7000) and calls.in_libc(0x9FFF)
-    assert not calls.in_libc(0x8000) and not calls.in_libc(0x6FFF)
+def test_code_that_may_hold_the_loaders_locks():
+    calls = LoaderCalls(dlopen=0x1000, dlerror=None, locking_ranges=((0x7000, 0x8000), (0x9000, 0xA000)))
+    assert calls.may_hold_locks(0x7000) and calls.may_hold_locks(0x9FFF)
+    assert not calls.may_hold_locks(0x8000) and not calls.may_hold_locks(0x6FFF)
+
+
+@pytest.mark.parametrize("name,locking", [("libc.so.6", True), ("ld-linux-x86-64.so.2", True),
+                                          ("libtcmalloc_minimal.so.4", True), ("libjemalloc.so.2", True),
+                                          ("libpython3.11.so.1.0", False), ("libcuda.so.1", False)])
+def test_libraries_whose_code_may_hold_the_loaders_locks(name, locking):
+    assert any(p.match(name) for p in LOCKING) is locking
 
 
 @pytest.mark.parametrize("name,major", [("libcudart.so.12", "12"), ("libcupti.so.13", "13"),

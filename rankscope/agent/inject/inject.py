@@ -5,9 +5,9 @@ and put back exactly as it was; the other threads never stop.
 Safety before anything else (the process is someone's training job):
 - refused unless root, on anything but x86_64, for a process another tracer (a debugger) holds, for one that
   is stopped or exiting, and for a library already mapped (a second injection is a no-op);
-- the thread is taken only at a point where it holds none of the C library's locks that dlopen needs
-  (blocked in a system call, or running code outside libc and ld.so); elsewhere it is let go at once and
-  tried again a little later;
+- the thread is taken only at a point where it holds none of the locks that dlopen needs (blocked in a
+  system call, or running code outside libc, ld.so and a preloaded malloc); elsewhere it is let go at once
+  and tried again a little later;
 - every failure (dlopen refusing the file, the function faulting, the process exiting, the deadline) puts
   the registers, vector state and the bytes written back before the thread is released.
 The thread is held for the time of dlopen and the call: `Injection.stop_s` measures it.
@@ -103,7 +103,7 @@ def _safe(pid: int, caller: RemoteCaller, calls: LoaderCalls) -> bool:
     if _stack_room(pid, regs.rsp) < STACK_ROOM:
         return False
     waiting = in_blocking_syscall(regs) or caller.resume is not regs  # blocked: restarted when put back
-    return waiting or not calls.in_libc(regs.rip)
+    return waiting or not calls.may_hold_locks(regs.rip)
 
 
 def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Injection:

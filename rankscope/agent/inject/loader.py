@@ -17,6 +17,9 @@ from rankscope.agent.host.symbols import SymbolError, exported_functions
 LIBC = re.compile(r"^libc(\.so\.6|-2\.\d+\.so)$")
 LIBDL = re.compile(r"^libdl(\.so\.2|-2\.\d+\.so)$")
 LD_SO = re.compile(r"^ld-(linux-x86-64\.so\.2|2\.\d+\.so)$")
+# Code that may hold a lock dlopen takes too: the C library, the loader, and malloc replacements preloaded
+# in its place (dlopen allocates).
+LOCKING = (LIBC, LD_SO, re.compile(r"^lib(tcmalloc|jemalloc|mimalloc)[\w.-]*\.so"))
 PAGE = 4096
 
 
@@ -28,11 +31,11 @@ class LoaderError(Exception):
 class LoaderCalls:
     dlopen: int  # dlopen(path, flags), or __libc_dlopen_mode(path, flags)
     dlerror: int | None  # None: no dlerror to ask why dlopen failed
-    # Where libc and ld.so are mapped: a thread stopped in their code may be holding their locks.
-    libc_ranges: tuple[tuple[int, int], ...]
+    # Where libc, ld.so and a malloc replacement are mapped: a thread stopped in their code may hold their locks.
+    locking_ranges: tuple[tuple[int, int], ...]
 
-    def in_libc(self, address: int) -> bool:
-        return any(lo <= address < hi for lo, hi in self.libc_ranges)
+    def may_hold_locks(self, address: int) -> bool:
+        return any(lo <= address < hi for lo, hi in self.locking_ranges)
 
 
 def load_bias(path: str, start: int) -> int:
@@ -60,7 +63,7 @@ def loader_calls(pid: int) -> LoaderCalls:
     except OSError as e:
         raise LoaderError(f"cannot read /proc/{pid}/maps: {e.strerror}") from e
     ranges = tuple((m.start, m.end) for m in mappings
-                   if LIBC.match(os.path.basename(m.path)) or LD_SO.match(os.path.basename(m.path)))
+                   if any(pattern.match(os.path.basename(m.path)) for pattern in LOCKING))
     libc = _mapped(pid, LIBC, mappings)
     if libc is None:
         raise LoaderError(f"process {pid} maps no glibc libc.so.6 (a static or musl binary): nothing to call dlopen in")
