@@ -52,8 +52,13 @@ def parse_traced(texts: list[str] | None) -> tuple[TracedFunction, ...]:
 
 def make_session(args: argparse.Namespace, detail: Detail) -> Session:
     traced = parse_traced(args.trace_function)
+    inject = getattr(args, "inject_shim", False)
+    if inject:
+        if os.geteuid() != 0:
+            raise UsageError("--inject-shim needs root: it loads the CUPTI shim into the processes with ptrace")
+        logging.getLogger("rankscope.agent.inject").setLevel(logging.INFO)  # say what was done to each process
     try:
-        return Session(traced=traced, detail=detail)
+        return Session(traced=traced, detail=detail, inject_shim=inject)
     except ValueError as e:  # too many functions to trace
         raise UsageError(f"--trace-function: {e}") from None
 
@@ -253,6 +258,15 @@ def add_trace_function(p: argparse.ArgumentParser) -> None:
                         "the interpreter from C, e.g. callbacks, iterators; every call on 3.10)")
 
 
+def add_inject_shim(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--inject-shim", action="store_true",
+                   help="GPU kernel times for processes started without CUDA_INJECTION64_PATH: load the CUPTI shim "
+                        "into each one that runs CUDA (root; ptrace holds one of its threads for about a millisecond "
+                        "on an idle host). This changes "
+                        "the process: the shim stays loaded, and CUPTI records its kernels from then on (NCCL's "
+                        "profiler plugin cannot be loaded late)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rankscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the agent does")
@@ -267,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the raw data behind the verdict, to analyze again or attach to a report")
     add_hang_timeout(p)
     add_trace_function(p)
+    add_inject_shim(p)
     p.set_defaults(func=cmd_diagnose)
 
     p = sub.add_parser("profile", help="sample the Python stacks of running processes, write a flame graph's input")
@@ -312,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_token_file(p)
     add_hang_timeout(p)
     add_trace_function(p)
+    add_inject_shim(p)
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("cluster", help="the cluster analyzer: pull every node agent, diagnose each job over all nodes")

@@ -13,6 +13,8 @@ import time
 
 from rankscope.agent.detail import LIGHT, Detail
 from rankscope.agent.host.targets import Target, TargetError, inspect_process
+from rankscope.agent.inject.inject import InjectError
+from rankscope.agent.inject.shim import inject_shim
 from rankscope.agent.loader.program import ProbeProgram
 from rankscope.agent.sources.collector import Collector
 from rankscope.agent.sources.gpu import GpuViews
@@ -37,9 +39,10 @@ def host_name() -> str:
 
 class Session:
     def __init__(self, program: ProbeProgram | None = None, traced: tuple[TracedFunction, ...] = (),
-                 detail: Detail = LIGHT):
+                 detail: Detail = LIGHT, inject_shim: bool = False):
         self.program = program or ProbeProgram()
         self.program.hot = detail.hot_probes
+        self.inject_shim = inject_shim  # load the CUPTI shim into processes that do not map it (--inject-shim)
         self.collector = Collector(self.program, host_name())
         self.collector.detail = detail
         self.targets: dict[int, Target] = {}
@@ -63,9 +66,22 @@ class Session:
             self.program.detach(pid)
             raise TargetError(f"process {pid} exited while attaching")
         self.targets[pid] = target
+        if self.inject_shim:  # before the sources attach: the GPU source then finds the shim's probes
+            self._inject_shim(target)
         for source in self.sources:
             source.attach(target)
         return target
+
+    def _inject_shim(self, target: Target) -> None:
+        """Loads the CUPTI shim into a process that runs CUDA (maps libcuda): a CPU-only one (gloo), or one
+        that has not initialized CUDA yet, is left as it is."""
+        if "cuda" not in target.libraries:
+            log.warning("pid %d maps no libcuda: no GPU work to time, the CUPTI shim is not loaded", target.pid)
+            return
+        try:
+            inject_shim(target.pid)
+        except InjectError as e:  # the process is as it was: its CPU-side pattern goes on
+            log.warning("pid %d: CUPTI shim not loaded: %s", target.pid, e)
 
     def window(self) -> list[RankPattern]:
         """The patterns of every watched process since the previous window."""

@@ -1,4 +1,5 @@
-// rankscope CUPTI shim: loaded by the CUDA driver from CUDA_INJECTION64_PATH, it turns on CUPTI activity
+// rankscope CUPTI shim: loaded by the CUDA driver from CUDA_INJECTION64_PATH (or into a running job that was
+// not started with it, by `rankscope --inject-shim`: rankscope_shim_attach below), it turns on CUPTI activity
 // records for kernels, memcpys and memsets and hands each completed record to the rankscope agent through
 // the USDT probe rankscope:activity. The probe has a semaphore: while no agent is attached, completed
 // buffers are returned to CUPTI unread, so the shim costs nothing beyond CUPTI's own record keeping.
@@ -17,6 +18,8 @@
 // is refused at start, never decoded on trust.
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -281,10 +284,11 @@ static void CUPTIAPI ignore_callback(void *ud, CUpti_CallbackDomain d, CUpti_Cal
 }
 
 // Entry point called by the CUDA driver at cuInit. Returns 1 (the driver ignores the value) whether or not
-// CUPTI could be set up: the job must never fail because of its observer.
+// CUPTI could be set up: the job must never fail because of its observer. Once per process: a late attach
+// (rankscope_shim_attach) racing a cuInit that also names the shim sets CUPTI up once.
 SHIM_API int InitializeInjection(void) {
-    static int done;
-    if (done++)
+    static atomic_flag done = ATOMIC_FLAG_INIT;
+    if (atomic_flag_test_and_set(&done))
         return 1;
     const char *rate = getenv("RANKSCOPE_SHIM_MAX_RATE");
     stats.max_rate = rate && *rate ? strtoull(rate, NULL, 10) : DEFAULT_MAX_RATE;
@@ -333,4 +337,29 @@ SHIM_API int InitializeInjection(void) {
         fprintf(stderr, "rankscope-cupti: no watcher thread; kernels are not joined to their launches\n");
     atexit(flush_at_exit);
     return 1;
+}
+
+static void *attach_late(void *unused) {
+    (void)unused;
+    InitializeInjection();
+    return NULL;
+}
+
+// Entry point of a late attach: an agent that loaded the shim into a running process (agent/inject) calls it
+// on a job thread it holds. CUPTI's set-up (loading libcupti, enabling records on live contexts: up to
+// hundreds of ms) runs on a thread of the shim's own, so that job thread is given back at once. CUPTI, as for
+// torch.profiler, records the kernels launched from then on. The thread (and the watcher thread it starts)
+// blocks every signal: the job's signals stay with the job's threads. Returns 0, or pthread_create's error.
+SHIM_API int rankscope_shim_attach(void) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_t t;
+    int rc = pthread_create(&t, NULL, attach_late, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc)
+        return rc;
+    pthread_setname_np(t, "rankscope-init");
+    pthread_detach(t);
+    return 0;
 }

@@ -49,9 +49,10 @@ def spread(values: list[float], unit: str = "%") -> str:
 
 
 class Context:
-    def __init__(self, quick: bool, tmp: Path):
+    def __init__(self, quick: bool, tmp: Path, shared_cache: str = ""):
         self.quick = quick
         self.tmp = tmp
+        self.shared_cache = shared_cache  # the caller's XDG_CACHE_HOME ("" for ~/.cache): downloads kept there
         self._helper: Path | None = None
         self._libs: Path | None = None
 
