@@ -333,7 +333,13 @@ def test_of_two_ranks_the_one_that_arrives_last_is_the_straggler():
 def _late(late_ms: list[float], share: list[float]) -> list[bool]:
     a = Alignment.empty(len(share))
     a.arrival_late_s[:], a.late_share[:] = np.array(late_ms) / 1e3, share
-    return _arrives_last(a, np.ones(len(share), dtype=bool), 0.060).tolist()
+    return _arrives_last(a, np.ones(len(share), dtype=bool), 0.060)[0].tolist()
+
+
+def _always(late_ms: list[float], share: list[float]) -> list[bool]:
+    a = Alignment.empty(len(share))
+    a.arrival_late_s[:], a.late_share[:] = np.array(late_ms) / 1e3, share
+    return _arrives_last(a, np.ones(len(share), dtype=bool), 0.060)[1].tolist()
 
 
 def test_a_rank_late_in_most_steps_of_a_cpu_starved_host_is_not_yet_a_straggler():
@@ -343,8 +349,25 @@ def test_a_rank_late_in_most_steps_of_a_cpu_starved_host_is_not_yet_a_straggler(
     assert _late([20, 9, 3], [0.79, 0.38, 0.21]) == [False, False, False]
     assert _late([17, 2.5, 6], [0.69, 0.23, 0.31]) == [False, False, False]
     assert _late([15, 1, 1, 1], [0.66, 0.1, 0.12, 0.08]) == [True, False, False, False]
+    assert _late([24, 4, 7], [0.70, 0.13, 0.20]) == [False, False, False]  # cnn-3 healthy, host loaded 5 deep
     # The broadcast root held up by the straggler is late too (the findings' other rules tell them apart).
     assert _late([27, 0, 29], [0.93, 0.0, 0.97]) == [True, False, True]
+
+
+def test_a_rank_late_in_every_step_while_its_peers_rarely_are_decides_alone():
+    """cnn-3 on a host loaded 5 deep: rank 2 late by 76 ms in 99% of the steps, its peers in 19% and 3%."""
+    assert _always([35, 0, 76], [0.19, 0.03, 0.99]) == [False, False, True]
+    assert _always([27, 0, 29], [0.93, 0.0, 0.97]) == [False, False, False]  # a peer late as often: not alone
+    assert _always([20, 9, 3], [0.79, 0.38, 0.21]) == [False, False, False]
+
+
+def test_a_straggler_the_totals_hide_is_found_from_the_instants():
+    """The others' step - COMM swings by 90 ms (buckets overlapping backward unevenly on a loaded host): the
+    straggler's work is no robust outlier, yet it arrives last in every step."""
+    ps = simulate(3, host_extra={2: 0.03}, seed=3)
+    ps[1].functions["ncclAllReduce"].total_s *= 1.8  # rank 1's COMM swollen by overlap: its work reads negative
+    [f] = findings(ps)
+    assert (f["kind"], f["ranks"]) == ("compute_straggler", [2])
 
 
 def test_two_ranks_without_collective_instants_or_with_a_slow_link_are_undecidable():

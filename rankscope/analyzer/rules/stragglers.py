@@ -20,11 +20,16 @@ PAIR_RANKS = 2  # ...but the collective instants tell which of two arrives last 
 STRAGGLER_MIN_EXCESS = 0.05  # extra work per step, as a fraction of the step time
 LATE_STEPS = 0.85  # a straggler arrives late in at least this share of the steps lined up...
 LATE_SOME = 0.6  # ...or in this share and LATE_RATIO times as often as its peers (median). On a CPU-starved
-LATE_RATIO = 4.0  # host every rank is late in some steps, a straggler in most: under an unpinned hog 0.66-0.73
-# against the peers' 0.08-0.12, injected compute 0.96-1.0. A healthy rank of such a host is late in up to
-# 0.79 of the steps, 2.6x its peers (cnn-3, 9 busy processes on 2 CPUs: rank 0's forward runs 7 ms slower
-# in some windows). A peer the straggler holds up in a rooted collective (a broadcast's root waits for every
+LATE_RATIO = 5.0  # host every rank is late in some steps, a straggler in most: under an unpinned hog 0.66-0.73
+# against the peers' 0.08-0.12 (6-9x), injected compute 0.96-1.0. A healthy rank of such a host is late in up
+# to 0.79 of the steps, 2.6x its peers (cnn-3, 9 busy processes on 2 CPUs: rank 0's forward runs 7 ms slower
+# in some windows), and on one loaded 5 deep in 0.70, 4.4x (4.0 named it; 5 changes nothing else in 300
+# kept windows). A peer the straggler holds up in a rooted collective (a broadcast's root waits for every
 # receiver) arrives late at the next collective too (0.88-0.93), so the ratio alone is not the rule.
+ALWAYS_LATE = 0.95  # a rank late in this share of the steps, by ALWAYS_LATE_BY of the step, while its peers
+ALWAYS_LATE_BY = 0.2  # are late in at most PEERS_RARELY, is the one the others wait for whatever its step -
+PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.70 against 0.16; 174 faulty
+# ones did). By a fifth of the step: a GPU a few ms slower than its peers, persistently, is within their spread.
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
 CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
@@ -59,23 +64,33 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     with np.errstate(invalid="ignore"):
         flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & (t.comm_s < comm_med)
         if a is not None:
-            flagged &= _arrives_last(a, valid, step)
+            last, always, late_by = _arrives_last(a, valid, step)
+            # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings by
+            # 100 ms between the others (cnn-3: -97 and -10 ms, z 1.4-2.6 for a rank late in 99% of the steps
+            # by 75-100 ms): the instants decide, when the rank also waits in collectives for less than its
+            # peers by half its lateness or more (they wait for it: 106-120 ms less). A rank whose link is
+            # slow arrives late too, after its collectives ended late: it waits in them as long as its peers.
+            waits_less = comm_med - t.comm_s >= 0.5 * late_by
+            flagged = (flagged & last) | (valid & always & (excess > 0) & waits_less)
     return np.flatnonzero(flagged), z, excess, work, comm_med
 
 
-def _arrives_last(a: Alignment, valid: np.ndarray, step: float) -> np.ndarray:
+def _arrives_last(a: Alignment, valid: np.ndarray, step: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row: whether it arrives at the collectives later than its peers (their median) by at least
     STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps, or in many and far more often than
     its peers (LATE_STEPS; LATE_SOME, LATE_RATIO: a rank of a busy CPU is late in some; False where not
-    compared)."""
+    compared); whether it does so in nearly every step while its peers rarely are (ALWAYS_LATE); and how much
+    later than its peers it arrives per step (0 where not compared)."""
     late = np.where(valid, a.arrival_late_s, np.nan)
     with np.errstate(invalid="ignore"):
-        later = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0) >= STRAGGLER_MIN_EXCESS * step
+        late_by = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0)
+        later = late_by >= STRAGGLER_MIN_EXCESS * step
         share = np.where(valid, a.late_share, np.nan)
         peers_share = share - peer_deviation(share, 0.0)[1]
         share = np.nan_to_num(share, nan=0.0)
         often = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share)))
-        return later & often
+        always = (share >= ALWAYS_LATE) & (np.nan_to_num(peers_share, nan=1.0) <= PEERS_RARELY)
+        return later & often, (late_by >= ALWAYS_LATE_BY * step) & always, late_by
 
 
 def _runq_excess(t: RankTable) -> np.ndarray:
