@@ -1,0 +1,90 @@
+"""Runs every step of the GPU validation kit in order, each on its own: a step that fails or cannot run here
+is recorded with its reason and the next one runs. Writes OUT/results.json and OUT/table.txt (and the jobs'
+log, the diagnosed window's patterns).
+
+    scripts/gpu-check OUT [--bcc auto|system|bundle] [--only STEP,...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the gpu_kit package
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: rankscope
+
+from gpu_kit import bundle, steps  # noqa: E402
+
+VALUE_CHARS = 110  # of a row's figures in the table
+
+
+@dataclass
+class StepResult:
+    name: str
+    status: str  # ok, failed, skipped
+    reason: str = ""
+    seconds: float = 0.0
+    figures: dict = field(default_factory=dict)
+
+
+def run_step(step, kit: steps.Kit) -> StepResult:
+    start = time.monotonic()
+    try:
+        result = StepResult(step.__name__, "ok", figures=step(kit))
+    except steps.Skip as e:
+        result = StepResult(step.__name__, "skipped", str(e))
+    except Exception as e:  # noqa: BLE001: every failure is a result; the kit goes on
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        result = StepResult(step.__name__, "failed", detail[-2000:])
+        with open(kit.log, "a") as f:
+            f.write(f"--- {step.__name__} failed\n{traceback.format_exc()}\n")
+    result.seconds = round(time.monotonic() - start, 1)
+    return result
+
+
+def table(results: list[StepResult]) -> str:
+    lines = [f"{'step':<20} {'status':<8} {'s':>6}  figures / reason"]
+    for r in results:
+        text = r.reason if r.status != "ok" else json.dumps(r.figures, default=str)
+        lines.append(f"{r.name:<20} {r.status:<8} {r.seconds:>6.1f}  {text[:VALUE_CHARS]}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--bcc", choices=("auto", "system", "bundle"), default="auto")
+    ap.add_argument("--bundle", type=Path, default=bundle.DEFAULT_DIR, help="the carried bundle (.gpukit)")
+    ap.add_argument("--only", default="", help="comma-separated step names (environment and bcc always run)")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("gpu-check: must run as root (uprobes, eBPF)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    kit = steps.Kit(args.out, steps.python_of_jobs(), args.bundle, args.bcc)
+    wanted = {s for s in args.only.split(",") if s} | {"environment", "bcc"}
+    results = []
+    for step in steps.STEPS:
+        if args.only and step.__name__ not in wanted:
+            continue
+        results.append(run_step(step, kit))
+        r = results[-1]
+        print(f"gpu-check: {r.name}: {r.status} ({r.seconds:.1f} s){': ' + r.reason[:300] if r.reason else ''}",
+              file=sys.stderr, flush=True)
+    shutil.rmtree(kit.work, ignore_errors=True)  # the jobs' reports, the unpacked bundle
+    doc = {"mode": "gpu" if kit.gpu else "stand-ins", "gpu": kit.gpu, "agent": kit.no_bcc or "runs",
+           "finished": time.time(), "steps": [asdict(r) for r in results]}
+    (args.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    (args.out / "table.txt").write_text(table(results))
+    sys.stdout.write(table(results))
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
