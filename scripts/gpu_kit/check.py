@@ -56,6 +56,13 @@ def table(results: list[StepResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(out: Path, kit: steps.Kit, results: list[StepResult]) -> None:
+    doc = {"mode": "gpu" if kit.gpu else "stand-ins", "gpu": kit.gpu, "agent": kit.no_bcc or "runs",
+           "finished": time.time(), "steps": [asdict(r) for r in results]}
+    (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "table.txt").write_text(table(results))
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -69,19 +76,18 @@ def main(argv: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     kit = steps.Kit(args.out, steps.python_of_jobs(), args.bundle, args.bcc)
     wanted = {s for s in args.only.split(",") if s} | {"environment", "bcc"}
-    results = []
-    for step in steps.STEPS:
-        if args.only and step.__name__ not in wanted:
-            continue
-        results.append(run_step(step, kit))
-        r = results[-1]
-        print(f"gpu-check: {r.name}: {r.status} ({r.seconds:.1f} s){': ' + r.reason[:300] if r.reason else ''}",
-              file=sys.stderr, flush=True)
-    shutil.rmtree(kit.work, ignore_errors=True)  # the jobs' reports, the unpacked bundle
-    doc = {"mode": "gpu" if kit.gpu else "stand-ins", "gpu": kit.gpu, "agent": kit.no_bcc or "runs",
-           "finished": time.time(), "steps": [asdict(r) for r in results]}
-    (args.out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
-    (args.out / "table.txt").write_text(table(results))
+    results: list[StepResult] = []
+    try:
+        for step in steps.STEPS:
+            if args.only and step.__name__ not in wanted:
+                continue
+            results.append(run_step(step, kit))
+            r = results[-1]
+            print(f"gpu-check: {r.name}: {r.status} ({r.seconds:.1f} s){': ' + r.reason[:300] if r.reason else ''}",
+                  file=sys.stderr, flush=True)
+            write(args.out, kit, results)  # after every step: a run cut short still leaves what it found
+    finally:
+        shutil.rmtree(kit.work, ignore_errors=True)  # the jobs' reports, the unpacked bundle
     sys.stdout.write(table(results))
     return 1 if any(r.status == "failed" for r in results) else 0
 

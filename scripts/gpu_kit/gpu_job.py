@@ -10,7 +10,8 @@ profiler plugin's spans). gloo: the ranks of the environment (RANK, WORLD_SIZE, 
 share the one GPU, the gradients copied to the host and all-reduced by gloo, so a rank with more GPU work is
 a straggler the others wait for. --profile-steps N (one rank, no collective): after the warm-up, N steps
 between two marker kernels (torch.cuda._sleep: 'spin_kernel') for the CUPTI shim, then the same N steps under
-torch.profiler, whose kernels go to the report: the kit compares the two.
+torch.profiler, whose kernels go to the report: the kit compares the two (--go-file: the measured steps wait
+for the kit's reader).
 The report is rewritten every half second: {"pid", "steps": [[unix start, seconds], ...], "phase", ...}.
 """
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--collective", choices=("none", "nccl", "gloo"), default="none")
     ap.add_argument("--profile-steps", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--go-file", help="with --profile-steps: wait for this file before the measured steps")
     args = ap.parse_args(argv)
 
     report = Report(args.report)
@@ -124,6 +126,9 @@ def main(argv: list[str]) -> int:
     run(args.warmup, 0)
     if args.profile_steps:
         torch.cuda.synchronize()
+        report.set(phase="ready")
+        while args.go_file and not os.path.exists(args.go_file):  # the kit's reader is being attached
+            time.sleep(0.05)
         report.set(phase="shim")
         torch.cuda._sleep(1000)  # marker: the shim's records between the two spin_kernels are these steps'
         run(args.profile_steps, 0)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankscope.sim.harness import maps_library, wait_until
+from rankscope.sim.harness import wait_until
 
 JOB_SCRIPT = Path(__file__).resolve().parent / "gpu_job.py"
 
@@ -138,6 +138,3 @@ def library_path(pid: int, fragment: str) -> str | None:
             return procfs.host_path(pid, m.path)
     return None
 
-
-def wait_mapped(pids: list[int], fragment: str, timeout: float) -> None:
-    wait_until(lambda: all(maps_library(p, fragment) for p in pids), timeout, f"the job to load {fragment}")
