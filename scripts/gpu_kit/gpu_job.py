@@ -82,6 +82,7 @@ def main(argv: list[str]) -> int:
     report = Report(args.report)
     torch.manual_seed(0)
     device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
     rank = 0
     if args.collective != "none":
         dist.init_process_group(args.collective)

@@ -71,14 +71,14 @@ def kill_session(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def start_gpu_job(python: str, workdir: Path, ranks: int = 1, env: dict[str, str] | None = None,
+def start_gpu_job(python: str, workdir: Path, log: Path, ranks: int = 1, env: dict[str, str] | None = None,
                   args: tuple[str, ...] = (), collective: str = "none") -> GpuJob:
-    """`ranks` processes of gpu_job.py on GPU 0 (a rendezvous on a free port for gloo), logging to one file."""
+    """`ranks` processes of gpu_job.py on GPU 0 (a rendezvous on a free port), their reports under `workdir`,
+    their output appended to `log`."""
     from rankscope.sim.harness import free_port
 
     reports = workdir / f"job-{time.monotonic_ns()}"
     reports.mkdir(parents=True)
-    log = workdir / "jobs.log"
     port = str(free_port())
     procs = []
     with open(log, "ab") as out:

@@ -69,6 +69,10 @@ class Kit:
             env["NCCL_PROFILER_PLUGIN"] = path
         return env
 
+    def job(self, **kwargs) -> GpuJob:
+        """gpu_job.py's ranks (jobs.start_gpu_job's arguments), their output in OUT/jobs.log."""
+        return start_gpu_job(self.python, self.work, self.log, **kwargs)
+
     def shim(self) -> Path:
         path = self.bundle_dir / "shims" / f"librankscope_cupti{self.cuda_major}.so"
         if not path.exists():
@@ -89,7 +93,7 @@ def environment(kit: Kit) -> dict:
     """What the machine is: kernel, Python, PyTorch, CUDA, NCCL, the GPU and its driver."""
     probe = ("import json, torch; c = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
              "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if c else None, "
-             "'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if c else None}))")
+             "'nccl': str(torch.cuda.nccl.version()) if c else None}))")
     found = subprocess.run([kit.python, "-c", probe], capture_output=True, text=True, timeout=120)
     figures: dict = {"kernel": os.uname().release, "python": kit.python}
     if found.returncode != 0:
@@ -154,7 +158,7 @@ def tracefs_uprobes(kit: Kit) -> dict:
     functions = (("libcuda.so", "cuLaunchKernel"), ("libcudart.so", "cudaLaunchKernel"),
                  ("libnccl.so", "ncclAllReduce"))
     if kit.gpu:
-        job = start_gpu_job(kit.python, kit.work, env=kit.job_env(), collective="nccl", args=("--seconds", "60"))
+        job = kit.job(env=kit.job_env(), collective="nccl", args=("--seconds", "60"))
         pids, stop = job.pids, job.stop
         ready = lambda: job.in_phase("run")  # noqa: E731
     else:
@@ -201,7 +205,7 @@ def _demangle(names: set[str]) -> dict[str, str]:
 
 def _profiled_job(kit: Kit, shim: bool) -> tuple[GpuJob, Path]:
     go = kit.work / f"go-{time.monotonic_ns()}"
-    job = start_gpu_job(kit.python, kit.work, env=kit.job_env(shim=shim),
+    job = kit.job(env=kit.job_env(shim=shim),
                         args=("--profile-steps", str(PROFILE_STEPS), "--go-file", str(go)))
     return job, go
 
@@ -281,7 +285,7 @@ def nccl_spans(kit: Kit) -> dict:
     """NCCL loads the plugin (NCCL_PROFILER_PLUGIN) and its nccl_coll probe hands over one GPU span per
     collective: counted against the job's ncclAllReduce calls in the same seconds."""
     kit.need_gpu()
-    job = start_gpu_job(kit.python, kit.work, env=kit.job_env(shim=True, plugin=True), collective="nccl",
+    job = kit.job(env=kit.job_env(shim=True, plugin=True), collective="nccl",
                         args=("--seconds", "60"))
     try:
         job.wait_phase("run", 120)
@@ -324,7 +328,7 @@ def nvml(kit: Kit) -> dict:
     try:
         if not kit.gpu:
             raise Skip(f"NVML answers but there is no GPU job to match: {kit.no_gpu}")
-        job = start_gpu_job(kit.python, kit.work, env=kit.job_env(), args=("--seconds", "60"))
+        job = kit.job(env=kit.job_env(), args=("--seconds", "60"))
         try:
             job.wait_phase("run", 120)
             for _ in range(10):
@@ -350,7 +354,7 @@ def diagnose_straggler(kit: Kit) -> dict:
     without one: the simulated job with slow-gpu:2."""
     kit.need_agent()
     if kit.gpu:
-        job = start_gpu_job(kit.python, kit.work, ranks=RANKS, env=kit.job_env(shim=True), collective="gloo",
+        job = kit.job(ranks=RANKS, env=kit.job_env(shim=True), collective="gloo",
                             args=("--seconds", "120", "--matmuls", "4", "--heavy-rank", str(STRAGGLER_RANK),
                                   "--heavy-matmuls", "16"))
         pids, stop = job.pids, job.stop
@@ -405,13 +409,13 @@ def overhead(kit: Kit) -> dict:
     figures: dict = {}
     for variant, args in variants.items():
         row: dict = {}
-        job = start_gpu_job(kit.python, kit.work, env=kit.job_env(), args=("--seconds", "40", *args))
+        job = kit.job(env=kit.job_env(), args=("--seconds", "40", *args))
         try:
             job.wait_phase("run", 120)
             row["neither_ms"], row["neither_steps"] = _ms(_phase(job, 4))
         finally:
             job.stop()
-        job = start_gpu_job(kit.python, kit.work, env=kit.job_env(shim=True), args=("--seconds", "120", *args))
+        job = kit.job(env=kit.job_env(shim=True), args=("--seconds", "120", *args))
         try:
             job.wait_phase("run", 120)
             row["shim_ms"], row["shim_steps"] = _ms(_phase(job, 4))
