@@ -39,6 +39,8 @@ def run_step(step, kit: steps.Kit) -> StepResult:
         result = StepResult(step.__name__, "ok", figures=step(kit))
     except steps.Skip as e:
         result = StepResult(step.__name__, "skipped", str(e))
+    except steps.Failed as e:
+        result = StepResult(step.__name__, "failed", str(e)[-2000:], figures=e.figures)
     except Exception as e:  # noqa: BLE001: every failure is a result; the kit goes on
         detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         result = StepResult(step.__name__, "failed", detail[-2000:])

@@ -1,7 +1,7 @@
 """The kit's PyTorch job on a real GPU: a small MLP trained on random batches plus `--matmuls` square matrix
 products per step (GPU work the heavier rank gets more of), with its step times in a JSON report.
 
-    python gpu_job.py --report R.json [--steps N] [--seconds S] [--matmuls K] [--width W] [--batch B]
+    python gpu_job.py --report R.json [--steps N] [--seconds S] [--matmuls K] [--matrix N] [--width W] [--batch B]
                       [--heavy-rank R --heavy-matmuls K2]
                       [--collective none|nccl|gloo] [--profile-steps N]
 
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-LAYERS, MATRIX = 6, 2048
+LAYERS = 6
 REPORT_EVERY_S = 0.5
 
 
@@ -71,6 +71,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--matmuls", type=int, default=4)
     ap.add_argument("--width", type=int, default=1024, help="the MLP's width (small: a launch-bound step)")
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--matrix", type=int, default=2048, help="the side of the square matrix products")
     ap.add_argument("--heavy-rank", type=int, default=-1)
     ap.add_argument("--heavy-matmuls", type=int, default=16)
     ap.add_argument("--collective", choices=("none", "nccl", "gloo"), default="none")
@@ -91,8 +92,8 @@ def main(argv: list[str]) -> int:
     model = torch.nn.Sequential(*(m for layer in layers for m in (layer, torch.nn.ReLU()))).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(args.batch, args.width, device=device)
-    a = torch.randn(MATRIX, MATRIX, device=device)
-    b = torch.randn(MATRIX, MATRIX, device=device)
+    a = torch.randn(args.matrix, args.matrix, device=device)
+    b = torch.randn(args.matrix, args.matrix, device=device)
     matmuls = args.heavy_matmuls if rank == args.heavy_rank else args.matmuls
     report.set(rank=rank, matmuls=matmuls, device=torch.cuda.get_device_name(0))
 

@@ -1,5 +1,6 @@
 """The checks of issue 15's list, one function each: Kit in, figures out. A step raises Skip (it cannot run
-here, and says why) or any other exception (it ran and failed); check.py records either and goes on.
+here, and says why), Failed (it ran and found something wrong: its figures are kept) or any other exception
+(it broke); check.py records each and goes on.
 
 Without a GPU the steps that need one are skipped, and the others run against the simulated job's stand-in
 libcuda/libnccl: uprobes through tracefs, and `rankscope diagnose` naming the slow-GPU rank."""
@@ -32,6 +33,14 @@ KIND_MEMCPY, KIND_MEMSET = 1, 2
 
 class Skip(Exception):
     """The step cannot run here (the message says why); not a failure."""
+
+
+class Failed(Exception):
+    """The step ran and found something wrong: the message says what, `figures` what it measured."""
+
+    def __init__(self, message: str, figures: dict):
+        super().__init__(message)
+        self.figures = figures
 
 
 @dataclass
@@ -184,7 +193,7 @@ def tracefs_uprobes(kit: Kit) -> dict:
         stop()
     silent = [name for name, n in counts.items() if n == 0]
     if silent or not counts:
-        raise AssertionError(f"no calls seen of {silent or 'any probed function'}: {figures}")
+        raise Failed(f"no calls seen of {silent or 'any probed function'}", figures)
     return figures
 
 
@@ -235,7 +244,7 @@ def shim_vs_profiler(kit: Kit) -> dict:
     figures: dict = {"steps": PROFILE_STEPS, "activity_sites": sites, "records": len(records), "lost": lost,
                      "markers": len(markers), "reference": "torch.profiler, the same process"}
     if len(markers) < 2:
-        raise AssertionError(f"the shim's records lack the two marker kernels: {figures}; {tail(job.log)}")
+        raise Failed(f"the shim's records lack the two marker kernels; {tail(job.log)}", figures)
     lo, hi = markers[0]["end"], markers[1]["start"]
     kernels = [r for r in records if r["kind"] not in (KIND_MEMCPY, KIND_MEMSET) and lo <= r["start"] < hi]
     profiled = [k for k in report.get("profiler_kernels", []) if "spin_kernel" not in k["name"]]
@@ -249,10 +258,10 @@ def shim_vs_profiler(kit: Kit) -> dict:
         finally:
             ref.stop()
     if not profiled:
-        raise AssertionError(f"torch.profiler saw no kernels: {figures}; {tail(job.log)}")
+        raise Failed(f"torch.profiler saw no kernels; {tail(job.log)}", figures)
     figures.update(_compare(kernels, profiled))
     if figures["difference"] is None or abs(figures["difference"]) > TOLERANCE or not figures["kernel_counts_equal"]:
-        raise AssertionError(f"shim and torch.profiler differ beyond {TOLERANCE:.0%} or in kernel count: {figures}")
+        raise Failed(f"shim and torch.profiler differ beyond {TOLERANCE:.0%} or in kernel count", figures)
     return figures
 
 
@@ -308,7 +317,7 @@ def nccl_spans(kit: Kit) -> dict:
                "span_functions": sorted({str(s.get("func")) for s in spans}),
                "span_us_p50": round(statistics.median(s["span_ns"] for s in spans) / 1e3, 2) if spans else None}
     if not spans:
-        raise AssertionError(f"no NCCL spans from the plugin: {figures}; {tail(job.log)}")
+        raise Failed(f"no NCCL spans from the plugin; {tail(job.log)}", figures)
     return figures
 
 
@@ -344,7 +353,7 @@ def nvml(kit: Kit) -> dict:
     figures = {"devices": len(reader.devices), "job_device": index,
                "readings": {i: vars(h) for i, h in window.items()}}
     if index is None or not window.get(index) or window[index].sm_clock_mhz <= 0:
-        raise AssertionError(f"NVML did not place the job on a GPU with readings: {figures}")
+        raise Failed("NVML did not place the job on a GPU with readings", figures)
     return figures
 
 
@@ -389,9 +398,9 @@ def diagnose_straggler(kit: Kit) -> dict:
     first = doc["findings"][0] if doc["findings"] else {}
     if first.get("kind") != "compute_straggler" or first.get("ranks") != [STRAGGLER_RANK] \
             or first.get("component") != "gpu":
-        raise AssertionError(f"expected compute_straggler rank {STRAGGLER_RANK} component gpu first: {figures}")
+        raise Failed(f"expected compute_straggler rank {STRAGGLER_RANK} component gpu first", figures)
     if kit.gpu and not figures["patterns_with_gpu_kernels"]:
-        raise AssertionError(f"no pattern carries the shim's kernel times: {figures}")
+        raise Failed("no pattern carries the shim's kernel times", figures)
     return figures
 
 
@@ -421,12 +430,14 @@ def overhead(kit: Kit) -> dict:
             row["shim_ms"], row["shim_steps"] = _ms(_phase(job, 4))
             for detail in ("light", "deep"):
                 if kit.no_bcc:
-                    row[detail] = f"skipped: {kit.no_bcc[:120]}"
+                    row[f"agent_{detail}"] = f"skipped: {kit.no_bcc[:120]}"
                     continue
                 agent = start_agent(kit.python, kit.agent_env(), job.pids, detail, kit.log)
-                try:
+                try:  # a phase that fails is recorded in the row; the others are still measured
                     wait_until(lambda: _watching(agent.url, job.pids[0]), 90, f"the {detail} agent to read the shim")
                     row[f"agent_{detail}_ms"], row[f"agent_{detail}_steps"] = _ms(_phase(job, 4))
+                except (TimeoutError, OSError) as e:
+                    row[f"agent_{detail}"] = f"failed: {e}"
                 finally:
                     agent.stop()
         finally:
@@ -436,6 +447,9 @@ def overhead(kit: Kit) -> dict:
             if isinstance(row.get(key), float):
                 row[key.replace("_ms", "_slowdown")] = round(row[key] / base - 1, 4)
         figures[variant] = row
+    broken = [f"{v}: {k}" for v, row in figures.items() for k, x in row.items() if str(x).startswith("failed")]
+    if broken:
+        raise Failed(f"agent phases failed ({', '.join(broken)}); see jobs.log", figures)
     return figures
 
 
