@@ -5,8 +5,9 @@ products per step (GPU work the heavier rank gets more of), with its step times 
                       [--heavy-rank R --heavy-matmuls K2]
                       [--collective none|nccl|gloo] [--profile-steps N]
 
---collective nccl: one rank (WORLD_SIZE=1), the gradients all-reduced by NCCL every step (its kernels, and its
-profiler plugin's spans). gloo: the ranks of the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+--collective nccl: one rank (WORLD_SIZE=1), the gradients all-reduced by NCCL every step (one rank: NCCL returns
+at once, launching nothing) and exchanged by all_to_all, a send and receive to itself, which runs NCCL's kernel
+and reaches its profiler plugin. gloo: the ranks of the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
 share the one GPU, the gradients copied to the host and all-reduced by gloo, so a rank with more GPU work is
 a straggler the others wait for. --profile-steps N (one rank, no collective): after the warm-up, N steps
 between two marker kernels (torch.cuda._sleep: 'spin_kernel') for the CUPTI shim, then the same N steps under
@@ -108,7 +109,9 @@ def main(argv: list[str]) -> int:
         grads = [p.grad for p in model.parameters()]
         if args.collective == "nccl":
             for g in grads:
-                dist.all_reduce(g)
+                dist.all_reduce(g)  # one rank: NCCL returns at once (ncclLaunchOneRank), no kernel, no profiler event
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_to_all_single(torch.empty_like(flat), flat)  # a send/recv to itself: a kernel NCCL profiles
         elif args.collective == "gloo":
             flat = torch.cat([g.reshape(-1) for g in grads]).cpu()  # waits for this rank's GPU work
             dist.all_reduce(flat)

@@ -29,6 +29,7 @@ TOLERANCE = 0.05  # the shim's kernel time against torch.profiler's
 ACTIVITY_FIELDS = ("kind", "start", "end", "device", "stream", "correlation", "name", "bytes")
 NCCL_COLL_FIELDS = ("comm", "rank", "func", "bytes", "span_ns", "seq")
 KIND_MEMCPY, KIND_MEMSET = 1, 2
+NCCL_CALLS = ("ncclAllReduce", "ncclAlltoAll", "ncclSend")  # counted beside the plugin's spans
 
 
 class Skip(Exception):
@@ -292,7 +293,8 @@ def _compare(kernels: list[dict], profiled: list[dict]) -> dict:
 
 def nccl_spans(kit: Kit) -> dict:
     """NCCL loads the plugin (NCCL_PROFILER_PLUGIN) and its nccl_coll probe hands over one GPU span per
-    collective: counted against the job's ncclAllReduce calls in the same seconds."""
+    collective or send/recv: the 1-rank job's all_to_all (a send and receive to itself; its all-reduces NCCL
+    answers without a kernel or a profiler event), beside the NCCL_CALLS of the same seconds."""
     kit.need_gpu()
     job = kit.job(env=kit.job_env(shim=True, plugin=True), collective="nccl",
                         args=("--seconds", "60"))
@@ -307,13 +309,16 @@ def nccl_spans(kit: Kit) -> dict:
             for i, site in enumerate(sites):
                 u.usdt(f"nccl_coll{i}", shim, site, NCCL_COLL_FIELDS, strings=("func",))
             time.sleep(1.0)  # the plugin's watcher sees the semaphore within a flush period (0.2 s)
-            u.function("ncclAllReduce", nccl, exported_functions(nccl)["ncclAllReduce"])
+            exported = exported_functions(nccl)
+            for symbol in NCCL_CALLS:
+                if symbol in exported:  # ncclAlltoAll: NCCL 2.28+
+                    u.function(symbol, nccl, exported[symbol])
             events = [e for e in _read_after(u, 3.0) if e.pid == job.pids[0]]
     finally:
         job.stop()
     spans = [e.fields for e in events if e.name.startswith("nccl_coll")]
-    calls = sum(1 for e in events if e.name == "ncclAllReduce")
-    figures = {"nccl_library": os.path.realpath(nccl), "allreduce_calls": calls, "spans": len(spans),
+    figures = {"nccl_library": os.path.realpath(nccl), "spans": len(spans),
+               "calls": {name: sum(1 for e in events if e.name == name) for name in NCCL_CALLS},
                "span_functions": sorted({str(s.get("func")) for s in spans}),
                "span_us_p50": round(statistics.median(s["span_ns"] for s in spans) / 1e3, 2) if spans else None}
     if not spans:
