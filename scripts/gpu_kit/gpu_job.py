@@ -13,7 +13,8 @@ a straggler the others wait for. --profile-steps N (one rank, no collective): af
 between two marker kernels (torch.cuda._sleep: 'spin_kernel') for the CUPTI shim, then the same N steps under
 torch.profiler, whose kernels go to the report: the kit compares the two (--go-file: the measured steps wait
 for the kit's reader).
-The report is rewritten every half second: {"pid", "steps": [[unix start, seconds], ...], "phase", ...}.
+The report is rewritten every half second: {"pid", "steps": [[unix start, seconds], ...] (the last KEEP_STEPS),
+"phase", ...}.
 """
 from __future__ import annotations
 
@@ -22,18 +23,21 @@ import json
 import os
 import sys
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 LAYERS = 6
 REPORT_EVERY_S = 0.5
+KEEP_STEPS = 20000  # the report's recent steps: the kit's 4 s phases of 0.2 ms steps, written in ~20 ms
 
 
 class Report:
     def __init__(self, path: str):
         self.path = path
-        self.doc: dict = {"pid": os.getpid(), "steps": [], "phase": "start"}
+        self.steps: deque[list[float]] = deque(maxlen=KEEP_STEPS)
+        self.doc: dict = {"pid": os.getpid(), "phase": "start"}
         self._written = 0.0
 
     def set(self, **items) -> None:
@@ -41,14 +45,14 @@ class Report:
         self.write()
 
     def step(self, start: float, seconds: float) -> None:
-        self.doc["steps"].append([round(start, 6), round(seconds, 7)])
+        self.steps.append([round(start, 6), round(seconds, 7)])
         if time.time() - self._written >= REPORT_EVERY_S:
             self.write()
 
     def write(self) -> None:
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
-            json.dump(self.doc, f)
+            json.dump({**self.doc, "steps": list(self.steps)}, f)
         os.replace(tmp, self.path)  # readers never see half a file
         self._written = time.time()
 
