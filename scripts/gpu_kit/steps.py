@@ -29,6 +29,7 @@ TOLERANCE = 0.05  # the shim's kernel time against torch.profiler's
 ACTIVITY_FIELDS = ("kind", "start", "end", "device", "stream", "correlation", "name", "bytes")
 NCCL_COLL_FIELDS = ("comm", "rank", "func", "bytes", "span_ns", "seq")
 KIND_MEMCPY, KIND_MEMSET = 1, 2
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: gpu_job.py launches one before and one after the shim's steps
 NCCL_CALLS = ("ncclAllReduce", "ncclAlltoAll", "ncclSend")  # counted beside the plugin's spans
 
 
@@ -241,32 +242,40 @@ def shim_vs_profiler(kit: Kit) -> dict:
         report = job.report(0)
     finally:
         job.stop()
-    markers = [r for r in records if "spin_kernel" in str(r.get("name", ""))]
+    kernels, markers = between_markers(records)
     figures: dict = {"steps": PROFILE_STEPS, "activity_sites": sites, "records": len(records), "lost": lost,
-                     "markers": len(markers), "reference": "torch.profiler, the same process"}
-    if len(markers) < 2:
+                     "markers": markers, "reference": "torch.profiler, the same process"}
+    if kernels is None:
         raise Failed(f"the shim's records lack the two marker kernels; {tail(job.log)}", figures)
-    lo, hi = markers[0]["end"], markers[1]["start"]
-    kernels = [r for r in records if r["kind"] not in (KIND_MEMCPY, KIND_MEMSET) and lo <= r["start"] < hi]
-    profiled = [k for k in report.get("profiler_kernels", []) if "spin_kernel" not in k["name"]]
+    profiled = [k for k in report.get("profiler_kernels", []) if MARKER not in k["name"]]
     if not profiled:
         figures["reference"] = "torch.profiler, a second process without the shim (none in the same process)"
         ref, go = _profiled_job(kit, shim=False)
         try:
             go.touch()
             ref.wait_phase("done", 300)
-            profiled = [k for k in ref.report(0).get("profiler_kernels", []) if "spin_kernel" not in k["name"]]
+            profiled = [k for k in ref.report(0).get("profiler_kernels", []) if MARKER not in k["name"]]
         finally:
             ref.stop()
     if not profiled:
         raise Failed(f"torch.profiler saw no kernels; {tail(job.log)}", figures)
-    figures.update(_compare(kernels, profiled))
+    figures.update(compare(kernels, profiled))
     if figures["difference"] is None or abs(figures["difference"]) > TOLERANCE or not figures["kernel_counts_equal"]:
         raise Failed(f"shim and torch.profiler differ beyond {TOLERANCE:.0%} or in kernel count", figures)
     return figures
 
 
-def _compare(kernels: list[dict], profiled: list[dict]) -> dict:
+def between_markers(records: list[dict]) -> tuple[list[dict] | None, int]:
+    """The kernel records that started between the first two marker kernels (None without two), and how many
+    markers there were."""
+    markers = [r for r in records if MARKER in str(r.get("name", ""))]
+    if len(markers) < 2:
+        return None, len(markers)
+    lo, hi = markers[0]["end"], markers[1]["start"]
+    return [r for r in records if r["kind"] not in (KIND_MEMCPY, KIND_MEMSET) and lo <= r["start"] < hi], len(markers)
+
+
+def compare(kernels: list[dict], profiled: list[dict]) -> dict:
     """The shim's kernels (ns records) against the profiler's (us events) over the same number of steps."""
     shim_s = sum(r["end"] - r["start"] for r in kernels) / 1e9
     prof_s = sum(k["dur"] for k in profiled) / 1e6
