@@ -55,6 +55,7 @@ class Kit:
     gpu: str | None = None  # the device's name; None: no GPU (why: no_gpu)
     no_gpu: str = "not checked"
     cuda_major: int | None = None
+    cupti: str | None = None  # PyTorch's libcupti of its CUDA line, for the shim if CUDA has not loaded one
     bcc_prefix: Path | None = None
     no_bcc: str | None = "not checked"  # why the agent cannot run here; None: it can
 
@@ -70,12 +71,15 @@ class Kit:
         return bundle.agent_env(self.bcc_prefix, self.bundle_dir)
 
     def job_env(self, shim: bool = False, plugin: bool = False) -> dict[str, str]:
-        """The job's environment: the machine's own, and the shim of its CUDA line where asked."""
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "BCC_KERNEL_SOURCE")}
+        """The job's environment: the machine's own (its library path may be where libcuda is), and the shim of
+        its CUDA line where asked."""
+        env = dict(os.environ)
         env["RANKSCOPE_SHIM_FLUSH_MS"] = "200"  # records and semaphores followed within a fifth of a second
         path = str(self.shim())
         if shim:
             env["CUDA_INJECTION64_PATH"] = path
+            if self.cupti:
+                env.setdefault("RANKSCOPE_CUPTI_LIB", self.cupti)
         if plugin:
             env["NCCL_PROFILER_PLUGIN"] = path
         return env
@@ -102,9 +106,12 @@ class Kit:
 
 def environment(kit: Kit) -> dict:
     """What the machine is: kernel, Python, PyTorch, CUDA, NCCL, the GPU and its driver."""
-    probe = ("import json, torch; c = torch.cuda.is_available(); print(json.dumps({'torch': torch.__version__, "
-             "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(0) if c else None, "
-             "'nccl': str(torch.cuda.nccl.version()) if c else None}))")
+    probe = ("import glob, json, os, torch; c = torch.cuda.is_available(); "
+             "site = os.path.dirname(os.path.dirname(torch.__file__)); "
+             "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
+             "'gpu': torch.cuda.get_device_name(0) if c else None, "
+             "'nccl': str(torch.cuda.nccl.version()) if c else None, "
+             "'cupti': sorted(glob.glob(site + '/nvidia/**/libcupti.so.*', recursive=True))}))")
     found = subprocess.run([kit.python, "-c", probe], capture_output=True, text=True, timeout=120)
     figures: dict = {"kernel": os.uname().release, "python": kit.python}
     if found.returncode != 0:
@@ -115,6 +122,7 @@ def environment(kit: Kit) -> dict:
         if kit.gpu is None:
             kit.no_gpu = f"torch {figures['torch']} sees no CUDA device"
         kit.cuda_major = int(figures["cuda"].split(".")[0]) if figures.get("cuda") else None
+        kit.cupti = next((p for p in figures["cupti"] if p.endswith(f".so.{kit.cuda_major}")), None)
     if shutil.which("nvidia-smi"):
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=60)

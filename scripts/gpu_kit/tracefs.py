@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,10 +39,14 @@ class TracefsError(RuntimeError):
 
 
 def root() -> Path:
+    """The tracefs mount, mounted at /sys/kernel/tracing when nothing is (a bare machine, as root)."""
     for path in ROOTS:
         if (path / "uprobe_events").exists():
             return path
-    raise TracefsError("no tracefs with uprobe_events (mount -t tracefs tracefs /sys/kernel/tracing)")
+    subprocess.run(["mount", "-t", "tracefs", "tracefs", str(ROOTS[0])], capture_output=True, timeout=30)
+    if (ROOTS[0] / "uprobe_events").exists():
+        return ROOTS[0]
+    raise TracefsError("no tracefs with uprobe_events (mount -t tracefs tracefs /sys/kernel/tracing failed)")
 
 
 def fetch_arg(operand: str) -> str:
