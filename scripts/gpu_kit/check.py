@@ -2,7 +2,7 @@
 is recorded with its reason and the next one runs. Writes OUT/results.json and OUT/table.txt (and the jobs'
 log, the diagnosed window's patterns).
 
-    scripts/gpu-check OUT [--bcc auto|system|bundle] [--only STEP,...]
+    scripts/gpu-check OUT [--bcc auto|system|bundle] [--only STEP,...] [--deadline SECONDS]
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -22,6 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from gpu_kit import bundle, steps  # noqa: E402
 
 VALUE_CHARS = 110  # of a row's figures in the table
+# Seconds a step may take at most (the last ones get what the deadline leaves): a hung job costs one step.
+STEP_BUDGET_S = {"environment": 120, "bcc": 150, "diagnose_straggler": 180, "overhead": 300}
+DEFAULT_BUDGET_S = 150
+MIN_STEP_S = 20
 
 
 @dataclass
@@ -33,8 +38,19 @@ class StepResult:
     figures: dict = field(default_factory=dict)
 
 
-def run_step(step, kit: steps.Kit) -> StepResult:
+class StepTimeout(Exception):
+    """The step ran out of its time (SIGALRM): its jobs are stopped by its own cleanup as the exception passes."""
+
+
+def _alarm(signum, frame) -> None:
+    raise StepTimeout("the step ran out of its time")
+
+
+def run_step(step, kit: steps.Kit, seconds: int) -> StepResult:
+    """Runs one step for at most `seconds`, whatever happens inside it."""
     start = time.monotonic()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(max(1, seconds))
     try:
         result = StepResult(step.__name__, "ok", figures=step(kit))
     except steps.Skip as e:
@@ -46,6 +62,8 @@ def run_step(step, kit: steps.Kit) -> StepResult:
         result = StepResult(step.__name__, "failed", detail[-2000:])
         with open(kit.log, "a") as f:
             f.write(f"--- {step.__name__} failed\n{traceback.format_exc()}\n")
+    finally:
+        signal.alarm(0)
     result.seconds = round(time.monotonic() - start, 1)
     return result
 
@@ -71,11 +89,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--bcc", choices=("auto", "system", "bundle"), default="auto")
     ap.add_argument("--bundle", type=Path, default=bundle.DEFAULT_DIR, help="the carried bundle (.gpukit)")
     ap.add_argument("--only", default="", help="comma-separated step names (environment and bcc always run)")
+    ap.add_argument("--deadline", type=int, default=560,
+                    help="seconds for the whole run (the device tool's command limit is 600)")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("gpu-check: must run as root (uprobes, eBPF)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     kit = steps.Kit(args.out, steps.python_of_jobs(), args.bundle, args.bcc)
     wanted = {s for s in args.only.split(",") if s} | {"environment", "bcc"}
     results: list[StepResult] = []
@@ -83,7 +104,11 @@ def main(argv: list[str]) -> int:
         for step in steps.STEPS:
             if args.only and step.__name__ not in wanted:
                 continue
-            results.append(run_step(step, kit))
+            left = args.deadline - (time.monotonic() - started)
+            if left < MIN_STEP_S:
+                results.append(StepResult(step.__name__, "skipped", f"no time left of --deadline {args.deadline} s"))
+            else:
+                results.append(run_step(step, kit, int(min(left, STEP_BUDGET_S.get(step.__name__, DEFAULT_BUDGET_S)))))
             r = results[-1]
             print(f"gpu-check: {r.name}: {r.status} ({r.seconds:.1f} s){': ' + r.reason[:300] if r.reason else ''}",
                   file=sys.stderr, flush=True)
