@@ -381,13 +381,15 @@ def nvml(kit: Kit) -> dict:
 
 def diagnose_straggler(kit: Kit) -> dict:
     """`rankscope diagnose` on a job with one slow-GPU rank names it, component gpu. On the GPU: four ranks of
-    gpu_job.py sharing the device, gloo all-reduces, the shim injected, rank 2 with 4x the matrix products;
+    gpu_job.py sharing the device, gloo all-reduces, the shim injected, rank 2 with 8x the matrix products;
     without one: the simulated job with slow-gpu:2."""
     kit.need_agent()
     if kit.gpu:
+        # Width 512: 6 MB of gradients a step through gloo (loopback TCP), so the straggler's 14 extra matrix
+        # products (~4 ms on an H100 in FP32) are a large share of the step rather than lost in the all-reduce.
         job = kit.job(ranks=RANKS, env=kit.job_env(shim=True), collective="gloo",
-                            args=("--seconds", "120", "--matmuls", "4", "--heavy-rank", str(STRAGGLER_RANK),
-                                  "--heavy-matmuls", "16"))
+                      args=("--seconds", "120", "--width", "512", "--matmuls", "2", "--heavy-rank", str(STRAGGLER_RANK),
+                            "--heavy-matmuls", "16"))
         pids, stop = job.pids, job.stop
         wait = lambda: job.wait_phase("run", 180)  # noqa: E731
     else:
