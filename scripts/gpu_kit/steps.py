@@ -240,7 +240,7 @@ def shim_vs_profiler(kit: Kit) -> dict:
         shim = library_path(job.pids[0], "librankscope_cupti")
         if shim is None:
             raise AssertionError(f"CUDA did not load the shim (CUDA_INJECTION64_PATH): {tail(job.log)}")
-        with tracefs.Uprobes(buffer_kb=65536) as u:
+        with tracefs.Uprobes(buffer_kb=8192) as u:
             sites = _activity_events(u, shim)
             go.touch()
             job.wait_phase("done", 300)

@@ -21,7 +21,8 @@ ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 _REGISTERS = {f"%{r}": f"%{r[1:]}" for r in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "rip")}
 _REGISTERS.update({f"%r{n}": f"%r{n}" for n in range(8, 16)})
 _SIZES = {1: "8", 2: "16", 4: "32", 8: "64"}
-_LINE = re.compile(r"^\s*(.+)-(\d+)\s+\[\d+\]\s+\S+\s+([\d.]+): (\w+): \(0x[0-9a-f]+\)(.*)$")
+# "comm-TID (TGID) [cpu] flags seconds: event: (address) field=value ..." (record-tgid on; TGID "-----" unknown)
+_LINE = re.compile(r"^\s*(.+)-(\d+)\s+\(\s*([\d-]+)\)\s+\[\d+\]\s+\S+\s+([\d.]+): (\w+): \(0x[0-9a-f]+\)(.*)$")
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 
 
@@ -72,10 +73,11 @@ def string_arg(operand: str) -> str | None:
 
 @dataclass
 class Event:
-    """One line of the trace: the process, its timestamp (s) and fields by name (numbers as int)."""
+    """One line of the trace: the thread and its process, the event's name and fields (numbers as int)."""
 
     comm: str
-    pid: int
+    tid: int
+    pid: int  # the process (thread group): CUPTI hands records over on a thread of its own
     name: str
     fields: dict[str, int | str] = field(default_factory=dict)
 
@@ -91,6 +93,7 @@ class Uprobes:
         try:
             self.instance.mkdir()
             (self.instance / "buffer_size_kb").write_text(str(buffer_kb))
+            (self.instance / "options" / "record-tgid").write_text("1")
         except OSError as e:
             raise TracefsError(f"cannot create the tracing instance {self.instance}: {e}") from e
 
@@ -145,11 +148,11 @@ class Uprobes:
                 m = _LINE.match(line)
                 if not m:
                     continue
-                comm, pid, _, name, rest = m.groups()
+                comm, tid, tgid, _, name, rest = m.groups()
                 fields: dict[str, int | str] = {}
                 for key, value in _FIELD.findall(rest):
                     fields[key] = value[1:-1] if value.startswith('"') else int(value, 0)
-                out.append(Event(comm.strip(), int(pid), name, fields))
+                out.append(Event(comm.strip(), int(tid), int(tgid) if tgid.isdigit() else -1, name, fields))
         return out
 
     def close(self) -> None:
