@@ -195,7 +195,11 @@ def tracefs_uprobes(kit: Kit) -> dict:
                     figures[symbol] = f"{fragment} not mapped"
                     continue
                 figures[f"{symbol}_library"] = os.path.realpath(path)
-                u.function(symbol, path, exported_functions(path)[symbol])
+                vaddr = exported_functions(path).get(symbol)
+                if vaddr is None:
+                    figures[symbol] = f"not exported by {fragment}"
+                    continue
+                u.function(symbol, path, vaddr)
             counts = _count_calls(u, pids, 2.0)
             figures["calls_in_2s"] = counts
             figures["lost"] = u.overruns()
