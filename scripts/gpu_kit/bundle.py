@@ -103,6 +103,13 @@ def traced_headers() -> dict[str, Path]:
     return out
 
 
+def copy_headers(headers: dict[str, Path], tree: Path) -> None:
+    """One tree of the headers (a kernel's build and source folders merged), for BCC_KERNEL_SOURCE."""
+    for rel, path in headers.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, tree / rel)
+
+
 def package_of(path: Path) -> str:
     found = _run(["dpkg", "-S", str(path)]).stdout.split(":", 1)[0]
     if not found:  # dpkg knows a library by its /usr/lib or /lib path, whichever the package installed
@@ -131,9 +138,7 @@ def pack(out: Path = DEFAULT_DIR) -> dict:
             (stage / "lib").mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, stage / "lib" / name)
         shutil.copytree(BCC_PYTHON, stage / "python" / "bcc", ignore=shutil.ignore_patterns("__pycache__"))
-        for rel, path in headers.items():
-            (stage / "headers" / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, stage / "headers" / rel)
+        copy_headers(headers, stage / "headers")
         tar = subprocess.Popen(["tar", "-C", str(stage), "-cf", "-", "lib", "python", "headers"],
                                stdout=subprocess.PIPE)
         with open(out / ARCHIVE, "wb") as f:

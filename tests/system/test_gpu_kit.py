@@ -7,12 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from test_cupti_shim import KERNEL, driver_binary, line, start_driver  # noqa: F401: fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_kit import steps, tracefs  # noqa: E402
+from gpu_kit import bundle, steps, tracefs  # noqa: E402
 from rankscope.agent.host.symbols import sdt_sites  # noqa: E402
 from rankscope.cupti_shim.build import build_shim  # noqa: E402
 
@@ -40,6 +42,16 @@ def test_tracefs_reads_the_shims_records_and_arms_its_semaphore(line, start_driv
          "bytes": 4096},
     ]
     assert driver.emit(1)[2] == 2  # events removed: the semaphore is down again
+
+
+def test_the_traced_kernel_headers_alone_compile_the_probes(tmp_path):
+    headers = bundle.traced_headers()
+    assert {"include/uapi/linux/ptrace.h", "include/generated/autoconf.h", "include/linux/kconfig.h"} <= set(headers)
+    (tmp_path / "headers").mkdir()
+    with pytest.raises(bundle.BundleError):  # bcc reads BCC_KERNEL_SOURCE, not the machine's headers
+        bundle.check(tmp_path)
+    bundle.copy_headers(headers, tmp_path / "headers")
+    assert bundle.check(tmp_path).startswith("0.26")  # the machine's bcc, only the traced headers
 
 
 def test_kit_runs_against_the_stand_ins(tmp_path):
