@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpu_kit import bundle, tracefs
@@ -377,7 +377,7 @@ def nvml(kit: Kit) -> dict:
         reader.close()
     index = devices.get(job.pids[0])
     figures = {"devices": len(reader.devices), "job_device": index,
-               "readings": {i: vars(h) for i, h in window.items()}}
+               "readings": {i: asdict(h) for i, h in window.items()}}
     if index is None or not window.get(index) or window[index].sm_clock_mhz <= 0:
         raise Failed("NVML did not place the job on a GPU with readings", figures)
     return figures
