@@ -68,7 +68,10 @@ class Kit:
         return self.out / "jobs.log"
 
     def agent_env(self) -> dict[str, str]:
-        return bundle.agent_env(self.bcc_prefix, self.bundle_dir)
+        env = bundle.agent_env(self.bcc_prefix, self.bundle_dir)
+        if (self.bundle_dir / "shims").is_dir():  # --inject-shim takes the carried shims (no wheels to build from)
+            env["RANKSCOPE_SHIM_DIR"] = str(self.bundle_dir / "shims")
+        return env
 
     def job_env(self, shim: bool = False, plugin: bool = False) -> dict[str, str]:
         """The job's environment: the machine's own (its library path may be where libcuda is), and the shim of
@@ -432,6 +435,38 @@ def diagnose_straggler(kit: Kit) -> dict:
     return figures
 
 
+def late_attach(kit: Kit) -> dict:
+    """`diagnose --inject-shim` loads the shim into a running job started without CUDA_INJECTION64_PATH: the
+    job maps it afterwards, goes on stepping, and the diagnosed window's pattern carries its kernel times."""
+    kit.need_gpu()
+    kit.need_agent()
+    job = kit.job(env=kit.job_env(), args=("--seconds", "90"))
+    patterns = kit.work / "late-attach.msgpack"
+    try:
+        job.wait_phase("run", 120)
+        before = library_path(job.pids[0], "librankscope_cupti")
+        start = time.monotonic()
+        result = rankscope(kit.python, kit.agent_env(), "diagnose", "--inject-shim", "--pid", str(job.pids[0]),
+                           "--json", "--duration", "5", "--save-patterns", str(patterns), timeout=180)
+        took = time.monotonic() - start
+        after = library_path(job.pids[0], "librankscope_cupti")
+        now = time.time()
+        step_after = job.median_step_s(0, now - 2, now)
+        alive = job.procs[0].poll() is None
+    finally:
+        job.stop()
+    from rankscope.schema.wire import decode_patterns
+    gpu = [p.gpu for p in decode_patterns(patterns.read_bytes()) if p.gpu] if patterns.exists() else []
+    figures = {"shim_before": before, "shim_after": after and os.path.realpath(after), "job_alive": alive,
+               "job_step_ms_after": round(step_after[0] * 1e3, 3), "diagnose_s": round(took, 1),
+               "window_kernels": gpu[0].kernels if gpu else 0,
+               "window_kernel_ms": round(gpu[0].kernel_s * 1e3, 3) if gpu else 0.0,
+               "diagnose_stderr": result.stderr.strip()[-400:]}
+    if result.returncode != 0 or before or not after or not alive or not gpu:
+        raise Failed("the injected shim did not report the running job's kernels", figures)
+    return figures
+
+
 def _phase(job: GpuJob, seconds: float) -> tuple[float, int]:
     start = time.time()
     time.sleep(seconds)
@@ -495,7 +530,8 @@ def _watching(url: str, pid: int) -> bool:
     return any(p.get("pid") == pid and p.get("gpu") for p in rows)
 
 
-STEPS = (environment, bcc, tracefs_uprobes, shim_vs_profiler, nccl_spans, nvml, diagnose_straggler, overhead)
+STEPS = (environment, bcc, tracefs_uprobes, shim_vs_profiler, nccl_spans, nvml, diagnose_straggler, late_attach,
+         overhead)
 
 
 def python_of_jobs() -> str:

@@ -18,7 +18,7 @@ from gpu_kit import bundle, steps, tracefs  # noqa: E402
 from rankscope.agent.host.symbols import sdt_sites  # noqa: E402
 from rankscope.cupti_shim.build import build_shim  # noqa: E402
 
-GPU_STEPS = ("shim_vs_profiler", "nccl_spans", "overhead")
+GPU_STEPS = ("shim_vs_profiler", "nccl_spans", "late_attach", "overhead")
 
 
 def test_tracefs_reads_the_shims_records_and_arms_its_semaphore(line, start_driver):  # noqa: F811
