@@ -1,7 +1,8 @@
 """What rankscope needs on a GPU machine that cannot fetch packages, carried in at most 64 MiB: packed here
 from this machine's Debian bcc, unpacked there into a prefix of its own.
 
-    python scripts/gpu_kit/bundle.py [DIR]      packs DIR (default .gpukit/, gitignored) and checks it
+    python scripts/gpu_kit/bundle.py [DIR]          packs DIR (default .gpukit/, gitignored) and checks it
+    python scripts/gpu_kit/bundle.py --shims [DIR]  rebuilds only DIR/shims (after a change to the shim)
 
 DIR holds
 - bcc.tar.xz: lib/ (libbcc and the shared libraries it needs, found with ldd, but glibc and GCC's runtime:
@@ -124,14 +125,12 @@ def package_of(path: Path) -> str:
 
 def pack(out: Path = DEFAULT_DIR) -> dict:
     """Packs `out` (replacing it) and checks the archive by compiling with it alone; returns the manifest."""
-    from rankscope.cupti_shim.build import build_shims
-
     libraries, skipped = library_closure()
     headers = traced_headers()
     if not BCC_PYTHON.is_dir():
         raise BundleError(f"{BCC_PYTHON} is missing: install python3-bpfcc")
     shutil.rmtree(out, ignore_errors=True)
-    (out / "shims").mkdir(parents=True)
+    out.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
         stage = Path(tmp) / "stage"
         for name, path in libraries.items():
@@ -149,8 +148,7 @@ def pack(out: Path = DEFAULT_DIR) -> dict:
                   "-d", str(out), PYELFTOOLS])
     if wheel.returncode != 0:
         raise BundleError(f"cannot download {PYELFTOOLS}: {wheel.stderr.strip()[-300:]}")
-    for shim in build_shims():
-        shutil.copy2(shim, out / "shims" / shim.name)
+    copy_shims(out)
     manifest = {
         "libraries": {name: {"bytes": p.stat().st_size, "package": package_of(p)} for name, p in libraries.items()},
         "left_out": sorted(set(skipped)),
@@ -164,6 +162,15 @@ def pack(out: Path = DEFAULT_DIR) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         check(unpack(out, Path(tmp)))
     return manifest
+
+
+def copy_shims(out: Path) -> list[Path]:
+    """The shims of both CUDA lines, built from this checkout's sources, into out/shims (alone: after a change
+    to the shim, the rest of the bundle stays as it is)."""
+    from rankscope.cupti_shim.build import build_shims
+
+    (out / "shims").mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copy2(shim, out / "shims" / shim.name)) for shim in build_shims()]
 
 
 def unpack(bundle: Path, prefix: Path) -> Path:
@@ -206,5 +213,9 @@ def check(prefix: Path | None, python: str = sys.executable) -> str:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_DIR
-    print(json.dumps(pack(target)["files"], indent=1))
+    args = [a for a in sys.argv[1:] if a != "--shims"]
+    target = Path(args[0]) if args else DEFAULT_DIR
+    if "--shims" in sys.argv:
+        print("\n".join(map(str, copy_shims(target))))
+    else:
+        print(json.dumps(pack(target)["files"], indent=1))
