@@ -79,20 +79,28 @@ class SdtProbe:
 
     address: int  # of the probe's instruction, as a link-time address of the file (bcc's `addr`)
     semaphore: int  # link-time address of its unsigned short counter; 0 when the site is always live
+    args: str = ""  # the note's argument locations, e.g. "8@%rdx 8@16(%rax) 8@$0" (size@operand, AT&T syntax)
 
 
 def sdt_probes(path: str) -> dict[tuple[str, str], SdtProbe]:
-    """(provider, name) -> SdtProbe of every SDT note of `path` (e.g. CPython's python:gc__start)."""
+    """(provider, name) -> SdtProbe of every SDT note of `path` (e.g. CPython's python:gc__start); of a probe
+    with several sites, one (they share the semaphore)."""
+    return {(provider, name): site for provider, name, site in sdt_sites(path)}
+
+
+def sdt_sites(path: str) -> list[tuple[str, str, SdtProbe]]:
+    """(provider, name, site) of every SDT note of `path`: a probe the compiler placed at several sites (an
+    inlined macro) has one entry each."""
     try:
         st = os.stat(path)
     except OSError as e:
         raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
-    return _sdt_probes(path, st.st_dev, st.st_ino, st.st_mtime_ns)
+    return _sdt_sites(path, st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
 @lru_cache(maxsize=16)
-def _sdt_probes(path: str, _dev: int, _ino: int, _mtime: int) -> dict[tuple[str, str], SdtProbe]:
-    out: dict[tuple[str, str], SdtProbe] = {}
+def _sdt_sites(path: str, _dev: int, _ino: int, _mtime: int) -> list[tuple[str, str, SdtProbe]]:
+    out: list[tuple[str, str, SdtProbe]] = []
     try:
         with open(path, "rb") as f:
             elf = ELFFile(f)
@@ -104,10 +112,11 @@ def _sdt_probes(path: str, _dev: int, _ino: int, _mtime: int) -> dict[tuple[str,
                 if note["n_name"] != "stapsdt" or not isinstance(desc, bytes) or len(desc) < 26:
                     continue
                 pc, note_base, sem = struct.unpack_from("<QQQ", desc)
-                provider, name = desc[24:].split(b"\0")[:2]
+                provider, name, args = (desc[24:].split(b"\0") + [b""])[:3]
                 # A prelinked file moved .stapsdt.base: the note's addresses move with it.
                 shift = base["sh_addr"] - note_base if base is not None and note_base else 0
-                out[(provider.decode(), name.decode())] = SdtProbe(pc + shift, sem + shift if sem else 0)
+                out.append((provider.decode(), name.decode(),
+                            SdtProbe(pc + shift, sem + shift if sem else 0, args.decode(errors="replace"))))
     except (OSError, ELFError, ValueError) as e:
         raise SymbolError(f"cannot read the SDT notes of {path}: {e}") from e
     return out

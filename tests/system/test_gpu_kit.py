@@ -1,0 +1,77 @@
+"""The GPU validation kit (scripts/gpu-check) without a GPU: its tracefs reader of the CUPTI shim's USDT probe
+on real CUPTI record structs, and the whole kit against the simulated job's stand-ins, GPU steps skipped."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_cupti_shim import KERNEL, driver_binary, line, start_driver  # noqa: F401: fixtures
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpu_kit import bundle, steps, tracefs  # noqa: E402
+from rankscope.agent.host.symbols import sdt_sites  # noqa: E402
+from rankscope.cupti_shim.build import build_shim  # noqa: E402
+
+GPU_STEPS = ("shim_vs_profiler", "nccl_spans", "late_attach", "overhead")
+
+
+def test_tracefs_reads_the_shims_records_and_arms_its_semaphore(line, start_driver):  # noqa: F811
+    driver = start_driver()
+    assert driver.emit(1)[2] == 1  # nobody attached: the buffer is skipped
+    shim = str(build_shim(line.major))
+    with tracefs.Uprobes(buffer_kb=256) as u:
+        sites = [s for p, n, s in sdt_sites(shim) if (p, n) == ("rankscope", "activity")]
+        assert len(sites) == 3  # kernels, copies, sets: one site each
+        for i, site in enumerate(sites):
+            u.usdt(f"activity{i}", shim, site, steps.ACTIVITY_FIELDS, strings=("name",))
+        assert driver.emit(1)[:2] == (3, 0)  # the kernel raised the semaphore: the shim hands records over
+        u.stop()
+        records = [e.fields for e in u.read() if e.pid == driver.pid]
+    assert records == [
+        {"kind": 10, "start": 1000000000123, "end": 1000000250456, "device": 3, "stream": 17, "correlation": 4242,
+         "name": KERNEL, "bytes": 0},
+        {"kind": 1, "start": 1000000300000, "end": 1000000340000, "device": 3, "stream": 18, "correlation": 4243,
+         "bytes": 1 << 20},
+        {"kind": 2, "start": 1000000400000, "end": 1000000401000, "device": 3, "stream": 17, "correlation": 4244,
+         "bytes": 4096},
+    ]
+    assert driver.emit(1)[2] == 2  # events removed: the semaphore is down again
+
+
+def test_the_traced_kernel_headers_alone_compile_the_probes(tmp_path):
+    headers = bundle.traced_headers()
+    assert {"include/uapi/linux/ptrace.h", "include/generated/autoconf.h", "include/linux/kconfig.h"} <= set(headers)
+    (tmp_path / "headers").mkdir()
+    with pytest.raises(bundle.BundleError):  # bcc reads BCC_KERNEL_SOURCE, not the machine's headers
+        bundle.check(tmp_path)
+    bundle.copy_headers(headers, tmp_path / "headers")
+    assert bundle.check(tmp_path).startswith("0.26")  # the machine's bcc, only the traced headers
+
+
+def test_kit_runs_against_the_stand_ins(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run([str(ROOT / "scripts" / "gpu-check"), str(out), "--bcc", "system"],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    by_name = {s["name"]: s for s in doc["steps"]}
+    assert doc["mode"] == "stand-ins" and doc["gpu"] is None and doc["agent"] == "runs"
+    assert [s.__name__ for s in steps.STEPS] == list(by_name)
+    for name in GPU_STEPS:
+        assert by_name[name]["status"] == "skipped" and by_name[name]["reason"].startswith("no GPU: "), by_name[name]
+    assert by_name["nvml"]["status"] == "skipped"
+    calls = by_name["tracefs_uprobes"]["figures"]["calls_in_2s"]
+    assert by_name["tracefs_uprobes"]["status"] == "ok" and calls["cuLaunchKernel"] > 0 and calls["ncclAllReduce"] > 0
+    straggler = by_name["diagnose_straggler"]
+    assert straggler["status"] == "ok", straggler
+    assert straggler["figures"]["findings"][0] == {**straggler["figures"]["findings"][0], "kind": "compute_straggler",
+                                                   "ranks": [steps.STRAGGLER_RANK], "component": "gpu"}
+    assert (out / "patterns.msgpack").stat().st_size > 0
+    rows = (out / "table.txt").read_text().splitlines()
+    assert [r.split()[0] for r in rows[1:]] == list(by_name)
