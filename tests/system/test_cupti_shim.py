@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from rankscope.agent.sources.gpu import GpuViews
 from rankscope.agent.sources.nvml import GpuHealthReader
 from rankscope.agent.sources.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
                                                   LaunchStats, RawActivity, short_kernel_name)
+from rankscope.agent.trace_capture import capture
+from rankscope.agent.views.trace import RankInfo, chrome_trace
 from rankscope.cupti_shim.build import build_shim
 from rankscope.cupti_shim.cuda_lines import LINES, CudaLine
 from rankscope.schema.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel, RankPattern
@@ -180,6 +184,38 @@ def test_records_reach_agent_through_usdt(line, start_driver):
     # Detached: the semaphore is off again and the shim skips its buffers.
     assert driver.emit(1) == (3 * RECORDS_PER_BUFFER, 0, 2)
     assert NO_DRIVER_ERROR[line.major] in driver.close()  # said once, and the process went on
+
+
+def test_a_trace_capture_shows_the_shims_records_on_their_gpu_stream(start_driver):
+    """A capture reads the shim's records through the reader's stream: kernels, copies and sets on a track per
+    device and stream, in Kineto's categories, placed by CUPTI's clock (unix ns) in the capture's time."""
+    driver = start_driver()
+    views = GpuViews(health=GpuHealthReader(ReplayNvml(READINGS)))
+    stop = threading.Event()
+    try:
+        assert views.watch(driver.pid)
+        (stream,) = views.trace_streams()
+        with ThreadPoolExecutor(1) as pool:
+            capturing = pool.submit(capture, views.trace_streams(), [driver.pid], 30, stop)
+            wait_until(lambda: stream.running, 10, "the capture to start")
+            assert driver.command("now").emitted == RECORDS_PER_BUFFER
+            stop.set()
+            cap = capturing.result(timeout=30)
+    finally:
+        views.close()
+    doc = chrome_trace(RankInfo("j", 0, 1, driver.pid, "h"), cap, {})
+    gpu = {e["cat"]: e for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert set(gpu) == {"kernel", "gpu_memcpy", "gpu_memset"}
+    kernel, memcpy = gpu["kernel"], gpu["gpu_memcpy"]
+    assert (kernel["name"], kernel["dur"], kernel["args"]) == (KERNEL, 250.333, {"device": 3, "stream": 17,
+                                                                                  "correlation": 4242})
+    assert (memcpy["name"], memcpy["args"]) == ("Memcpy", {"device": 3, "stream": 18, "bytes": 1 << 20})
+    # The set ended when the driver ran the command: inside the capture, after the kernel by the buffer's gaps.
+    assert 0 < gpu["gpu_memset"]["ts"] + gpu["gpu_memset"]["dur"] <= (cap.end_ns - cap.start_ns) / 1e3
+    assert gpu["gpu_memset"]["ts"] - kernel["ts"] == pytest.approx(399.877, abs=0.002)
+    tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"GPU 3 stream 17", "GPU 3 stream 18"} <= tracks
+    assert doc["rankscope"]["dropped_events"] == 0
 
 
 def test_rate_limit_drops_records_over_budget(start_driver):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from rankscope.agent.loader.program import (TRACE_CALL, TRACE_COLLECTIVE, TRACE_INSTANT, TRACE_RECORD, TRACE_SCHED,
-                                            CaptureBusy)
+from rankscope.agent.loader.trace_stream import (TRACE_CALL, TRACE_COLLECTIVE, TRACE_GPU, TRACE_INSTANT, TRACE_NCCL,
+                                                 TRACE_PY_CALL, TRACE_PY_SAMPLE, TRACE_RECORD, TRACE_SCHED, CaptureBusy)
 from rankscope.agent.service.http import make_app
 from rankscope.agent.service.snapshot import Snapshot
 from rankscope.agent.trace_capture import Captured
