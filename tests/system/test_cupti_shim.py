@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import captured_while, wait_until
 from nvml_replay import READINGS, ReplayNvml
 
 from rankscope.agent.loader.histograms import percentile_s
@@ -22,7 +20,6 @@ from rankscope.agent.sources.gpu import GpuViews
 from rankscope.agent.sources.nvml import GpuHealthReader
 from rankscope.agent.sources.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
                                                   LaunchStats, RawActivity, short_kernel_name)
-from rankscope.agent.trace_capture import capture
 from rankscope.agent.views.trace import RankInfo, chrome_trace
 from rankscope.cupti_shim.build import build_shim
 from rankscope.cupti_shim.cuda_lines import LINES, CudaLine
@@ -191,18 +188,13 @@ def test_a_trace_capture_shows_the_shims_records_on_their_gpu_stream(start_drive
     device and stream, in Kineto's categories, placed by CUPTI's clock (unix ns) in the capture's time."""
     driver = start_driver()
     views = GpuViews(health=GpuHealthReader(ReplayNvml(READINGS)))
-    stop = threading.Event()
     try:
         assert views.watch(driver.pid)
-        (stream,) = views.trace_streams()
-        with ThreadPoolExecutor(1) as pool:
-            capturing = pool.submit(capture, views.trace_streams(), [driver.pid], 30, stop)
-            wait_until(lambda: stream.running, 10, "the capture to start")
-            assert driver.command("now").emitted == RECORDS_PER_BUFFER
-            stop.set()
-            cap = capturing.result(timeout=30)
+        ran = []
+        cap = captured_while(views.trace_streams(), driver.pid, lambda: ran.append(driver.command("now")))
     finally:
         views.close()
+    assert ran[0].emitted == RECORDS_PER_BUFFER
     doc = chrome_trace(RankInfo("j", 0, 1, driver.pid, "h"), cap, {})
     gpu = {e["cat"]: e for e in doc["traceEvents"] if e["ph"] == "X"}
     assert set(gpu) == {"kernel", "gpu_memcpy", "gpu_memset"}

@@ -49,6 +49,7 @@ class TraceStream:
         self.lock = lock or threading.Lock()
         self.refused = 0  # records of the running capture intern() had no room for
         self._sink: Callable[[bytes], None] | None = None
+        self._on = False
         bpf[TRACE_EVENTS].open_ring_buffer(self._on_event)
 
     def intern(self, raw: bytes) -> bytes | None:
@@ -70,8 +71,8 @@ class TraceStream:
 
     @property
     def running(self) -> bool:
-        """Whether a capture reads this stream now."""
-        return self._sink is not None
+        """Whether the kernel emits this stream's events now (a capture started it and has not stopped it)."""
+        return self._on
 
     def consume(self) -> None:
         """Read the object's ring buffers (this stream's events into the sink)."""
@@ -88,12 +89,14 @@ class TraceStream:
         for pid in pids:
             self.bpf[TRACE_PIDS][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
         self.bpf[TRACE_ON][ctypes.c_int(0)] = ctypes.c_uint32(1)
+        self._on = True
 
     def stop(self) -> None:
         """The kernel stops emitting, and what it emitted so far reaches the sink."""
         if self._sink is None:
             return
         self.bpf[TRACE_ON][ctypes.c_int(0)] = ctypes.c_uint32(0)
+        self._on = False
         self.bpf[TRACE_PIDS].clear()
         self.consume()
         self._sink = None

@@ -46,8 +46,8 @@ ZIP_CONTENT_TYPE = "application/zip"
 # Tracks that are no thread of the process: above any Linux tid (pid_max <= 2^22).
 SCHED_TID = 1 << 30
 COLLECTIVE_TID = SCHED_TID + 1  # + the lane
-NCCL_TID = SCHED_TID + (1 << 20)  # NCCL's GPU spans from the profiler plugin
-GPU_TID = SCHED_TID + (1 << 24)  # + device << 16 + stream: the CUPTI shim's records
+NCCL_TID = 1 << 29  # NCCL's GPU spans from the profiler plugin
+GPU_TID = NCCL_TID + (1 << 24)  # + device << 16 + stream: the CUPTI shim's records
 COMM_STREAM = 1000  # HTA's stream of lane 0 (any number >= 0 is a GPU stream to it)
 GPU_CATEGORY = {KIND_MEMCPY: ("gpu_memcpy", "Memcpy"), KIND_MEMSET: ("gpu_memset", "Memset")}  # Kineto's
 STATES = ("running", "runnable", "asleep", "blocked (I/O)")  # bpf/sched.bpf.c's ON_CPU, RUNNABLE, ...
