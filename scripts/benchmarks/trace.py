@@ -1,8 +1,9 @@
 """trace: what a running trace capture costs the traced job, and its size. The simulated 4-rank GPU job runs
 with the agent attached (light, then deep mode); phases of PHASE_S alternate without (A) and with (B) a
 capture of every rank running (GET /v1/trace?seconds=PHASE_S), A B B A ...: the step-time ratio of each pair
-is the capture's cost alone (the agent is attached in both). The captures' files give the events and JSON
-bytes a second a rank."""
+is the capture's cost alone (the agent is attached in both), and so is the pair's ratio of the ranks' on-CPU
+time per step (the handlers' ring-buffer writes are charged to the job's threads; it moves less with a busy
+machine's load than wall time does). The captures' files give the events and JSON bytes a second a rank."""
 from __future__ import annotations
 
 import io
@@ -13,8 +14,8 @@ import zipfile
 
 from rankscope.sim.harness import wait_until
 
-from .harness import (DETAILS, AgentProc, BenchError, Context, Row, abba, log, median, pair_ratios, row,
-                      spread)
+from .harness import (DETAILS, AgentProc, BenchError, Context, Row, abba, cpu_ns, log, median, pair_ratios,
+                      row, spread)
 
 RANKS = 4
 
@@ -26,17 +27,19 @@ def _step_ends(truth, rank: int) -> list[float]:
         return []
 
 
-def _step_time(truth, start: float, end: float) -> float:
-    """The job's own mean step time over [start, end] (unix s), over its ranks, from their step logs."""
+def _steps(truth, start: float, end: float) -> tuple[float, int]:
+    """The job's own mean step time over [start, end] (unix s), over its ranks, and the steps its ranks ended
+    in it, from their step logs."""
     wait_until(lambda: all(max(_step_ends(truth, r), default=0) > end for r in range(RANKS)), 30,
                "the ranks' step logs", interval=0.1)
-    spans = []
+    spans, count = [], 0
     for r in range(RANKS):
         ends = [t for t in _step_ends(truth, r) if start <= t <= end]
         if len(ends) < 2:
             raise BenchError(f"rank {r} logged {len(ends)} steps in a phase")
         spans.append((ends[-1] - ends[0]) / (len(ends) - 1))
-    return sum(spans) / len(spans)
+        count += len(ends)
+    return sum(spans) / len(spans), count
 
 
 def _capture(agent: AgentProc, seconds: float) -> list[dict]:
@@ -50,8 +53,8 @@ def _capture(agent: AgentProc, seconds: float) -> list[dict]:
 def run(ctx: Context) -> tuple[list[Row], dict]:
     from rankscope.sim.job import start_job
 
-    phase_s = 2.0 if ctx.quick else 6.0
-    pairs_per_level = 1 if ctx.quick else 4
+    phase_s = 2.0 if ctx.quick else 3.0  # short phases, many pairs: a busy machine's load drifts over seconds
+    pairs_per_level = 1 if ctx.quick else 8
     truth = ctx.tmp / "trace-truth"
     truth.mkdir()
     job = start_job(RANKS, truth_dir=truth, log_dir=ctx.tmp / "trace-logs")
@@ -61,28 +64,36 @@ def run(ctx: Context) -> tuple[list[Row], dict]:
         wait_until(lambda: all(len(_step_ends(truth, r)) >= 20 for r in range(RANKS)), 120, "the job's first steps")
         for level in DETAILS:
             order = abba(pairs_per_level)
-            steps, sizes = [], []
+            steps, cpu_steps, sizes = [], [], []
             with AgentProc(ctx, job.pids, window=5, detail=level) as agent:
                 wait_until(lambda: len(agent.get("/v1/diagnosis").get("ranks", [])) == RANKS, 60,
                            "the agent's first window", interval=0.2)
                 for i, p in enumerate(order):
-                    start = time.time()
+                    start, cpu = time.time(), sum(cpu_ns(pid) for pid in job.pids)
                     if p == "B":
                         sizes += _capture(agent, phase_s)
                     else:
                         time.sleep(phase_s)  # the phase itself: the job runs, nothing else happens
-                    steps.append(_step_time(truth, start, time.time()))
-                    log(f"trace: {level}: phase {i + 1}/{len(order)} {p}: step {steps[-1] * 1e3:.3f} ms")
+                    cpu, end = sum(cpu_ns(pid) for pid in job.pids) - cpu, time.time()
+                    step_s, count = _steps(truth, start, end)
+                    steps.append(step_s)
+                    cpu_steps.append(cpu / 1e9 / count)
+                    log(f"trace: {level}: phase {i + 1}/{len(order)} {p}: step {step_s * 1e3:.3f} ms, "
+                        f"{cpu_steps[-1] * 1e3:.3f} ms on CPU a rank-step")
             slowdown = [(r - 1) * 100 for r in pair_ratios(order, steps)]
+            cpu_slowdown = [(r - 1) * 100 for r in pair_ratios(order, cpu_steps)]
             seconds = sum(s["doc"]["rankscope"]["seconds"] for s in sizes)
             events = sum(sum(e["ph"] != "M" for e in s["doc"]["traceEvents"]) for s in sizes) / seconds
             kb = sum(s["bytes"] for s in sizes) / seconds / 1e3
             lost = sum(s["doc"]["rankscope"]["dropped_events"] + s["doc"]["rankscope"]["truncated_events"]
                        for s in sizes)
             details["levels"][level] = {"order": order, "step_s": steps, "pair_slowdown_pct": slowdown,
+                                        "cpu_s_per_rank_step": cpu_steps, "pair_cpu_pct": cpu_slowdown,
                                         "events_per_rank_s": events, "kb_per_rank_s": kb, "lost_events": lost}
             rows += [row("trace", f"sim job ({RANKS} ranks) slowdown while a capture runs, agent {level} mode",
                          median(slowdown), "%", note=spread(slowdown)),
+                     row("trace", f"sim job on-CPU time per rank-step while a capture runs, agent {level} mode",
+                         median(cpu_slowdown), "%", note=spread(cpu_slowdown)),
                      row("trace", f"capture size a rank, agent {level} mode", events, "events/s",
                          note=f"{kb:.0f} KB/s of JSON; {lost} events lost")]
         rows.append(row("trace", f"sim job ({RANKS} ranks) median step, agent attached, no capture",

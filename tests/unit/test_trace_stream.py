@@ -88,6 +88,20 @@ def test_a_stream_emits_only_while_started_and_one_capture_at_a_time():
     assert [np.frombuffer(r, TRACE_RECORD)["start_ns"][0] for r in got] == [20]
 
 
+def test_a_stream_closed_during_a_capture_keeps_what_it_read():
+    """A shim reader's process leaves mid-capture: its object is unloaded, the capture goes on without it."""
+    bpf = FakeBpf()
+    stream, got = TraceStream(bpf), []
+    stream.start([PID], got.append)
+    bpf.emit(record(1, 20))
+    stream.consume()
+    bpf[TRACE_LOST][ctypes.c_int(0)] = ctypes.c_uint64(3)
+    stream.close()
+    stream.consume()
+    stream.stop()
+    assert len(got) == 1 and stream.lost == 3 and not stream.running
+
+
 def test_sampled_stacks_are_interned_and_those_beyond_the_bound_counted(monkeypatch):
     monkeypatch.setattr(python_sampler, "MAX_TRACE_STACKS", 2)
     bpf = FakeBpf()

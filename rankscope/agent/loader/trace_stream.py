@@ -43,13 +43,14 @@ class TraceStream:
     (code objects, kernel names), override intern() and labels()."""
 
     def __init__(self, bpf: Any, lock: threading.Lock | None = None):
-        self.bpf = bpf  # a loaded bcc.BPF that includes bpf/trace.h
+        self.bpf = bpf  # a loaded bcc.BPF that includes bpf/trace.h; None once closed
         # Held while the object's ring buffers are consumed: libbpf's consume is not reentrant, and an object's
         # other streams (the uprobe program's completed collectives) are read by the window's thread.
         self.lock = lock or threading.Lock()
         self.refused = 0  # records of the running capture intern() had no room for
         self._sink: Callable[[bytes], None] | None = None
         self._on = False
+        self._lost_at_close = 0
         bpf[TRACE_EVENTS].open_ring_buffer(self._on_event)
 
     def intern(self, raw: bytes) -> bytes | None:
@@ -77,7 +78,8 @@ class TraceStream:
     def consume(self) -> None:
         """Read the object's ring buffers (this stream's events into the sink)."""
         with self.lock:
-            self.bpf.ring_buffer_consume()
+            if self.bpf is not None:
+                self.bpf.ring_buffer_consume()
 
     def start(self, pids: list[int], sink: Callable[[bytes], None]) -> None:
         """Stream the events of `pids` (TRACE_RECORD each) to `sink`, from the next consume(), until stop()."""
@@ -93,7 +95,8 @@ class TraceStream:
 
     def stop(self) -> None:
         """The kernel stops emitting, and what it emitted so far reaches the sink."""
-        if self._sink is None:
+        if self._sink is None or self.bpf is None:
+            self._sink, self._on = None, False
             return
         self.bpf[TRACE_ON][ctypes.c_int(0)] = ctypes.c_uint32(0)
         self._on = False
@@ -104,4 +107,12 @@ class TraceStream:
     @property
     def lost(self) -> int:
         """Events the kernel's stream had no room for, since the object loaded."""
-        return self.bpf[TRACE_LOST][ctypes.c_int(0)].value
+        return self._lost_at_close if self.bpf is None else self.bpf[TRACE_LOST][ctypes.c_int(0)].value
+
+    def close(self) -> None:
+        """The object is about to be unloaded (a shim reader's process left): a capture running meanwhile
+        keeps what it read and reads no more of it."""
+        with self.lock:
+            if self.bpf is not None:
+                self._lost_at_close = self.lost
+                self.bpf = None

@@ -176,6 +176,7 @@ class CuptiReader:
             self._bpf = compile_bpf(readers + bpf_sources.text(*BPF_SOURCES), [])
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
+        self.trace = _GpuStream(self._bpf, self)
         try:  # NCCL's plugin, like the shim, hands over nothing until its probes' semaphores are up
             for probe in ALWAYS_ATTACHED:
                 if self._semaphores[probe]:
@@ -184,7 +185,6 @@ class CuptiReader:
             self.close()
             raise
         self._bpf[RAW_ACTIVITY].open_ring_buffer(self._on_raw)
-        self.trace = _GpuStream(self._bpf, self)
 
     def _attach(self, probe: str) -> list[Uprobes]:
         """Attaches the probe's function at each of its sites, the kernel raising its semaphore; all or none."""
@@ -269,6 +269,7 @@ class CuptiReader:
     def close(self) -> None:
         """Detach: removing the probes lowers the process's semaphores (the kernel does it)."""
         self._launch_probes = self._probes = uprobe_links.detach(self._launch_probes + self._probes)
+        self.trace.close()
         self._bpf.cleanup()
 
 
