@@ -96,6 +96,8 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable, help="the workload's interpreter")
     ap.add_argument("--rate", type=int, default=99, help="samples per second, both tools")
     ap.add_argument("--top", type=int, default=10, help="stacks and functions compared, py-spy's largest")
+    ap.add_argument("--pyspy-blocking", action="store_true",
+                    help="py-spy stops the process for each sample (no torn stacks; slows the workload)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "workload.py"
@@ -111,8 +113,8 @@ def main() -> int:
             if "sampling" not in opened:
                 raise SystemExit(f"rankscope profile: {opened}{profile.stderr.read()}")
             subprocess.run([pyspy(), "record", "--pid", str(proc.pid), "--duration", str(args.seconds), "--rate",
-                            str(args.rate), "--format", "raw", "--nolineno", "--nonblocking", "--output",
-                            str(spy_out)], check=True, capture_output=True)
+                            str(args.rate), "--format", "raw", "--nolineno", "--output", str(spy_out),
+                            *([] if args.pyspy_blocking else ["--nonblocking"])], check=True, capture_output=True)
             if profile.wait(timeout=60) != 0:
                 raise SystemExit(f"rankscope profile: {profile.stderr.read()}")
             spy, ours = shares(spy_out.read_text()), shares(ours_out.read_text())

@@ -159,7 +159,8 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
             nccl = True
     coll = recs[recs["kind"] == TRACE_COLLECTIVE]
     lanes = _lanes(np.maximum(coll["start_ns"], cap.start_ns), coll["end_ns"])
-    gpu_kernels = any(e["cat"] == "kernel" for e in events)  # the shim's: HTA's compute and communication
+    # The shim's kernels are HTA's compute and communication: then the host's spans are no kernels to it.
+    gpu_kernels = bool(np.isin(recs["fn"][recs["kind"] == TRACE_GPU] & 0xFF, KERNEL_KINDS).any())
     for (f, start, end, nbytes, seq), lane in zip(coll[["fn", "start_ns", "end_ns", "bytes", "seq"]].tolist(), lanes):
         ev = {"ph": "X", "cat": "collective" if gpu_kernels else "kernel", "name": f"ncclKernel {fn(f).name}",
               "pid": pid, "tid": COLLECTIVE_TID + lane, **span(start, end)}
