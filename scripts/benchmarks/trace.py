@@ -96,7 +96,7 @@ def per_event(ctx: Context) -> dict:
 def run(ctx: Context) -> tuple[list[Row], dict]:
     from rankscope.sim.job import start_job
 
-    phase_s = 2.0 if ctx.quick else 3.0  # short phases, many pairs: a busy machine's load drifts over seconds
+    phase_s = 1.0 if ctx.quick else 3.0  # short phases, many pairs: a busy machine's load drifts over seconds
     pairs_per_level = 1 if ctx.quick else 8
     truth = ctx.tmp / "trace-truth"
     truth.mkdir()
@@ -105,7 +105,7 @@ def run(ctx: Context) -> tuple[list[Row], dict]:
     details: dict = {"ranks": RANKS, "phase_s": phase_s, "levels": {}}
     try:
         wait_until(lambda: all(len(_step_ends(truth, r)) >= 20 for r in range(RANKS)), 120, "the job's first steps")
-        for level in DETAILS:
+        for level in DETAILS[:1] if ctx.quick else DETAILS:  # quick: the smoke test, one agent start
             order = abba(pairs_per_level)
             steps, cpu_steps, agent_cpu, sizes = [], [], [], []
             with AgentProc(ctx, job.pids, window=5, detail=level) as agent:
