@@ -93,6 +93,7 @@ def capture(streams: list[TraceStream], pids: list[int], seconds: float,
     buf = _Buffer()
     lost_before = [s.lost for s in streams]
     started: list[TraceStream] = []
+    start_ns = time.monotonic_ns()  # before the first stream emits: none of its events precede the capture
     try:
         for s in streams:
             s.start(pids, buf.add)
@@ -101,7 +102,6 @@ def capture(streams: list[TraceStream], pids: list[int], seconds: float,
         for s in started:
             s.stop()
         raise
-    start_ns = time.monotonic_ns()
     try:
         deadline = time.monotonic() + seconds
         while not stop.wait(min(READ_EVERY_S, max(deadline - time.monotonic(), 0))) and time.monotonic() < deadline:

@@ -195,16 +195,21 @@ def test_a_trace_capture_shows_the_shims_records_on_their_gpu_stream(start_drive
     finally:
         views.close()
     assert ran[0].emitted == RECORDS_PER_BUFFER
+    recs = cap.events[driver.pid]
+    assert sorted((recs["end_ns"] - recs["start_ns"]).tolist()) == [1000, 40000, 250333]  # CUPTI's own times
     doc = chrome_trace(RankInfo("j", 0, 1, driver.pid, "h"), cap, {})
     gpu = {e["cat"]: e for e in doc["traceEvents"] if e["ph"] == "X"}
     assert set(gpu) == {"kernel", "gpu_memcpy", "gpu_memset"}
-    kernel, memcpy = gpu["kernel"], gpu["gpu_memcpy"]
-    assert (kernel["name"], kernel["dur"], kernel["args"]) == (KERNEL, 250.333, {"device": 3, "stream": 17,
-                                                                                  "correlation": 4242})
-    assert (memcpy["name"], memcpy["args"]) == ("Memcpy", {"device": 3, "stream": 18, "bytes": 1 << 20})
-    # The set ended when the driver ran the command: inside the capture, after the kernel by the buffer's gaps.
-    assert 0 < gpu["gpu_memset"]["ts"] + gpu["gpu_memset"]["dur"] <= (cap.end_ns - cap.start_ns) / 1e3
-    assert gpu["gpu_memset"]["ts"] - kernel["ts"] == pytest.approx(399.877, abs=0.002)
+    kernel, memcpy, memset = gpu["kernel"], gpu["gpu_memcpy"], gpu["gpu_memset"]
+    unclipped = lambda e: {k: v for k, v in e["args"].items() if k != "clipped"}  # noqa: E731
+    assert (kernel["name"], unclipped(kernel)) == (KERNEL, {"device": 3, "stream": 17, "correlation": 4242})
+    assert (memcpy["name"], unclipped(memcpy)) == ("Memcpy", {"device": 3, "stream": 18, "bytes": 1 << 20})
+    # The set ended when the driver ran the command, inside the capture; the kernel 150.544 us before it (the
+    # buffer's gaps). A record that began before the capture starts at its start.
+    end = lambda e: e["ts"] + e["dur"]  # noqa: E731
+    assert 0 < end(memset) <= (cap.end_ns - cap.start_ns) / 1e3
+    assert end(memset) - end(kernel) == pytest.approx(150.544, abs=0.002) or end(kernel) == 0
+    assert kernel["dur"] == 250.333 or kernel["args"]["clipped"]
     tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"GPU 3 stream 17", "GPU 3 stream 18"} <= tracks
     assert doc["rankscope"]["dropped_events"] == 0

@@ -115,11 +115,16 @@ def test_a_trace_capture_shows_each_collectives_gpu_span(command_process):
                              lambda: nccl("coll AllReduce 1048576 ncclFloat32 4 5000000000 2000000"))
     finally:
         reader.close()
+    (rec,) = cap.events[nccl.pid]
+    assert (rec["end_ns"] - rec["start_ns"], rec["bytes"]) == (2_000_000, 4 << 20)  # as the plugin measured it
     doc = chrome_trace(RankInfo("j", 2, 8, nccl.pid, "h"), cap, {})
     (span,) = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    assert (span["name"], span["cat"], span["dur"], span["args"]) == ("ncclAllReduce", "gpu_user_annotation",
-                                                                      2000.0, {"bytes": 4 << 20})
-    assert span["tid"] == NCCL_TID and 0 < span["ts"] + span["dur"] <= (cap.end_ns - cap.start_ns) / 1e3
+    assert (span["name"], span["cat"], span["tid"], span["args"]["bytes"]) == ("ncclAllReduce", "gpu_user_annotation",
+                                                                               NCCL_TID, 4 << 20)
+    # It ends inside the capture; begun before it (the command came within 2 ms of its start), it is clipped.
+    assert 0 < span["ts"] + span["dur"] == pytest.approx((rec["end_ns"] - cap.start_ns) / 1e3, abs=0.001)
+    assert span["ts"] + span["dur"] <= (cap.end_ns - cap.start_ns) / 1e3
+    assert span["dur"] == 2000.0 or span["args"]["clipped"]
 
 
 def test_finalize_hands_over_the_last_steps(nccl):

@@ -115,6 +115,7 @@ GPU = records(
     (TRACE_GPU, 17, 10 | 3 << 8, 100, 350, 4243, 0xA),  # a kernel: correlation where copies carry bytes
     (TRACE_GPU, 18, 1 | 3 << 8, 360, 400, 1 << 20, 0),  # a copy
     (TRACE_NCCL, WORKER, 0, 500, 700, 4096, 0xF),
+    (TRACE_NCCL, WORKER, 0, -100, 50, 8192, 0xF),  # begun before the capture
     (TRACE_COLLECTIVE, PID, 1, 450, 720, 4096, 9),
 )
 
@@ -126,8 +127,10 @@ def test_gpu_records_on_their_stream_in_cuptis_clock_and_ncclspans_on_their_trac
     gpu["end_ns"][is_gpu] += UNIX_OFFSET
     doc = chrome_trace(INFO, captured(gpu, labels={(TRACE_GPU, 0xA): "gemm", (TRACE_NCCL, 0xF): "AllReduce"}),
                        FUNCTIONS)
-    slices = {e["cat"]: e for e in doc["traceEvents"] if e["ph"] == "X"}
+    slices = {e["cat"]: e for e in doc["traceEvents"] if e["ph"] == "X"}  # the last of each category
     kernel, copy, nccl = slices["kernel"], slices["gpu_memcpy"], slices["gpu_user_annotation"]
+    (clipped,) = [e for e in doc["traceEvents"] if e.get("cat") == "gpu_user_annotation" and e["ts"] == 0]
+    assert (clipped["dur"], clipped["args"]) == (50.0, {"clipped": True, "bytes": 8192})
     assert [e["cat"] for e in doc["traceEvents"] if e["ph"] == "X"].count("kernel") == 1
     assert (kernel["name"], kernel["ts"], kernel["dur"]) == ("gemm", 100.0, 250.0)
     assert kernel["args"] == {"device": 3, "stream": 17, "correlation": 4243}

@@ -154,8 +154,10 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
                                span(start - cap.mono_to_unix_ns, end - cap.mono_to_unix_ns)))
             gpu_tracks.add((f >> 8, tid))
         elif kind == TRACE_NCCL:
-            events.append({"ph": "X", "cat": "gpu_user_annotation", "name": f"nccl{labels.get((kind, seq), '?')}",
-                           "pid": pid, "tid": NCCL_TID, **span(start, end)} | {"args": {"bytes": nbytes}})
+            ev = {"ph": "X", "cat": "gpu_user_annotation", "name": f"nccl{labels.get((kind, seq), '?')}",
+                  "pid": pid, "tid": NCCL_TID, **span(start, end)}
+            ev["args"] = ev.get("args", {}) | {"bytes": nbytes}
+            events.append(ev)
             nccl = True
     coll = recs[recs["kind"] == TRACE_COLLECTIVE]
     lanes = _lanes(np.maximum(coll["start_ns"], cap.start_ns), coll["end_ns"])
