@@ -5,7 +5,9 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -157,3 +159,19 @@ def diagnose_json(pids: list[int], duration: float, *extra: str) -> dict:
     return json.loads(out.stdout)
 
 
+
+
+def captured_while(streams: list, pid: int, action: Callable[[], None]):
+    """A trace capture of `pid` over `streams` (loader/trace_stream.py) that lasts while `action` runs: it
+    starts, `action` runs once every stream is read, then it stops."""
+    from rankscope.agent.trace_capture import capture
+
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        capturing = pool.submit(capture, streams, [pid], 60, stop)
+        try:
+            wait_until(lambda: all(s.running for s in streams) or capturing.done(), 10, "the capture to start")
+            action()
+        finally:
+            stop.set()
+        return capturing.result(timeout=30)

@@ -2,6 +2,8 @@
 // no driver), then feeds its completed-buffer path a buffer of real CUPTI record structs, on command.
 // stdin commands, each after the shim's launch-semaphore check and answered by "stats EMITTED DROPPED SKIPPED LAUNCHES LAUNCHES_DROPPED API_WANTED API_FAILURES":
 //   "emit N"   -> process the activity buffer (a kernel, a memcpy, a memset) N times;
+//   "now"      -> process it once with its times moved to end now on CLOCK_REALTIME (CUPTI's clock), as a
+//                 buffer of work that just ran;
 //   "launch I" -> process launch buffer I: 0 a kernel whose launch comes later, 1 the API records (a runtime
 //                 launch with its nested driver launch, another runtime launch, a memcpy call), 2 the kernel of
 //                 the second launch. See LAUNCH_* for the times.
@@ -11,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cupti.h>
 
@@ -125,6 +128,21 @@ int main(int argc, char **argv) {
         if (sscanf(line, "emit %d", &n) == 1) {
             for (int i = 0; i < n; i++)
                 process(buffer, used);
+        } else if (strncmp(line, "now", 3) == 0) {
+            static uint8_t shifted[4096] __attribute__((aligned(8)));
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            uint64_t shift = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec - s->end;
+            memcpy(shifted, buffer, used);
+            ((kernel_record *)shifted)->start += shift;
+            ((kernel_record *)shifted)->end += shift;
+            CUpti_ActivityMemcpy6 *cs = (void *)(shifted + ((uint8_t *)c - buffer));
+            cs->start += shift;
+            cs->end += shift;
+            CUpti_ActivityMemset4 *ss = (void *)(shifted + ((uint8_t *)s - buffer));
+            ss->start += shift;
+            ss->end += shift;
+            process(shifted, used);
         } else if (sscanf(line, "launch %d", &n) == 1 && n >= 0 && n < 3) {
             process(launch_buffers[n], launch_used[n]);
         } else {

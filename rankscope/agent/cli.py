@@ -146,7 +146,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         session.window()  # the capture starts once every process is watched
         print(f"rankscope: tracing {len(pids)} {'process' if len(pids) == 1 else 'processes'} of job {job} "
               f"for {args.duration:g} s", file=sys.stderr, flush=True)
-        cap = capture(session.program, pids, args.duration)
+        cap = capture(session.trace_streams(), pids, args.duration)
         functions = chrome.functions_of(session.program)
         patterns = session.window()  # the capture's own window: each rank's step split beside its trace
         rows = {r["pid"]: r for doc in diagnose(patterns, DEFAULT_HANG_TIMEOUT_S).values() for r in doc["ranks"]}

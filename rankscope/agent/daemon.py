@@ -116,7 +116,7 @@ class Agent:
         chosen = [p for p in running if (job is None or p.job == job) and (rank is None or p.rank == rank)]
         if not chosen:
             raise LookupError(f"no watched rank {rank} of job {job} in the last window; jobs: {jobs[:64]}")
-        cap = capture(self.session.program, [p.pid for p in chosen], seconds)
+        cap = capture(self.session.trace_streams(), [p.pid for p in chosen], seconds)
         functions = chrome.functions_of(self.session.program)
         return [chrome.chrome_trace(chrome.RankInfo.of(p), cap, functions) for p in chosen]
 

@@ -16,6 +16,7 @@ from rankscope.agent.host.targets import Target, TargetError, inspect_process
 from rankscope.agent.inject.inject import InjectError
 from rankscope.agent.inject.shim import inject_shim
 from rankscope.agent.loader.program import ProbeProgram
+from rankscope.agent.loader.trace_stream import TraceStream
 from rankscope.agent.sources.collector import Collector
 from rankscope.agent.sources.gpu import GpuViews
 from rankscope.agent.sources.probes import KINDS
@@ -95,6 +96,11 @@ class Session:
             log.info("pid %d exited", pid)
             self._forget(pid)
         return patterns
+
+    def trace_streams(self) -> list[TraceStream]:
+        """Every stream a trace capture of the watched processes reads: the uprobe program's, then the
+        sources'."""
+        return [self.program.trace_stream, *(s for source in self.sources for s in source.trace_streams())]
 
     def drops(self) -> dict[str, int]:
         """What the kernel side had no room for since the start, by kind: completed collectives (their stream

@@ -7,6 +7,7 @@
 #include <uapi/linux/ptrace.h>
 
 #include "histogram.h"
+#include "trace.h"
 
 #define RING_SLOTS 64   // last collectives kept per process, for completing asynchronous ones
 #define DONE_PAGES 1024 // completed-collective stream: 4 MiB, ~87k records between two reads
@@ -71,55 +72,6 @@ struct coll_done_rec {
 };
 BPF_RINGBUF_OUTPUT(coll_done, DONE_PAGES);
 BPF_ARRAY(done_lost, u64, 1);
-
-// A trace capture (agent/trace_capture.py): per-call events stream to user space only while one runs for the
-// process. Outside one, a probe hit pays one array lookup more (trace_on) and nothing else. Events that find
-// the stream full are counted in trace_lost; the capture shows them in the trace.
-#define TRACE_PAGES 512  // 2 MiB, ~43k events between two reads (the capture reads every 50 ms)
-#define TRACE_CALL 1        // a timed call returned on its thread
-#define TRACE_COLLECTIVE 2  // a collective completed: enqueue to completion
-#define TRACE_INSTANT 3     // a counted call (kernel launches: no uretprobe, so no duration)
-#define TRACE_SCHED 4       // the main thread left a scheduler state (fn: the state, sched.bpf.c's enum)
-struct trace_rec {
-    u32 kind;
-    u32 pid;
-    u32 tid;
-    u32 fn;
-    u64 start_ns;
-    u64 end_ns;
-    u64 bytes;
-    u64 seq;  // a collective's number in its process; its enqueue call carries it too
-};
-BPF_ARRAY(trace_on, u32, 1);            // nonzero while a capture runs
-BPF_HASH(trace_pids, u32, u32, 1024);   // the processes it captures
-BPF_RINGBUF_OUTPUT(trace_events, TRACE_PAGES);
-BPF_ARRAY(trace_lost, u64, 1);
-
-static __always_inline bool tracing(u32 pid) {
-    int zero = 0;
-    u32 *on = trace_on.lookup(&zero);
-    return on && *on && trace_pids.lookup(&pid);
-}
-
-static __always_inline void trace_emit(u32 kind, u32 pid, u32 tid, u32 fn, u64 start, u64 end, u64 bytes,
-                                       u64 seq) {
-    int zero = 0;
-    if (!tracing(pid))
-        return;
-    struct trace_rec r = {.kind = kind, .pid = pid, .tid = tid, .fn = fn, .start_ns = start, .end_ns = end,
-                          .bytes = bytes, .seq = seq};
-    if (trace_events.ringbuf_output(&r, sizeof(r), 0)) {
-        u64 *lost = trace_lost.lookup(&zero);
-        if (lost)
-            __sync_fetch_and_add(lost, 1);
-    }
-}
-
-// The same, for the calling thread.
-static __always_inline void trace_here(u32 kind, u32 fn, u64 start, u64 end, u64 bytes, u64 seq) {
-    u64 id = bpf_get_current_pid_tgid();
-    trace_emit(kind, id >> 32, (u32)id, fn, start, end, bytes, seq);
-}
 
 static __always_inline void emit_done(u32 pid, const struct coll_rec *rec) {
     trace_here(TRACE_COLLECTIVE, rec->fn, rec->enter_ns, rec->done_ns, rec->bytes, rec->seq);

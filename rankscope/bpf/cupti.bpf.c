@@ -6,6 +6,8 @@
 #include <uapi/linux/ptrace.h>
 
 #include "histogram.h"
+#define TRACE_PAGES 64  // 256 KiB a process: ~5k records between two reads of a capture
+#include "trace.h"
 
 
 struct act_key {
@@ -86,6 +88,9 @@ int on_activity(struct pt_regs *ctx) {
         d->last_end = r.end;
     }
 
+    u64 kernel = r.kind == 3 || r.kind == 10;  // carries its correlation (to its launch) where copies carry bytes
+    trace_emit(TRACE_GPU, r.pid, r.stream, r.kind | r.device << 8, r.start, r.end, kernel ? r.correlation : r.bytes,
+               r.name);
     u32 *on = raw_on.lookup(&zero_idx);
     if (on && *on)
         raw_activity.ringbuf_output(&r, sizeof(r), 0);

@@ -51,6 +51,8 @@
 #define PY_MAX_SLEEPING 8192  // threads of watched processes off CPU at once (of one layout)
 #endif
 #define PY_FRAME_STEPS (PY_MAX_DEPTH + 32)  // frames visited, shims included
+#define TRACE_PAGES 128  // 512 KiB: ~1,100 samples (~460 bytes each) between two reads of a capture
+#include "trace.h"
 
 // A thread state's id and link, and a frame's code, link and owner, are each read with one
 // bpf_probe_read_user of the bytes that span them: a read costs about the same for 8 bytes as for 200.
@@ -316,6 +318,25 @@ static __always_inline void py_add_offcpu(struct py_stack *st, u64 ns) {
         py_count(4);
 }
 
+// A trace capture's sample: the event, then the stack (user space interns it).
+struct py_trace_sample {
+    struct trace_rec rec;
+    struct py_stack stack;
+};
+
+static __always_inline void py_trace_sample(u64 id, struct py_stack *st) {
+    struct py_trace_sample *out = trace_events.ringbuf_reserve(sizeof(struct py_trace_sample));
+    if (!out) {
+        trace_count_lost();
+        return;
+    }
+    u64 now = bpf_ktime_get_ns();
+    out->rec = (struct trace_rec){.kind = TRACE_PY_SAMPLE, .pid = id >> 32, .tid = (u32)id, .start_ns = now,
+                                  .end_ns = now};
+    bpf_probe_read_kernel(&out->stack, sizeof(out->stack), st);
+    trace_events.ringbuf_submit(out, 0);
+}
+
 int py_sample(struct bpf_perf_event_data *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32;
@@ -324,8 +345,11 @@ int py_sample(struct bpf_perf_event_data *ctx) {
         return 0;
     py_count(0);
     struct py_sleep *sc = py_current_stack(proc, pid, 0, 0);
-    if (sc)
-        py_add_sample(&sc->stack);
+    if (!sc)
+        return 0;
+    py_add_sample(&sc->stack);
+    if (tracing(pid))
+        py_trace_sample(id, &sc->stack);
     return 0;
 }
 

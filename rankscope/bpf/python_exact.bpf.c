@@ -8,6 +8,8 @@
 #include <uapi/linux/ptrace.h>
 
 #include "histogram.h"
+#define TRACE_PAGES 128  // 512 KiB: ~11k timed calls between two reads of a capture
+#include "trace.h"
 
 #define PYX_NAMES 8        // co_names timed (forward, __next__, the user's)
 #define PYX_NAME_WORDS 4   // 32 bytes of a name are compared; longer ones match by prefix and length
@@ -153,8 +155,9 @@ int pyx_return(struct pt_regs *ctx) {
     u32 top = (d - 1) & (PYX_DEPTH - 1);
     if (a->sp[top] + 8 != PT_REGS_SP(ctx))  // the return of an eval call nested in the timed one
         return 0;
-    u64 ns = bpf_ktime_get_ns() - a->ts[top];
+    u64 now = bpf_ktime_get_ns(), ns = now - a->ts[top];
     a->depth = top;
+    trace_emit(TRACE_PY_CALL, a->pid, tid, 0, a->ts[top], now, 0, a->code[top]);
     struct pyx_code_key key = {.pid = a->pid, .code = a->code[top]};
     struct pyx_val zero = {};
     pyx_add(pyx_stats.lookup_or_try_init(&key, &zero), ns);
@@ -182,7 +185,8 @@ int pyx_gc_return(struct pt_regs *ctx) {
     u64 *ts = pyx_gc_start.lookup(&tid);
     if (!ts)
         return 0;
-    u64 ns = bpf_ktime_get_ns() - *ts;
+    u64 now = bpf_ktime_get_ns(), ns = now - *ts;
+    trace_emit(TRACE_PY_CALL, pid, tid, 0, *ts, now, 0, 0);
     pyx_gc_start.delete(&tid);
     struct pyx_val zero = {};
     pyx_add(pyx_gc.lookup_or_try_init(&pid, &zero), ns);

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import captured_while, wait_until
 from nvml_replay import READINGS, ReplayNvml
 
 from rankscope.agent.loader.histograms import percentile_s
@@ -20,6 +20,7 @@ from rankscope.agent.sources.gpu import GpuViews
 from rankscope.agent.sources.nvml import GpuHealthReader
 from rankscope.agent.sources.probes.cupti import (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET, CuptiReader,
                                                   LaunchStats, RawActivity, short_kernel_name)
+from rankscope.agent.views.trace import RankInfo, chrome_trace
 from rankscope.cupti_shim.build import build_shim
 from rankscope.cupti_shim.cuda_lines import LINES, CudaLine
 from rankscope.schema.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel, RankPattern
@@ -180,6 +181,38 @@ def test_records_reach_agent_through_usdt(line, start_driver):
     # Detached: the semaphore is off again and the shim skips its buffers.
     assert driver.emit(1) == (3 * RECORDS_PER_BUFFER, 0, 2)
     assert NO_DRIVER_ERROR[line.major] in driver.close()  # said once, and the process went on
+
+
+def test_a_trace_capture_shows_the_shims_records_on_their_gpu_stream(start_driver):
+    """A capture reads the shim's records through the reader's stream: kernels, copies and sets on a track per
+    device and stream, in Kineto's categories, placed by CUPTI's clock (unix ns) in the capture's time."""
+    driver = start_driver()
+    views = GpuViews(health=GpuHealthReader(ReplayNvml(READINGS)))
+    try:
+        assert views.watch(driver.pid)
+        ran = []
+        cap = captured_while(views.trace_streams(), driver.pid, lambda: ran.append(driver.command("now")))
+    finally:
+        views.close()
+    assert ran[0].emitted == RECORDS_PER_BUFFER
+    recs = cap.events[driver.pid]
+    assert sorted((recs["end_ns"] - recs["start_ns"]).tolist()) == [1000, 40000, 250333]  # CUPTI's own times
+    doc = chrome_trace(RankInfo("j", 0, 1, driver.pid, "h"), cap, {})
+    gpu = {e["cat"]: e for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert set(gpu) == {"kernel", "gpu_memcpy", "gpu_memset"}
+    kernel, memcpy, memset = gpu["kernel"], gpu["gpu_memcpy"], gpu["gpu_memset"]
+    unclipped = lambda e: {k: v for k, v in e["args"].items() if k != "clipped"}  # noqa: E731
+    assert (kernel["name"], unclipped(kernel)) == (KERNEL, {"device": 3, "stream": 17, "correlation": 4242})
+    assert (memcpy["name"], unclipped(memcpy)) == ("Memcpy", {"device": 3, "stream": 18, "bytes": 1 << 20})
+    # The set ended when the driver ran the command, inside the capture; the kernel 150.544 us before it (the
+    # buffer's gaps). A record that began before the capture starts at its start.
+    end = lambda e: e["ts"] + e["dur"]  # noqa: E731
+    assert 0 < end(memset) <= (cap.end_ns - cap.start_ns) / 1e3
+    assert end(memset) - end(kernel) == pytest.approx(150.544, abs=0.002) or end(kernel) == 0
+    assert kernel["dur"] == 250.333 or kernel["args"]["clipped"]
+    tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"GPU 3 stream 17", "GPU 3 stream 18"} <= tracks
+    assert doc["rankscope"]["dropped_events"] == 0
 
 
 def test_rate_limit_drops_records_over_budget(start_driver):

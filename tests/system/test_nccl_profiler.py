@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import diagnose_json, wait_until
+from conftest import captured_while, diagnose_json, wait_until
 
 from rankscope.agent.sources.probes.cupti import CuptiReader
 from rankscope.agent.sources.probes.nccl_profiler import CollTotals, CommWindow, LinkTotals
+from rankscope.agent.views.trace import NCCL_TID, RankInfo, chrome_trace
 from rankscope.cupti_shim.build import build_shim
 from rankscope.cupti_shim.cuda_lines import BY_MAJOR, LINES
 
@@ -100,6 +101,30 @@ def test_spans_and_links_reach_the_agent_and_stop_with_it(nccl):
     assert nccl("follow")[0] == 0  # detached: the kernel lowered the semaphores, NCCL's events are off again
     before = nccl("coll AllReduce 1048576 ncclFloat32 4 8000000000 1000")
     assert before[1] == 3
+
+
+def test_a_trace_capture_shows_each_collectives_gpu_span(command_process):
+    """NCCL's GPU span of each collective on a track of its own, as long as the plugin measured it, ending when
+    the plugin handed it over (one ABI: the span's path is the same in each)."""
+    nccl = Nccl(command_process, max(ABIS))
+    nccl(f"init {COMM} 8 2")
+    reader = CuptiReader(nccl.pid)
+    try:
+        nccl("follow")
+        cap = captured_while([reader.trace], nccl.pid,
+                             lambda: nccl("coll AllReduce 1048576 ncclFloat32 4 5000000000 2000000"))
+    finally:
+        reader.close()
+    (rec,) = cap.events[nccl.pid]
+    assert (rec["end_ns"] - rec["start_ns"], rec["bytes"]) == (2_000_000, 4 << 20)  # as the plugin measured it
+    doc = chrome_trace(RankInfo("j", 2, 8, nccl.pid, "h"), cap, {})
+    (span,) = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert (span["name"], span["cat"], span["tid"], span["args"]["bytes"]) == ("ncclAllReduce", "gpu_user_annotation",
+                                                                               NCCL_TID, 4 << 20)
+    # It ends inside the capture; begun before it (the command came within 2 ms of its start), it is clipped.
+    assert 0 < span["ts"] + span["dur"] == pytest.approx((rec["end_ns"] - cap.start_ns) / 1e3, abs=0.001)
+    assert span["ts"] + span["dur"] <= (cap.end_ns - cap.start_ns) / 1e3
+    assert span["dur"] == 2000.0 or span["args"]["clipped"]
 
 
 def test_finalize_hands_over_the_last_steps(nccl):

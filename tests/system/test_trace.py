@@ -1,6 +1,6 @@
 """Trace captures of a real torch job (tests/jobs/mlp_regression.py under torchrun: DDP over gloo, one gradient
 bucket, so one all-reduce a step): the traces validate, each rank's collectives are its steps, the scheduler
-track covers the capture, and HolisticTraceAnalysis loads the set as one job whose temporal breakdown agrees
+track covers the capture, sampled Python stacks are the training loop's, and HolisticTraceAnalysis loads the set as one job whose temporal breakdown agrees
 with rankscope's own comm share of the same window. Also the agent's GET /v1/trace. Real eBPF: needs root.
 
 HTA is not a dependency of rankscope (it pulls JupyterLab): its test runs where `hta` imports, from this
@@ -96,6 +96,16 @@ def test_the_scheduler_track_covers_the_capture(traced):
         covered = sum(d for _, d, _ in states) / 1e6
         # The state open when the capture ends is not closed yet: a step's worth at most.
         assert CAPTURE_S - 0.2 <= covered <= CAPTURE_S + 0.01, covered
+
+
+def test_sampled_python_stacks_name_the_training_loop(traced):
+    _, docs = traced
+    for doc in docs.values():
+        pid = doc["rankscope"]["pid"]
+        main = [e["args"]["stack"].split(";") for e in doc["traceEvents"]
+                if e.get("cat") == "python_sample" and e["tid"] == pid]
+        assert main and all(stack[0] == "mlp_regression.py:<module>" for stack in main)
+        assert any("mlp_regression.py:main" in stack for stack in main)
 
 
 def _hta_path() -> str | None:

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from rankscope.agent.loader.program import (TRACE_CALL, TRACE_COLLECTIVE, TRACE_INSTANT, TRACE_RECORD, TRACE_SCHED,
-                                            CaptureBusy)
+from rankscope.agent.interpreters import Frame
+from rankscope.agent.loader.trace_stream import (TRACE_CALL, TRACE_COLLECTIVE, TRACE_GPU, TRACE_INSTANT, TRACE_NCCL,
+                                                 TRACE_PY_CALL, TRACE_PY_SAMPLE, TRACE_RECORD, TRACE_SCHED, CaptureBusy,
+                                                 Labels)
 from rankscope.agent.service.http import make_app
 from rankscope.agent.service.snapshot import Snapshot
 from rankscope.agent.trace_capture import Captured
-from rankscope.agent.views.trace import (COLLECTIVE_TID, COMM_STREAM, SCHED_TID, Function, RankInfo, chrome_trace,
-                                         encode, zipped)
+from rankscope.agent.views.trace import (COLLECTIVE_TID, COMM_STREAM, NCCL_TID, SCHED_TID, Function, RankInfo,
+                                         chrome_trace, encode, zipped)
 
 PID, WORKER = 4242, 4250
 US = 1000  # ns
@@ -24,6 +26,7 @@ START = 10_000_000 * US
 FUNCTIONS = {1: Function("gloo_allreduce", "gloo"), 2: Function("cuLaunchKernel", "cuda_driver"),
              3: Function("cudaStreamSynchronize", "cuda_runtime")}
 INFO = RankInfo(job="j", rank=1, world_size=2, pid=PID, host="h")
+UNIX_OFFSET = 1_700_000_000 * 10**9  # monotonic -> unix ns
 
 
 def records(*rows: tuple) -> np.ndarray:
@@ -32,10 +35,10 @@ def records(*rows: tuple) -> np.ndarray:
                     TRACE_RECORD)
 
 
-def captured(recs: np.ndarray, dropped: int = 0, truncated: int = 0) -> Captured:
-    return Captured(start_ns=START, end_ns=START + 1000 * US, mono_to_unix_ns=1_700_000_000 * 10**9,
+def captured(recs: np.ndarray, dropped: int = 0, truncated: int = 0, labels: Labels | None = None) -> Captured:
+    return Captured(start_ns=START, end_ns=START + 1000 * US, mono_to_unix_ns=UNIX_OFFSET,
                     events={PID: recs}, threads={PID: {PID: "python", WORKER: "pt_gloo_runloop"}},
-                    dropped=dropped, truncated=truncated)
+                    labels={PID: labels or {}}, dropped=dropped, truncated=truncated)
 
 
 EVENTS = records(
@@ -75,12 +78,78 @@ def test_every_event_is_well_formed_and_on_its_track():
     assert doc["rankscope"]["dropped_events"] == 0 and not any(e["cat"] == "rankscope" for e in slices)
 
 
+MAIN = Frame("main", "/srv/train.py", 1)
+STEP = Frame("Trainer.step", "/srv/train.py", 10)
+FORWARD = Frame("Net.forward", "/srv/model.py", 5)
+PYTHON = records(
+    (TRACE_PY_CALL, PID, 0, 100, 180, 0, 0xC0DE),  # a timed forward
+    (TRACE_PY_CALL, PID, 0, 190, 195, 0, 0xBAD),  # a `forward` the timer does not want: no label
+    (TRACE_PY_CALL, PID, 0, 200, 210, 0, 0),  # a collection
+    (TRACE_PY_SAMPLE, PID, 0, 150, 150, 0, 1),
+    (TRACE_PY_SAMPLE, PID, 0, 160, 160, 0, 2),
+    (TRACE_PY_SAMPLE, WORKER, 0, 170, 170, 0, 1),
+)
+PYTHON_LABELS = {(TRACE_PY_CALL, 0xC0DE): FORWARD, (TRACE_PY_CALL, 0): "gc (collection)",
+                 (TRACE_PY_SAMPLE, 1): (MAIN, STEP, FORWARD), (TRACE_PY_SAMPLE, 2): (MAIN, STEP)}
+
+
+def test_python_functions_are_slices_and_samples_share_their_stack_frames():
+    doc = chrome_trace(INFO, captured(PYTHON, labels=PYTHON_LABELS), FUNCTIONS)
+    calls = [(e["name"], e["ts"], e["dur"], e["tid"]) for e in doc["traceEvents"] if e.get("cat") == "python_function"]
+    assert calls == [("model.py:Net.forward", 100.0, 80.0, PID), ("gc (collection)", 200.0, 10.0, PID)]
+    samples = [e for e in doc["traceEvents"] if e.get("cat") == "python_sample"]
+    assert [(e["name"], e["ts"], e["tid"]) for e in samples] == [
+        ("model.py:Net.forward", 150.0, PID), ("train.py:Trainer.step", 160.0, PID),
+        ("model.py:Net.forward", 170.0, WORKER)]
+    assert samples[0]["args"]["stack"] == "train.py:main;train.py:Trainer.step;model.py:Net.forward"
+    frames = doc["stackFrames"]
+    assert len(frames) == 3  # each (parent, function) once: the second stack is the first one's parent
+    assert frames[samples[0]["sf"]]["parent"] == samples[1]["sf"] and samples[2]["sf"] == samples[0]["sf"]
+    assert "parent" not in frames[frames[samples[1]["sf"]]["parent"]]
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert names[WORKER] == "pt_gloo_runloop"
+
+
+GPU = records(
+    (TRACE_GPU, 17, 10 | 3 << 8, -50, -10, 4242, 0xA),  # ended before the capture: not drawn
+    (TRACE_GPU, 17, 10 | 3 << 8, 100, 350, 4243, 0xA),  # a kernel: correlation where copies carry bytes
+    (TRACE_GPU, 18, 1 | 3 << 8, 360, 400, 1 << 20, 0),  # a copy
+    (TRACE_NCCL, WORKER, 0, 500, 700, 4096, 0xF),
+    (TRACE_NCCL, WORKER, 0, -100, 50, 8192, 0xF),  # begun before the capture
+    (TRACE_COLLECTIVE, PID, 1, 450, 720, 4096, 9),
+)
+
+
+def test_gpu_records_on_their_stream_in_cuptis_clock_and_ncclspans_on_their_track():
+    gpu = GPU.copy()
+    is_gpu = gpu["kind"] == TRACE_GPU
+    gpu["start_ns"][is_gpu] += UNIX_OFFSET  # CUPTI's clock: unix ns
+    gpu["end_ns"][is_gpu] += UNIX_OFFSET
+    doc = chrome_trace(INFO, captured(gpu, labels={(TRACE_GPU, 0xA): "gemm", (TRACE_NCCL, 0xF): "AllReduce"}),
+                       FUNCTIONS)
+    slices = {e["cat"]: e for e in doc["traceEvents"] if e["ph"] == "X"}  # the last of each category
+    kernel, copy, nccl = slices["kernel"], slices["gpu_memcpy"], slices["gpu_user_annotation"]
+    (clipped,) = [e for e in doc["traceEvents"] if e.get("cat") == "gpu_user_annotation" and e["ts"] == 0]
+    assert (clipped["dur"], clipped["args"]) == (50.0, {"clipped": True, "bytes": 8192})
+    assert [e["cat"] for e in doc["traceEvents"] if e["ph"] == "X"].count("kernel") == 1
+    assert (kernel["name"], kernel["ts"], kernel["dur"]) == ("gemm", 100.0, 250.0)
+    assert kernel["args"] == {"device": 3, "stream": 17, "correlation": 4243}
+    assert (copy["name"], copy["args"]) == ("Memcpy", {"device": 3, "stream": 18, "bytes": 1 << 20})
+    assert (nccl["name"], nccl["ts"], nccl["dur"], nccl["tid"]) == ("ncclAllReduce", 500.0, 200.0, NCCL_TID)
+    # With the GPU's own kernels in the trace, the host's collective span is no kernel to HTA.
+    coll = slices["collective"]
+    assert coll["name"] == "ncclKernel gloo_allreduce" and "stream" not in coll["args"]
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert names[kernel["tid"]] == "GPU 3 stream 17" and names[NCCL_TID] == "NCCL: GPU spans (profiler plugin)"
+    assert max(kernel["tid"], NCCL_TID) < SCHED_TID  # below the tracks tests and tools read as collectives' lanes
+
+
 def test_hta_finds_the_rank_and_the_job():
     doc = chrome_trace(INFO, captured(EVENTS), FUNCTIONS, summary={"rank": 1, "step_time_s": 0.01})
     text = encode(doc).decode()
     assert int(re.search(r'"rank":\s+(\d+)', text).group(1)) == 1  # HTA's own pattern, first match
     assert doc["distributedInfo"] == {"rank": 1, "world_size": 2, "backend": "gloo"}
-    assert doc["baseTimeNanoseconds"] == START + 1_700_000_000 * 10**9
+    assert doc["baseTimeNanoseconds"] == START + UNIX_OFFSET
     assert doc["rankscope"]["summary"]["step_time_s"] == 0.01
 
 

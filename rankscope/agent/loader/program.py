@@ -13,7 +13,6 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +22,7 @@ from rankscope.agent.host.symbols import SymbolError, file_offset, functions
 from rankscope.agent.host.targets import Target
 from rankscope.agent.loader import uprobe_links
 from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.loader.trace_stream import TraceStream
 from rankscope.agent.loader.uprobe_links import Uprobes
 from rankscope.agent.sources.probes import KINDS, KindUnavailable, Probe, ProbeKind
 
@@ -37,18 +37,10 @@ COLL_RING = "coll_ring"  # (pid, slot) -> one of the last collectives
 UPPER_CALL = "upper_call"  # (pid, tid) -> the upper layer's call in flight
 COLL_DONE = "coll_done"  # stream of completed collectives (DONE_RECORD)
 DONE_LOST = "done_lost"  # completed collectives the stream had no room for
-TRACE_ON = "trace_on"  # [0]: nonzero while a trace capture runs
-TRACE_PIDS = "trace_pids"  # pid -> 1: the processes it captures
-TRACE_EVENTS = "trace_events"  # stream of per-call events while it runs (TRACE_RECORD)
-TRACE_LOST = "trace_lost"  # events the stream had no room for, ever
 
 
 class ProbeError(Exception):
     """The probes cannot be loaded or attached; one line a user can act on."""
-
-
-class CaptureBusy(Exception):
-    """A trace capture is already running (one at a time: the kernel's flag and stream are shared)."""
 
 
 @dataclass
@@ -68,12 +60,6 @@ class LibraryProbes:
 # One completed collective as the kernel streams it (bpf/common.h: struct coll_done_rec); times monotonic ns.
 DONE_RECORD = np.dtype([("pid", "<u4"), ("fn", "<u4"), ("seq", "<u8"), ("enter_ns", "<u8"), ("done_ns", "<u8"),
                         ("bytes", "<u8")])
-
-
-# One event of a trace capture (bpf/common.h: struct trace_rec); times monotonic ns.
-TRACE_RECORD = np.dtype([("kind", "<u4"), ("pid", "<u4"), ("tid", "<u4"), ("fn", "<u4"), ("start_ns", "<u8"),
-                         ("end_ns", "<u8"), ("bytes", "<u8"), ("seq", "<u8")])
-TRACE_CALL, TRACE_COLLECTIVE, TRACE_INSTANT, TRACE_SCHED = 1, 2, 3, 4  # TRACE_RECORD's kinds
 
 
 def function_ids(kinds: tuple[ProbeKind, ...]) -> dict[str, int]:
@@ -115,7 +101,7 @@ class ProbeProgram:
         self.hot = False  # whether hot probes (Probe.hot) are attached
         self._done: list[bytes] = []  # completed-collective records since the last drain, raw
         self._lost = 0  # completed collectives the stream had no room for, so far
-        self._traced: Callable[[bytes], None] | None = None  # where a running capture's events go
+        self._trace: TraceStream | None = None  # a capture's stream of per-call events, with the program
         # The streams are read by the window's thread and a capture's: libbpf's consume is not reentrant.
         self._consuming = threading.Lock()
 
@@ -131,47 +117,22 @@ class ProbeProgram:
             except Exception as e:  # bcc raises bare Exception for compile and load failures
                 raise ProbeError(f"cannot load the BPF program (root, kernel headers?): {e}") from e
             self._bpf[COLL_DONE].open_ring_buffer(self._on_done)
-            self._bpf[TRACE_EVENTS].open_ring_buffer(self._on_traced)
+            self._trace = TraceStream(self._bpf, self._consuming)
         return self._bpf
+
+    @property
+    def trace_stream(self) -> TraceStream:
+        """The program's capture stream: probed calls, collectives, the main thread's scheduler states."""
+        _ = self.bpf
+        return self._trace
 
     def _on_done(self, _ctx, data, size) -> None:
         self._done.append(ctypes.string_at(data, size))  # parsed in bulk by completed(): ~1 us a record here
-
-    def _on_traced(self, _ctx, data, size) -> None:
-        if self._traced is not None:
-            self._traced(ctypes.string_at(data, size))
 
     def consume(self) -> None:
         """Read the kernel's streams (completed collectives, a capture's events) into their readers."""
         with self._consuming:
             self.bpf.ring_buffer_consume()
-
-    def start_trace(self, pids: list[int], sink: Callable[[bytes], None]) -> None:
-        """Stream per-call events of `pids` (TRACE_RECORD each) to `sink`, from the next consume(), until
-        stop_trace(). One capture at a time."""
-        bpf = self.bpf
-        with self._consuming:
-            if self._traced is not None:
-                raise CaptureBusy("a trace capture is already running")
-            bpf.ring_buffer_consume()  # what the streams held is not this capture's
-            self._traced = sink
-        for pid in pids:
-            bpf[TRACE_PIDS][ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
-        bpf[TRACE_ON][ctypes.c_int(0)] = ctypes.c_uint32(1)
-
-    def stop_trace(self) -> None:
-        """End the capture: the kernel stops emitting, and what it emitted so far reaches the sink."""
-        if self._traced is None:
-            return
-        self._bpf[TRACE_ON][ctypes.c_int(0)] = ctypes.c_uint32(0)
-        self._bpf[TRACE_PIDS].clear()
-        self.consume()
-        self._traced = None
-
-    @property
-    def lost_trace_events(self) -> int:
-        """Capture events the kernel's stream had no room for, since the program loaded."""
-        return 0 if self._bpf is None else self._bpf[TRACE_LOST][ctypes.c_int(0)].value
 
     @property
     def lost_collectives(self) -> int:

@@ -16,7 +16,7 @@ from rankscope.agent.service.agent_metrics import agent_metrics
 from rankscope.agent.service.auth import Handler, bearer_auth
 from rankscope.agent.service.page import add_page
 from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition
-from rankscope.agent.loader.program import CaptureBusy
+from rankscope.agent.loader.trace_stream import CaptureBusy
 from rankscope.agent.service.snapshot import Snapshot
 from rankscope.agent.trace_capture import MAX_SECONDS
 from rankscope.agent.views import trace as chrome

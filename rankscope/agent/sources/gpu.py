@@ -9,6 +9,7 @@ import logging
 from rankscope.agent.detail import Detail
 from rankscope.agent.host.targets import Target
 from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.loader.trace_stream import TraceStream
 from rankscope.agent.sources.nvml import GpuHealthReader
 from rankscope.agent.sources.probes.cupti import ActivityWindow, CuptiReader, shim_path
 from rankscope.agent.sources.probes.nccl_profiler import CommWindow
@@ -87,6 +88,10 @@ class GpuViews(Source):
             index = self._device_of.get(p.pid)
             if index is not None:
                 p.gpu_health = by_index.get(index)
+
+    def trace_streams(self) -> list[TraceStream]:
+        """The shim readers' streams: GPU kernels, copies and sets, NCCL's GPU spans."""
+        return [reader.trace for reader, *_ in self._shim.values()]
 
     def forget(self, pid: int) -> None:
         self._device_of.pop(pid, None)

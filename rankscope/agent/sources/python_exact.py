@@ -30,7 +30,10 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from rankscope import bpf as bpf_sources
 from rankscope.agent.detail import Detail
@@ -42,6 +45,7 @@ from rankscope.agent.interpreters.cpython.errors import PythonAttachError
 from rankscope.agent.interpreters.cpython.process import Interpreter
 from rankscope.agent.loader import histograms, uprobe_links, usdt
 from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.loader.trace_stream import TRACE_PY_CALL, Labels, TraceStream
 from rankscope.agent.loader.uprobe_links import UprobeError, Uprobes
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.python_profile import function_name
@@ -63,6 +67,7 @@ COUNTER_NAMES = ("too_deep", "unreadable_name")
 # only on request.
 MAX_ENTRIES_PER_S = 20_000
 GC_START, GC_DONE = ("python", "gc__start"), ("python", "gc__done")  # USDT probes of CPython's GC
+GC_LABEL = "gc (collection)"  # a capture's collections, timed through USDT
 GC_NAME = "gc__start"  # the GC's FunctionStats where it is timed through USDT (else libpython's gc_collect_main)
 # BPF maps read here (their C declarations: bpf/*.bpf.c).
 PYX_TARGETS = "pyx_targets"  # pid -> what to time in it, and the entries probed
@@ -148,6 +153,19 @@ class _Watched:
     read_at: float = field(default_factory=time.monotonic)  # ... and when
 
 
+class _CallStream(TraceStream):
+    """A capture's timed calls (bpf/python_exact.bpf.c): each names its code object; collections name none."""
+
+    def __init__(self, bpf, function: Callable[[int, int], Frame | None]):
+        super().__init__(bpf)
+        self._function = function  # (pid, code object) -> the timed function (PythonTimer.function)
+
+    def labels(self, pid: int, recs: np.ndarray) -> Labels:
+        codes = set(recs["seq"][recs["kind"] == TRACE_PY_CALL].tolist()) - {0}
+        named = {(TRACE_PY_CALL, code): self._function(pid, code) for code in codes}
+        return {(TRACE_PY_CALL, 0): GC_LABEL} | {k: f for k, f in named.items() if f is not None}
+
+
 class PythonTimer:
     """Times the chosen functions of watched CPython processes. Not thread-safe: one caller."""
 
@@ -158,6 +176,7 @@ class PythonTimer:
             raise ValueError(f"at most {NAME_SLOTS - 2} functions can be traced by name, not {len(names) - 2}")
         self._names = names
         self._bpf = None
+        self._trace: _CallStream | None = None
         self._watched: dict[int, _Watched] = {}
         self.functions = bool(self.selection.traced)  # eval loop probed; named functions keep it on
 
@@ -178,7 +197,12 @@ class PythonTimer:
                     leaf.w[w] = struct.unpack_from("<Q", padded, 8 * w)[0]
                 table[ctypes.c_int(i)] = leaf
             self._bpf = bpf
+            self._trace = _CallStream(bpf, self.function)
         return self._bpf
+
+    def trace_streams(self) -> list[TraceStream]:
+        """The timer's capture stream (timed calls, collections), once it has a program."""
+        return [self._trace] if self._bpf is not None else []
 
     def attach(self, interp: Interpreter, peers: str | None = None) -> None:
         """Time `interp`'s process from now on: its garbage collections, and its chosen functions while
@@ -286,6 +310,15 @@ class PythonTimer:
             for key in [k for k in table.keys() if k.pid == pid]:
                 table.pop(key, None)
 
+    def function(self, pid: int, code: int) -> Frame | None:
+        """The function a timed code object of `pid` is; None if it is not one of the chosen (the kernel
+        picks code objects by co_name alone) or the process is not watched."""
+        w = self._watched.get(pid)
+        if w is None:
+            return None
+        frame = w.resolver.resolve(code)
+        return frame if self.selection.wants(frame, w.interp.layout.code_qualname is not None) else None
+
     def read(self) -> dict[int, list[PyTimed]]:
         """Per watched pid, the timed functions' calls completed since the previous read, most time first."""
         if self._bpf is None:
@@ -371,7 +404,7 @@ class PythonTimer:
         self._watched.clear()
         if self._bpf is not None:
             self._bpf.cleanup()
-            self._bpf = None
+            self._bpf, self._trace = None, None
 
 
 class PythonTiming(Source):
@@ -403,6 +436,9 @@ class PythonTiming(Source):
             p.python_timed = timed.get(p.pid, [])
             if p.pid in gc:
                 p.functions[gc[p.pid].name] = gc[p.pid]
+
+    def trace_streams(self) -> list[TraceStream]:
+        return self.timer.trace_streams()
 
     def forget(self, pid: int) -> None:
         self.timer.detach(pid)  # after the last read: its uprobes leave with the process anyway

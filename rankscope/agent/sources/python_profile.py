@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from rankscope.agent.detail import Detail
 from rankscope.agent.host.targets import Target
 from rankscope.agent.interpreters import SPECIAL_FRAMES, Frame
+from rankscope.agent.loader.trace_stream import TraceStream
 from rankscope.agent.sources.python_sampler import PythonAttachError, PythonSampler, StackTime
 from rankscope.agent.sources.source import Source
 from rankscope.schema.patterns import PyFunction, RankPattern
@@ -94,6 +95,9 @@ class PythonFrames(Source):
         self.last, self.last_frequency = stacks, self.sampler.frequency
         for p in patterns:
             p.python = summarize(stacks.get(p.pid, {}), self.sampler.frequency, self.detail.top_python)
+
+    def trace_streams(self) -> list[TraceStream]:
+        return self.sampler.trace_streams()
 
     def detach(self, pid: int) -> None:
         self.sampler.detach(pid)

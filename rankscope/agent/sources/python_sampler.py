@@ -37,7 +37,10 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from rankscope import bpf as bpf_sources
 from rankscope.agent.host import procfs
@@ -49,6 +52,7 @@ from rankscope.agent.interpreters.cpython.layout import Layout
 from rankscope.agent.interpreters.cpython.process import Interpreter, inspect, open_memory
 from rankscope.agent.interpreters.cpython.threads import stacks_by_tid, thread_stacks
 from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.loader.trace_stream import TRACE_PY_SAMPLE, TRACE_RECORD, Labels, TraceStream
 
 __all__ = [
     "Frame",
@@ -75,6 +79,8 @@ PY_WATCHED = "py_watched"  # pid -> the interpreter to walk (sampled while a key
 PY_SLEEPING = "py_sleeping"  # tid -> the stack it went to sleep in, and when
 PY_CTL = "py_ctl"  # [0]: the generation of the stack maps the programs add to (user space reads the other)
 PY_COUNTERS = "py_counters"  # per CPU: COUNTER_NAMES
+PY_STACKS_0 = "py_stacks_0"  # stack -> samples (and py_stacks_1, py_offcpu_0/1: see _drain)
+MAX_TRACE_STACKS = 20_000  # distinct stacks kept by one capture, each program (~8 MB at most)
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,39 @@ class _Program:
     bpf: object
     layout: Layout
     flush_fd: int
+    trace: _SampleStream
     pids: set[int] = field(default_factory=set)
+
+
+class _SampleStream(TraceStream):
+    """A capture's samples of one program (bpf/python.bpf.c: py_trace_sample): each record's stack is
+    interned, its id in the record's `seq`; its frames (root first) are its label. At most MAX_TRACE_STACKS stacks a
+    capture (~400 bytes each): samples of further stacks are counted as refused."""
+
+    def __init__(self, bpf, frames: Callable[[object], tuple[Frame, ...]]):
+        super().__init__(bpf)
+        self._frames = frames  # a stack key -> its frames (PythonSampler._stack)
+        self._key = bpf[PY_STACKS_0].Key  # struct py_stack
+        self._ids: dict[bytes, int] = {}
+
+    def start(self, pids: list[int], sink) -> None:
+        self._ids = {}
+        super().start(pids, sink)
+
+    def intern(self, raw: bytes) -> bytes | None:
+        head, stack = raw[:TRACE_RECORD.itemsize], raw[TRACE_RECORD.itemsize:]
+        sid = self._ids.get(stack)
+        if sid is None:
+            if len(self._ids) >= MAX_TRACE_STACKS:
+                return None
+            sid = self._ids[stack] = len(self._ids) + 1
+        return head[:-8] + sid.to_bytes(8, "little")
+
+    def labels(self, pid: int, recs: np.ndarray) -> Labels:
+        wanted = set(recs["seq"][recs["kind"] == TRACE_PY_SAMPLE].tolist())
+        return {(TRACE_PY_SAMPLE, sid): self._frames(key)
+                for stack, sid in self._ids.items() if sid in wanted
+                for key in [self._key.from_buffer_copy(stack)] if key.pid == pid}
 
 
 class PythonSampler:
@@ -262,7 +300,7 @@ class PythonSampler:
         except Exception as e:
             bpf.cleanup()
             raise SamplerError(f"cannot load or attach the Python sampler: {e}") from e
-        prog = _Program(bpf, layout, flush_fd)
+        prog = _Program(bpf, layout, flush_fd, _SampleStream(bpf, self._stack))
         self._programs[key] = prog
         return prog
 
@@ -353,6 +391,10 @@ class PythonSampler:
             codes.append(c)
         return stack_frames(self._resolver(key.pid), codes, bool(key.flags & FLAG_TRUNCATED),
                             bool(key.flags & FLAG_PARTIAL))
+
+    def trace_streams(self) -> list[TraceStream]:
+        """The programs' capture streams: on-CPU samples with their stacks."""
+        return [prog.trace for prog in self._programs.values()]
 
     def counters(self) -> dict[str, int]:
         """Totals since the programs were loaded: samples of watched processes, samples dropped because the

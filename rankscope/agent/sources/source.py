@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 
 from rankscope.agent.detail import Detail
 from rankscope.agent.host.targets import Target
+from rankscope.agent.loader.trace_stream import TraceStream
 from rankscope.schema.patterns import RankPattern
 
 
@@ -26,6 +27,10 @@ class Source(ABC):
     def fill(self, patterns: list[RankPattern]) -> None:
         """Add this window's part to each pattern of a process this source watches (or watched until the
         window's processes exited)."""
+
+    def trace_streams(self) -> list[TraceStream]:
+        """The streams a trace capture reads from this source's BPF objects (none by default)."""
+        return []
 
     def detach(self, pid: int) -> None:
         """Stop watching `pid` (exited, or no longer wanted); what it did until now still reaches the next

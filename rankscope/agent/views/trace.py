@@ -8,7 +8,16 @@ Tracks of a rank (its process; times in us from the capture's start, `baseTimeNa
   sync). They are also HTA's communication: HTA takes "kernel" events with an `args.stream` and classifies
   them by name (`^nccl.*Kernel`), hence their names `ncclKernel <op>`, gloo's too; `args.correlation` links
   each to its enqueue call;
-- the main thread's scheduler state (running, runnable, asleep, blocked).
+- the main thread's scheduler state (running, runnable, asleep, blocked);
+- exactly timed Python functions (forward, the loader's __next__, --trace-function's; GC collections timed
+  through USDT) as slices on their thread, `python_function` as Kineto names them;
+- sampled Python stacks (on CPU) as instant events on their thread: named by the innermost function, the stack
+  in `args.stack` (Perfetto shows args) and as `sf` into the document's `stackFrames` (chrome://tracing);
+- with the CUPTI shim, GPU kernels, copies and sets on a track per device and stream (Kineto's `kernel`,
+  `gpu_memcpy`, `gpu_memset`, with `args.device/stream/correlation`). HTA then counts the GPU's own kernels
+  (NCCL's among them, by name), so the host's collective spans are no `kernel` events there;
+- with the NCCL profiler plugin, each collective's GPU span (the plugin gives its length; it is placed to end
+  when the plugin handed it over) on a track of its own.
 Events lost (the kernel's stream was full, or the capture kept its maximum) are counted in `rankscope` at the
 top and, when there are any, an instant event at the capture's end.
 """
@@ -23,8 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.agent.loader.program import (TRACE_CALL, TRACE_COLLECTIVE, TRACE_INSTANT, TRACE_RECORD,
-                                            TRACE_SCHED, ProbeProgram)
+from rankscope.agent.interpreters import Frame
+from rankscope.agent.loader.program import ProbeProgram
+from rankscope.agent.loader.trace_stream import (TRACE_CALL, TRACE_COLLECTIVE, TRACE_GPU, TRACE_INSTANT, TRACE_NCCL,
+                                                 TRACE_PY_CALL, TRACE_PY_SAMPLE, TRACE_RECORD, TRACE_SCHED)
+from rankscope.agent.sources.probes.cupti import KERNEL_KINDS, KIND_MEMCPY, KIND_MEMSET
+from rankscope.agent.sources.python_profile import function_name
 from rankscope.agent.trace_capture import MAX_EVENTS, Captured
 from rankscope.schema.patterns import RankPattern
 
@@ -33,7 +46,10 @@ ZIP_CONTENT_TYPE = "application/zip"
 # Tracks that are no thread of the process: above any Linux tid (pid_max <= 2^22).
 SCHED_TID = 1 << 30
 COLLECTIVE_TID = SCHED_TID + 1  # + the lane
+NCCL_TID = 1 << 29  # NCCL's GPU spans from the profiler plugin
+GPU_TID = NCCL_TID + (1 << 24)  # + device << 16 + stream: the CUPTI shim's records
 COMM_STREAM = 1000  # HTA's stream of lane 0 (any number >= 0 is a GPU stream to it)
+GPU_CATEGORY = {KIND_MEMCPY: ("gpu_memcpy", "Memcpy"), KIND_MEMSET: ("gpu_memset", "Memset")}  # Kineto's
 STATES = ("running", "runnable", "asleep", "blocked (I/O)")  # bpf/sched.bpf.c's ON_CPU, RUNNABLE, ...
 
 
@@ -103,6 +119,10 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
 
     events: list[dict] = []
     threads: set[int] = set()
+    labels = cap.labels.get(pid, {})
+    frames = _StackFrames()
+    gpu_tracks: set[tuple[int, int]] = set()  # (device, stream)
+    nccl = False
     for kind, tid, f, start, end, nbytes, seq in recs[["kind", "tid", "fn", "start_ns", "end_ns", "bytes",
                                                        "seq"]].tolist():
         if kind == TRACE_CALL:
@@ -119,13 +139,35 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
         elif kind == TRACE_SCHED and f < len(STATES):
             events.append({"ph": "X", "cat": "sched", "name": STATES[f], "pid": pid, "tid": SCHED_TID,
                            **span(start, end)})
+        elif kind == TRACE_PY_CALL and (kind, seq) in labels:
+            events.append({"ph": "X", "cat": "python_function", "name": _name(labels[kind, seq]), "pid": pid,
+                           "tid": tid, **span(start, end)})
+            threads.add(tid)
+        elif kind == TRACE_PY_SAMPLE and (kind, seq) in labels:
+            stack = labels[kind, seq]
+            events.append({"ph": "i", "s": "t", "cat": "python_sample", "name": _name(stack[-1]) if stack else "?",
+                           "pid": pid, "tid": tid, "ts": ts(start), "sf": frames.leaf(stack),
+                           "args": {"stack": ";".join(_name(f) for f in stack)}})
+            threads.add(tid)
+        elif kind == TRACE_GPU and end - cap.mono_to_unix_ns >= cap.start_ns:  # CUPTI's clock: unix ns
+            events.append(_gpu(f, tid, labels.get((kind, seq), "?"), nbytes, pid,
+                               span(start - cap.mono_to_unix_ns, end - cap.mono_to_unix_ns)))
+            gpu_tracks.add((f >> 8, tid))
+        elif kind == TRACE_NCCL:
+            ev = {"ph": "X", "cat": "gpu_user_annotation", "name": f"nccl{labels.get((kind, seq), '?')}",
+                  "pid": pid, "tid": NCCL_TID, **span(start, end)}
+            ev["args"] = ev.get("args", {}) | {"bytes": nbytes}
+            events.append(ev)
+            nccl = True
     coll = recs[recs["kind"] == TRACE_COLLECTIVE]
     lanes = _lanes(np.maximum(coll["start_ns"], cap.start_ns), coll["end_ns"])
+    # The shim's kernels are HTA's compute and communication: then the host's spans are no kernels to it.
+    gpu_kernels = bool(np.isin(recs["fn"][recs["kind"] == TRACE_GPU] & 0xFF, KERNEL_KINDS).any())
     for (f, start, end, nbytes, seq), lane in zip(coll[["fn", "start_ns", "end_ns", "bytes", "seq"]].tolist(), lanes):
-        ev = {"ph": "X", "cat": "kernel", "name": f"ncclKernel {fn(f).name}", "pid": pid,
-              "tid": COLLECTIVE_TID + lane, **span(start, end)}
-        ev["args"] = ev.get("args", {}) | {"stream": COMM_STREAM + lane, "correlation": seq, "bytes": nbytes,
-                                           "timing": "host: enqueue to completion"}
+        ev = {"ph": "X", "cat": "collective" if gpu_kernels else "kernel", "name": f"ncclKernel {fn(f).name}",
+              "pid": pid, "tid": COLLECTIVE_TID + lane, **span(start, end)}
+        ev["args"] = ev.get("args", {}) | ({} if gpu_kernels else {"stream": COMM_STREAM + lane}) | {
+            "correlation": seq, "bytes": nbytes, "timing": "host: enqueue to completion"}
         events.append(ev)
     events.sort(key=lambda e: e["ts"])
     if cap.lost:
@@ -140,7 +182,9 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
             _meta("thread_name", pid, SCHED_TID, name="main thread: scheduler state"),
             *(_meta("thread_name", pid, COLLECTIVE_TID + lane, name="collectives" + (f" ({lane + 1})" if lane else ""))
               for lane in sorted(set(lanes))),
-            *(_meta("thread_name", pid, tid, name=names.get(tid, f"thread {tid}")) for tid in sorted(threads))]
+            *(_meta("thread_name", pid, tid, name=names.get(tid, f"thread {tid}")) for tid in sorted(threads)),
+            *(_meta("thread_name", pid, _gpu_tid(d, st), name=f"GPU {d} stream {st}") for d, st in sorted(gpu_tracks)),
+            *([_meta("thread_name", pid, NCCL_TID, name="NCCL: GPU spans (profiler plugin)")] if nccl else [])]
     return {
         # First: HTA takes a file's rank from the first `"rank": N` in it.
         "distributedInfo": {"rank": info.rank, "world_size": info.world_size,
@@ -153,7 +197,46 @@ def chrome_trace(info: RankInfo, cap: Captured, functions: Mapping[int, Function
                       "dropped_events": cap.dropped, "truncated_events": cap.truncated, "max_events": MAX_EVENTS,
                       **({"summary": dict(summary)} if summary else {})},
         "traceEvents": meta + events,
+        **({"stackFrames": frames.table} if frames.table else {}),
     }
+
+
+def _name(label: Frame | str) -> str:
+    return label if isinstance(label, str) else function_name(label)
+
+
+class _StackFrames:
+    """The document's `stackFrames`: each distinct (parent, function) once; a stack is its leaf's id."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, dict] = {}
+        self._ids: dict[tuple[str | None, str], str] = {}
+
+    def leaf(self, stack: tuple[Frame, ...]) -> str | None:
+        parent = None
+        for frame in stack:
+            key = (parent, _name(frame))
+            if key not in self._ids:
+                self._ids[key] = sid = str(len(self._ids) + 1)
+                self.table[sid] = {"name": key[1], "category": "python"} | ({"parent": parent} if parent else {})
+            parent = self._ids[key]
+        return parent
+
+
+def _gpu_tid(device: int, stream: int) -> int:
+    return GPU_TID + ((device & 0xFF) << 16) + (stream & 0xFFFF)
+
+
+def _gpu(f: int, stream: int, name: str, value: int, pid: int, when: dict) -> dict:
+    """One CUPTI record (`f`: its kind | device << 8; `value`: a kernel's correlation id, else bytes) as
+    Kineto writes it."""
+    kind, device = f & 0xFF, f >> 8
+    if kind in KERNEL_KINDS:
+        cat, shown, extra = "kernel", name, {"correlation": value}
+    else:
+        (cat, shown), extra = GPU_CATEGORY.get(kind, ("gpu_activity", "?")), {"bytes": value}
+    return {"ph": "X", "cat": cat, "name": shown, "pid": pid, "tid": _gpu_tid(device, stream), **when,
+            "args": when.get("args", {}) | {"device": device, "stream": stream} | extra}
 
 
 def _meta(what: str, pid: int, tid: int, **args) -> dict:

@@ -19,6 +19,8 @@ import ctypes
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from rankscope import bpf as bpf_sources
 from rankscope.agent.host import procfs
 from rankscope.agent.host.symbols import SymbolError, sdt_probes
@@ -27,6 +29,7 @@ from rankscope.agent.loader import uprobe_links, usdt
 from rankscope.agent.loader.bcc import compile_bpf
 from rankscope.agent.loader.histograms import percentile_s
 from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.loader.trace_stream import TRACE_GPU, TRACE_NCCL, Labels, TraceStream
 from rankscope.agent.loader.uprobe_links import Uprobes
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.nccl_profiler import COLL_PROBE, LINK_PROBE, CollTotals, LinkTotals
@@ -134,6 +137,22 @@ def _probe_sites(usdt_class, pid: int, probes: dict[str, str]) -> tuple[str, dic
     return ctx.get_text(), sites
 
 
+class _GpuStream(TraceStream):
+    """A capture's GPU records of one process (bpf/cupti.bpf.c, bpf/nccl_profiler.bpf.c): each names its
+    kernel or NCCL function by a pointer into the process."""
+
+    def __init__(self, bpf, reader: CuptiReader):
+        super().__init__(bpf)
+        self._reader = reader
+
+    def labels(self, pid: int, recs: np.ndarray) -> Labels:
+        if pid != self._reader.pid:
+            return {}
+        named = recs[(recs["kind"] == TRACE_GPU) | (recs["kind"] == TRACE_NCCL)]
+        return {(kind, ptr): self._reader.name(ptr) for kind, ptr in set(zip(named["kind"].tolist(),
+                                                                             named["seq"].tolist()))}
+
+
 class CuptiReader:
     """The shim's records of one process: in-kernel aggregates, and raw records on demand."""
 
@@ -157,6 +176,7 @@ class CuptiReader:
             self._bpf = compile_bpf(readers + bpf_sources.text(*BPF_SOURCES), [])
         except Exception as e:  # bcc raises bare Exception for USDT and compile failures
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
+        self.trace = _GpuStream(self._bpf, self)
         try:  # NCCL's plugin, like the shim, hands over nothing until its probes' semaphores are up
             for probe in ALWAYS_ATTACHED:
                 if self._semaphores[probe]:
@@ -249,6 +269,7 @@ class CuptiReader:
     def close(self) -> None:
         """Detach: removing the probes lowers the process's semaphores (the kernel does it)."""
         self._launch_probes = self._probes = uprobe_links.detach(self._launch_probes + self._probes)
+        self.trace.close()
         self._bpf.cleanup()
 
 
