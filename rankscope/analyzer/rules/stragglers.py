@@ -103,7 +103,7 @@ def _runq_excess(t: RankTable) -> np.ndarray:
 def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray:
     """The straggling rows whose extra time is waiting for a CPU, not computing: at least CONTENTION_SHARE of
     it, while the rank ran hardly longer than its peers (under CONTENTION_RAN of it). A hog's victim does
-    the same work as its peers (it ran at most 0.06 of its extra time beyond theirs, in 12 windows: lm-2-long
+    the same work as its peers (it ran at most 0.06 of its extra time beyond theirs, in 10 windows: lm-2-long
     197 ms more runnable, 5 ms more on CPU). A rank that works longer on a busy host waits longer for a CPU
     too, and on a host loaded 5 deep more than it ran: a GC storm under helpers' test runs, 168 ms more on
     CPU and 178 ms more runnable a step; a compute straggler, 12.1 and 10.9 ms; those ran at least 0.31 of
