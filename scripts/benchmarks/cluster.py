@@ -121,6 +121,7 @@ def analyze(port: int, agents: int, windows: int, replica: int, replicas: int, c
                 timing = dict(snap.timing)
                 timing.update(window_wall_s=time.perf_counter() - w, window_cpu_s=time.process_time() - c,
                               rss_mb=_rss_mb(), agents_up=sum(a.state == "up" for a in snap.agents),
+                              errors=sorted({a.error for a in snap.agents if a.state != "up"})[:5],
                               ranks=sum(len(d["ranks"]) for d in snap.diagnoses.values()),
                               verdicts={job: [(f["kind"], f["ranks"]) for f in d["findings"]]
                                         for job, d in snap.diagnoses.items()})
@@ -205,9 +206,8 @@ def run(ctx: Context) -> tuple[list[Row], dict]:
                      for k in ("pull_cpu_s", "diagnose_cpu_s", "window_cpu_s", "window_wall_s")}
             first = max(r["windows"][0]["window_cpu_s"] for r in results)
             rss = max(r["maxrss_mb"] for r in results)
-            for r, ws in zip(results, steady):
-                if any(w["agents_up"] != farm.agents for w in ws):
-                    raise BenchError(f"an analyzer replica saw only {min(w['agents_up'] for w in ws)} agents up")
+            down = max(farm.agents - w["agents_up"] for ws in steady for w in ws)
+            for ws in steady:
                 for w in ws:
                     missed = [j for j, v in w["verdicts"].items() if ("compute_straggler", [ranks // 3]) not in
                               [tuple(f) for f in v]]
@@ -221,7 +221,9 @@ def run(ctx: Context) -> tuple[list[Row], dict]:
                      row("cluster", f"{what}: diagnose CPU a window", worst["diagnose_cpu_s"], "s"),
                      row("cluster", f"{what}: CPU a window, one core", worst["window_cpu_s"], "s", WINDOW_S,
                          f"first window (every agent asked) {first:.1f} s; wall {worst['window_wall_s']:.1f} s"),
-                     row("cluster", f"{what}: analyzer peak RSS", rss, "MB")]
+                     row("cluster", f"{what}: analyzer peak RSS", rss, "MB"),
+                     row("cluster", f"{what}: agents not pulled in a window (down)", down, "", 0,
+                         "; ".join(sorted({e for ws in steady for w in ws for e in w["errors"]}))[:200])]
             log(f"cluster: {what}: pull {worst['pull_cpu_s']:.2f} s CPU, diagnose {worst['diagnose_cpu_s']:.2f} s CPU,"
                 f" window {worst['window_cpu_s']:.2f} s CPU ({worst['window_wall_s']:.2f} s wall, first window "
                 f"{first:.2f} s CPU), RSS {rss:.0f} MB")
