@@ -99,7 +99,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     # A hung job has no steps: a window's few steps before the stall, or the whole window read as one step
     # (10 s for a 60 ms job), would mislead; the hang's evidence says how long it has stalled.
     hung = any(f.kind in HANGS for f in findings)
-    row_of = {id(p): i for i, p in enumerate(analyzed)}
+    row_of = (np.cumsum([p.state not in NOT_ANALYZED for p in patterns]) - 1).tolist()  # its row in `analyzed`
     # Per-rank columns (seconds per step) as plain lists once (100,000 ranks: no per-value conversion calls).
     # input_s (data loading) is part of host_s; gc_s and runq_s (waiting for a CPU) are the page's and the
     # metrics' too (issue 18).
@@ -110,10 +110,9 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     per_row = list(zip(*columns.values()))  # each row's values, in the order of `columns`
     unknown = (None,) * len(columns)
 
-    def rank_entry(p: RankPattern) -> dict[str, Any]:
-        i = row_of.get(id(p))
+    def rank_entry(p: RankPattern, i: int) -> dict[str, Any]:
         entry = {"rank": p.rank, "pid": p.pid, "host": p.host, "state": p.state}
-        entry.update(zip(columns, unknown if i is None else per_row[i]))
+        entry.update(zip(columns, unknown if p.state in NOT_ANALYZED else per_row[i]))
         entry["identity_source"] = p.identity_source
         if p.python_timed:  # exact per-call times of forward, data-loader __next__, --trace-function
             entry["python_timed"] = plain([f.to_dict() for f in p.python_timed])
@@ -141,7 +140,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
                            "end": reference.profile.end, "noise_s": reference.noise_s,
                            "slower": bool(compared and compared.slower)})
         if reference else None,
-        "ranks": [rank_entry(p) for p in sorted(patterns, key=attrgetter("rank", "pid"))],
+        "ranks": [rank_entry(patterns[i], row_of[i])
+                  for i in sorted(range(len(patterns)), key=list(map(attrgetter("rank", "pid"), patterns)).__getitem__)],
         "findings": listed,
     }
 

@@ -275,10 +275,13 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     # One record per (rank, instance): the nearest, should two records of a rank match one instance.
     ok = np.flatnonzero(dist < step_s / 2)
     key = row[ok] * n_inst + col[ok]
-    order = np.lexsort((dist[ok], key))
-    first = np.ones(order.size, dtype=bool)
-    first[1:] = key[order][1:] != key[order][:-1]
-    take = ok[order[first]]
+    if (np.diff(key) > 0).all():  # the common case, each instance matched once and in order: no sort
+        take = ok
+    else:
+        order = np.lexsort((dist[ok], key))
+        first = np.ones(order.size, dtype=bool)
+        first[1:] = key[order][1:] != key[order][:-1]
+        take = ok[order[first]]
 
     E = np.full((n, n_inst), np.nan)
     D, B = E.copy(), E.copy()

@@ -109,9 +109,10 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
         total = fn_per_step[:, role_arr == role.value].sum(axis=1) if roles else np.zeros(n)
         return np.where(np.isfinite(step), total, np.nan)  # unknown step: unknown per-step times
 
-    py_names, py = _named_columns([{f.name: f.self_s for f in p.python} for p in patterns])
-    timed_names, timed = _named_columns([{f.name: f.total_s for f in p.python_timed} for p in patterns])
-    timed[[not p.python_timed for p in patterns]] = np.nan
+    pys, timeds = list(map(attrgetter("python"), patterns)), list(map(attrgetter("python_timed"), patterns))
+    py_names, py = _named_columns([{f.name: f.self_s for f in fs} if fs else {} for fs in pys])
+    timed_names, timed = _named_columns([{f.name: f.total_s for f in fs} if fs else {} for fs in timeds])
+    timed[[not fs for fs in timeds]] = np.nan
 
     main = [s.get("main") for s in map(attrgetter("sched"), patterns)]
     comm = in_role(Role.COMM)
@@ -146,8 +147,8 @@ def _named_columns(rows: list[dict[str, float]]) -> tuple[list[str], np.ndarray]
         for name in row:
             names.setdefault(name, len(names))
     out = np.zeros((len(rows), len(names)))
-    for i, row in enumerate(rows):
-        for name, value in row.items():
+    for i in (i for i, row in enumerate(rows) if row):  # most ranks have none (no Python view)
+        for name, value in rows[i].items():
             out[i, names[name]] = value
     return list(names), out
 
