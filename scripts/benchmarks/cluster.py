@@ -20,6 +20,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 from .harness import SCRIPTS, BenchError, Context, Row, log, row
@@ -144,30 +147,28 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
 
 
+@dataclass(frozen=True)
 class Farm:
-    """The farm as a subprocess (pinned to `cpu`), serving once its patterns are encoded."""
+    port: int
+    agents: int
+    bytes: int  # of encoded patterns, all agents together
 
-    def __init__(self, jobs: int, ranks: int, cpu: int):
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.cluster", "farm", str(jobs), str(ranks)],
-                                     env=_env(), stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
-        line = self.proc.stdout.readline()
+
+@contextmanager
+def farm_process(jobs: int, ranks: int, cpu: int) -> Iterator[Farm]:
+    """The farm as a subprocess (pinned to `cpu`), once its patterns are encoded and it serves."""
+    from rankscope.sim.harness import terminate
+
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.cluster", "farm", str(jobs), str(ranks)],
+                            env=_env(), stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    try:
+        line = proc.stdout.readline()
         if not line:
-            self.close()
-            raise BenchError(f"the agent farm exited with status {self.proc.wait()}")
-        ready = json.loads(line)
-        self.port, self.agents, self.bytes = ready["port"], ready["agents"], ready["bytes"]
-
-    def close(self) -> None:
-        from rankscope.sim.harness import terminate
-
-        terminate(self.proc, 10)
-
-    def __enter__(self) -> Farm:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+            raise BenchError(f"the agent farm exited with status {proc.wait()}")
+        yield Farm(**json.loads(line))
+    finally:
+        terminate(proc, 10)
 
 
 def run_replicas(farm: Farm, windows: int, replicas: int, cpu: int) -> list[dict]:
@@ -191,7 +192,7 @@ def run(ctx: Context) -> tuple[list[Row], dict]:
     farm_cpu, cpu = cpus[0], cpus[-1]
     details: dict = {"jobs": jobs, "ranks_per_job": ranks, "ranks_per_agent": RANKS_PER_AGENT, "windows": windows}
     rows: list[Row] = []
-    with Farm(jobs, ranks, farm_cpu) as farm:
+    with farm_process(jobs, ranks, farm_cpu) as farm:
         details.update(agents=farm.agents, payload_bytes=farm.bytes)
         log(f"cluster: {farm.agents:,} agents, {jobs * ranks:,} ranks, {farm.bytes / 2**20:.0f} MB of patterns")
         for replicas in (1, shards):
