@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = {"job", "launch", "sched", "agent", "detach", "payload", "latency", "analyzer", "inject"}
+BENCHMARKS = {"job", "launch", "sched", "agent", "detach", "payload", "latency", "analyzer", "inject", "cluster"}
 
 
 def test_every_benchmark_runs_at_tiny_size(tmp_path):
