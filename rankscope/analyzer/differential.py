@@ -234,8 +234,8 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     ops = set(np.unique(cols.op).tolist())  # each name matched once, not once a record
     lined_up = sorted(i for i in ops if not NOT_LINED_UP.search(cols.ops[i]))
     rooted_ops = [i for i in ops if ROOTED.search(cols.ops[i])]
-    kept = cols.filter(np.isin(cols.op, lined_up) & (cols.enter >= since))
-    counts = kept.counts
+    lined = cols.filter(np.isin(cols.op, lined_up) & (cols.enter >= since))
+    counts = lined.counts
     if n < 2 or np.count_nonzero(counts) < 2:
         return Alignment.empty(n)
     if step_s is None:
@@ -244,10 +244,10 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
         return Alignment.empty(n)
 
     op_ids = {cols.ops[i]: j for j, i in enumerate(lined_up)}
-    op = np.searchsorted(lined_up, kept.op)  # each record's index among the lined-up ops
-    enter, done, nbytes = kept.enter, kept.done, kept.bytes.astype(float)
-    row = kept.row
-    offset = kept.offsets
+    op = np.searchsorted(lined_up, lined.op)  # each record's index among the lined-up ops
+    enter, done, nbytes = lined.enter, lined.done, lined.bytes.astype(float)
+    row = lined.row
+    offset = lined.offsets
 
     # Reference: among the ranks with the most records, the one whose last `done` is the median, so that
     # neither an early nor a late rank (maybe the culprit) sets the instances.
