@@ -21,6 +21,9 @@ and without the agent, A B B A ..., summarized by the median over pairs so that 
             fresh Python processes computing, 20 sleeping; median and worst
   trace     step time of the simulated 4-rank GPU job while a trace capture (GET /v1/trace) runs against
             without one, the agent attached in both, light and deep mode; the captures' events and bytes a second
+  cluster   the cluster analyzer pulling 12,500 simulated agents of 8 ranks (100 jobs of 1,000 ranks) over
+            loopback each 5 s window and diagnosing them: CPU per window (pull, diagnose), RSS; one analyzer
+            and 3 replicas sharing the jobs
   torch     step time of the real torch DDP job (tests/torch_ddp_train.py, gloo on CPU, 4 ranks under torchrun)
             with the agent attached to its running ranks, light and deep mode; listed only when that script exists
 
@@ -48,13 +51,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import agent, analyzer, detach, inject, job, latency, launch, payload, sched, torch_job, trace
+from benchmarks import (agent, analyzer, cluster, detach, inject, job, latency, launch, payload, sched, torch_job,
+                        trace)
 from benchmarks.harness import Context, Row, log, machine, table
 
 BENCHES: dict[str, Callable[[Context], tuple[list[Row], dict]]] = {
     "job": job.run, "launch": launch.run, "sched": sched.run, "agent": agent.run, "detach": detach.run,
     "payload": payload.run, "latency": latency.run, "analyzer": analyzer.run, "inject": inject.run,
-    "trace": trace.run,
+    "trace": trace.run, "cluster": cluster.run,
 }
 if torch_job.TORCH_SCRIPT.exists():  # the real job (1a), once tests/torch_ddp_train.py exists
     BENCHES = {"torch": torch_job.run, **BENCHES}

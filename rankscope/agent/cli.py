@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import sys
 
 from rankscope.agent.detail import DEEP, DEEP_SECONDS, LEVELS, LIGHT, Detail, SlowdownTrigger
@@ -206,6 +207,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     from rankscope.agent.service.cluster_analyzer import AgentListError, Cluster, parse_agents, serve_cluster
+    from rankscope.agent.service.shard import Shard, ordinal
 
     host, port = parse_listen(args.listen)
     if args.window <= 0 or args.timeout <= 0 or args.hang_timeout <= 0 or args.concurrency < 1:
@@ -223,9 +225,14 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot read the agents file: {e.strerror}: {args.agents_file}") from None
     except (AgentListError, UnicodeDecodeError) as e:
         raise UsageError(str(e)) from None
+    try:  # a StatefulSet's replica: its ordinal is the number its pod name (the hostname) ends with
+        index = args.replica if args.replica is not None else 0 if args.replicas == 1 else ordinal(socket.gethostname())
+        shard = Shard(index, args.replicas)
+    except ValueError as e:
+        raise UsageError(f"--replica/--replicas: {e}") from None
     token = load_token(args.token_file)
     check_bind(host, token)
-    cluster = Cluster(agents, token, args.timeout, args.concurrency, args.hang_timeout, args.window)
+    cluster = Cluster(agents, token, args.timeout, args.concurrency, args.hang_timeout, args.window, shard)
     asyncio.run(serve_cluster(cluster, host, port, args.window, token))
     return 0
 
@@ -338,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, default=5.0, help="seconds between pulls (default 5)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds an agent has to answer a pull (default 3)")
     p.add_argument("--concurrency", type=int, default=32, help="agents pulled at once (default 32)")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="analyzers sharing the jobs (a StatefulSet's replicas; default 1): this one diagnoses the "
+                        "jobs whose rendezvous hash falls to its ordinal")
+    p.add_argument("--replica", type=int, metavar="I",
+                   help="this analyzer's ordinal, 0..N-1 (default: the number the hostname ends with, as a "
+                        "StatefulSet's pod name)")
     add_token_file(p)
     add_hang_timeout(p)
     p.set_defaults(func=cmd_cluster)

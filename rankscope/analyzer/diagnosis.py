@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -49,12 +50,13 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     hung = hang(table.patterns, hang_timeout_s)
     if hung:  # a stalled job has no steps to compare: the hang is the whole story
         return hung
-    groups = peer_groups(table.patterns)
+    groups = peer_groups(table.patterns, table.records)
     found: list[Finding] = []
     timed: list[Finding] = []
     for rows in groups:  # ranks are compared with the ranks of their own role only (pipeline stages)
-        peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows], table.job_step_s)
-        alignment = align_collectives(peers.patterns, peers.job_step_s)
+        peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows], table.job_step_s,
+                                                          table.records.take(rows))
+        alignment = align_collectives(peers.patterns, peers.job_step_s, peers.records)
         throttled = gpu_throttle(peers, alignment)
         explained = {r for f in throttled for r in f.ranks}
         # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
@@ -97,7 +99,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     # A hung job has no steps: a window's few steps before the stall, or the whole window read as one step
     # (10 s for a 60 ms job), would mislead; the hang's evidence says how long it has stalled.
     hung = any(f.kind in HANGS for f in findings)
-    row_of = {id(p): i for i, p in enumerate(analyzed)}
+    row_of = (np.cumsum([p.state not in NOT_ANALYZED for p in patterns]) - 1).tolist()  # its row in `analyzed`
     # Per-rank columns (seconds per step) as plain lists once (100,000 ranks: no per-value conversion calls).
     # input_s (data loading) is part of host_s; gc_s and runq_s (waiting for a CPU) are the page's and the
     # metrics' too (issue 18).
@@ -105,10 +107,12 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
                (("step_time_s", "step_s"), ("sync_s", "sync_s"), ("comm_s", "comm_s"), ("host_s", "host_s"),
                 ("input_s", "input_s"), ("gc_s", "gc_s"), ("runq_s", "runq_s"))}
 
-    def rank_entry(p: RankPattern) -> dict[str, Any]:
-        i = row_of.get(id(p))
+    per_row = list(zip(*columns.values()))  # each row's values, in the order of `columns`
+    unknown = (None,) * len(columns)
+
+    def rank_entry(p: RankPattern, i: int) -> dict[str, Any]:
         entry = {"rank": p.rank, "pid": p.pid, "host": p.host, "state": p.state}
-        entry.update((key, col[i] if i is not None else None) for key, col in columns.items())
+        entry.update(zip(columns, unknown if p.state in NOT_ANALYZED else per_row[i]))
         entry["identity_source"] = p.identity_source
         if p.python_timed:  # exact per-call times of forward, data-loader __next__, --trace-function
             entry["python_timed"] = plain([f.to_dict() for f in p.python_timed])
@@ -136,7 +140,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
                            "end": reference.profile.end, "noise_s": reference.noise_s,
                            "slower": bool(compared and compared.slower)})
         if reference else None,
-        "ranks": [rank_entry(p) for p in sorted(patterns, key=lambda p: (p.rank, p.pid))],
+        "ranks": [rank_entry(patterns[i], row_of[i])
+                  for i in sorted(range(len(patterns)), key=list(map(attrgetter("rank", "pid"), patterns)).__getitem__)],
         "findings": listed,
     }
 

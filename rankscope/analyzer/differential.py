@@ -11,11 +11,11 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 
-from rankscope.analyzer.steps import step_times
+from rankscope.analyzer.records import Collectives
+from rankscope.analyzer.steps import step_times, window_starts
 from rankscope.schema.patterns import RankPattern
 
 Z_MIN = 4.0  # robust z-score for an outlier
@@ -206,7 +206,16 @@ def _rooted_between(anchors: np.ndarray, rooted: list[np.ndarray]) -> tuple[np.n
     return rows[:, :, 0], rows[:, :, 1]
 
 
-def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = None) -> Alignment:
+def _rooted(records: Collectives, compared: np.ndarray) -> list[np.ndarray]:
+    """Per compared rank: its rooted collectives' (enter, done) rows, sorted."""
+    order = np.lexsort((records.done, records.enter, records.row))
+    rows = np.stack([records.enter[order], records.done[order]], axis=1)
+    per_rank = np.split(rows, np.cumsum(records.counts)[:-1])
+    return [r for r, seen in zip(per_rank, compared) if seen]
+
+
+def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = None,
+                      records: Collectives | None = None) -> Alignment:
     """Line up the ranks' collectives instance by instance.
 
     Each rank's collectives (those that end together on every rank, see NOT_LINED_UP; over the time all
@@ -214,36 +223,31 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     instances that every compared rank saw are kept. Ranks that matched fewer than half of the reference's
     instances (a rank that stopped, or whose window missed them) are not compared, so that one of them
     does not wipe out every instance. Broadcasts count for arrival only, lined up by _rooted_between.
-    Vectorized: O(records log 16), no per-pair work.
+    Vectorized: O(records log 16), no per-pair work. `records`: the patterns' collectives, when read already.
     """
     n = len(patterns)
+    cols = Collectives.of(patterns) if records is None else records
     # The group's own collectives, over the stretch every rank was watched (one attached later, or whose
     # window began later, has no records before it: the others' would find no partner there).
-    since = max((p.window_start for p in patterns if p.collectives), default=0.0)
-    ops = {c.op for p in patterns for c in p.collectives}  # each name matched once, not once a record
-    lined_up = {op for op in ops if not NOT_LINED_UP.search(op)}
-    rooted_ops = {op for op in ops if ROOTED.search(op)}
-    every_op = lined_up == ops
-    enter_of = attrgetter("enter")
-    # A rank's whole list when nothing in it is left out (the common case, checked in C), else filtered.
-    per_rank = [cs if every_op and (not cs or min(map(enter_of, cs)) >= since)
-                else [c for c in cs if c.op in lined_up and c.enter >= since]
-                for cs in (p.collectives for p in patterns)]
-    counts = np.fromiter((len(cs) for cs in per_rank), np.intp, n)
+    seen = cols.counts > 0
+    since = float(window_starts(patterns)[seen].max()) if seen.any() else 0.0
+    ops = set(np.unique(cols.op).tolist())  # each name matched once, not once a record
+    lined_up = sorted(i for i in ops if not NOT_LINED_UP.search(cols.ops[i]))
+    rooted_ops = [i for i in ops if ROOTED.search(cols.ops[i])]
+    lined = cols.filter(np.isin(cols.op, lined_up) & (cols.enter >= since))
+    counts = lined.counts
     if n < 2 or np.count_nonzero(counts) < 2:
         return Alignment.empty(n)
     if step_s is None:
-        step_s = peers_median(step_times(patterns))
+        step_s = peers_median(step_times(patterns, cols))
     if not np.isfinite(step_s) or step_s <= 0:
         return Alignment.empty(n)
 
-    recs = [c for cs in per_rank for c in cs]  # flat, rank after rank
-    op_ids = {name: i for i, name in enumerate(sorted(lined_up))}
-    # Fields read in C (attrgetter): 100,000 ranks' 1.6M records in a third of a comprehension's time.
-    op = np.fromiter(map(op_ids.__getitem__, map(attrgetter("op"), recs)), np.intp, len(recs))
-    enter, done, nbytes = (np.fromiter(map(attrgetter(f), recs), float, len(recs)) for f in ("enter", "done", "bytes"))
-    row = np.repeat(np.arange(n), counts)
-    offset = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    op_ids = {cols.ops[i]: j for j, i in enumerate(lined_up)}
+    op = np.searchsorted(lined_up, lined.op)  # each record's index among the lined-up ops
+    enter, done, nbytes = lined.enter, lined.done, lined.bytes.astype(float)
+    row = lined.row
+    offset = lined.offsets
 
     # Reference: among the ranks with the most records, the one whose last `done` is the median, so that
     # neither an early nor a late rank (maybe the culprit) sets the instances.
@@ -271,10 +275,13 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     # One record per (rank, instance): the nearest, should two records of a rank match one instance.
     ok = np.flatnonzero(dist < step_s / 2)
     key = row[ok] * n_inst + col[ok]
-    order = np.lexsort((dist[ok], key))
-    first = np.ones(order.size, dtype=bool)
-    first[1:] = key[order][1:] != key[order][:-1]
-    take = ok[order[first]]
+    if (np.diff(key) > 0).all():  # the common case, each instance matched once and in order: no sort
+        take = ok
+    else:
+        order = np.lexsort((dist[ok], key))
+        first = np.ones(order.size, dtype=bool)
+        first[1:] = key[order][1:] != key[order][:-1]
+        take = ok[order[first]]
 
     E = np.full((n, n_inst), np.nan)
     D, B = E.copy(), E.copy()
@@ -291,9 +298,7 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     Ek, Dk, Bk = E[compared][:, kept], D[compared][:, kept], B[compared][:, kept]
 
     out = Alignment.empty(n)
-    rooted = [np.array(sorted((c.enter, c.done) for c in p.collectives if c.op in rooted_ops and c.enter >= since),
-                       dtype=float).reshape(-1, 2)
-              for p, seen in zip(patterns, compared) if seen] if rooted_ops else []  # none: no pass over records
+    rooted = _rooted(cols.filter(np.isin(cols.op, rooted_ops) & (cols.enter >= since)), compared) if rooted_ops else []
     r_enter, r_done = _rooted_between(Ek, rooted)
     stay = r_done - r_enter
     held = np.concatenate([np.zeros_like(Ek), stay - stay.min(axis=0) if stay.size else stay], axis=1)

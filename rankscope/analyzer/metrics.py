@@ -8,11 +8,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
-from rankscope.analyzer.steps import step_times
-from rankscope.schema.patterns import RankPattern, Role
+from rankscope.analyzer.records import Collectives
+from rankscope.analyzer.steps import step_times, window_seconds
+from rankscope.schema.patterns import RankPattern, Role, ThreadTimes
 
 # Python functions of the input pipeline (data loaders, datasets, batch loading), by name.
 DATA_LOADING = re.compile(r"load|batch|__next__|__getitem__|_next_data|fetch|collate|dataset|dataloader", re.I)
@@ -40,6 +43,7 @@ class RankTable:
     timed_names: list[str]  # columns of timed_s
     timed_s: np.ndarray  # rows x exactly timed Python functions: time in their calls per step; NaN rows for
     # ranks not timed at all (the agent stops timing a process that enters eval too often): unknown, not 0
+    records: Collectives  # the rows' collective records, read once for every rule
 
     def __len__(self) -> int:
         return len(self.patterns)
@@ -63,40 +67,40 @@ class RankTable:
         return float(np.median(known)) if known.size else float("nan")
 
 
-def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None) -> RankTable:
+def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
+               records: Collectives | None = None) -> RankTable:
     """The table of `patterns` (one job's ranks, or one peer group of them: then `job_step_s`, the job's step
-    time, is every rank's that completed collectives, as the ranks of one synchronous job share it)."""
+    time, is every rank's that completed collectives, as the ranks of one synchronous job share it).
+    `records`: their collectives, when read already."""
     patterns = list(patterns)
     n = len(patterns)
-    step = step_times(patterns)
+    records = Collectives.of(patterns) if records is None else records
+    step = step_times(patterns, records)
     if job_step_s is not None and np.isfinite(job_step_s):
-        step[np.fromiter((bool(p.collectives) for p in patterns), bool, n)] = job_step_s
-    window = np.fromiter((p.window_s for p in patterns), float, n)
-    per_step = step / window  # window totals -> seconds per step
+        step[records.counts > 0] = job_step_s
+    per_step = step / window_seconds(patterns)  # window totals -> seconds per step
 
     # Ranks of a job probe the same functions in the same order, so the name -> column layout is worked
     # out once per distinct name tuple; per rank only the totals are read.
     names: dict[str, int] = {}
     roles: list[Role] = []
     layouts: dict[tuple[str, ...], np.ndarray] = {}
-    col_parts: list[np.ndarray] = []
-    totals: list[float] = []
-    for p in patterns:
-        fns = p.functions
-        key = tuple(fns)
-        cols = layouts.get(key)
-        if cols is None:
+    fns_of = list(map(attrgetter("functions"), patterns))
+    keys = list(map(tuple, fns_of))
+    for key, fns in zip(keys, fns_of):
+        if key not in layouts:
             for name, f in fns.items():
                 if name not in names:
                     names[name] = len(roles)
                     roles.append(Role(f.role))
-            cols = layouts[key] = np.array([names[name] for name in key], dtype=np.intp)
-        col_parts.append(cols)
-        totals += [f.total_s for f in fns.values()]
-    rows = np.repeat(np.arange(n), [len(c) for c in col_parts])
-    cols = np.concatenate(col_parts) if col_parts else np.zeros(0, dtype=np.intp)
+            layouts[key] = np.array([names[name] for name in key], dtype=np.intp)
+    lengths = np.fromiter(map(len, keys), np.intp, n)
+    rows = np.repeat(np.arange(n), lengths)
+    cols = np.concatenate([layouts[key] for key in keys]) if keys else np.zeros(0, dtype=np.intp)
     fn = np.zeros((n, len(roles)))
-    fn[rows, cols] = totals  # (row, name) is unique: names are dict keys
+    # (row, name) is unique: names are dict keys
+    fn[rows, cols] = np.fromiter(map(attrgetter("total_s"), chain.from_iterable(map(dict.values, fns_of))), float,
+                                 rows.size)
     fn_per_step = fn * per_step[:, None]
 
     role_arr = np.array([r.value for r in roles], dtype=object)
@@ -105,10 +109,12 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None)
         total = fn_per_step[:, role_arr == role.value].sum(axis=1) if roles else np.zeros(n)
         return np.where(np.isfinite(step), total, np.nan)  # unknown step: unknown per-step times
 
-    py_names, py = _named_columns([{f.name: f.self_s for f in p.python} for p in patterns])
-    timed_names, timed = _named_columns([{f.name: f.total_s for f in p.python_timed} for p in patterns])
-    timed[[not p.python_timed for p in patterns]] = np.nan
+    pys, timeds = list(map(attrgetter("python"), patterns)), list(map(attrgetter("python_timed"), patterns))
+    py_names, py = _named_columns([{f.name: f.self_s for f in fs} if fs else {} for fs in pys])
+    timed_names, timed = _named_columns([{f.name: f.total_s for f in fs} if fs else {} for fs in timeds])
+    timed[[not fs for fs in timeds]] = np.nan
 
+    main = [s.get("main") for s in map(attrgetter("sched"), patterns)]
     comm = in_role(Role.COMM)
     # Probed calls on other threads may overlap, so the remainder can dip below zero: clip.
     host = np.clip(step - fn_per_step.sum(axis=1), 0.0, None)
@@ -124,12 +130,13 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None)
         fn_roles=roles,
         fn_s=fn_per_step,
         gc_s=in_role(Role.GC),
-        runq_s=_main_thread(patterns, "runq_s") * per_step,
-        oncpu_s=_main_thread(patterns, "on_cpu_s") * per_step,
+        runq_s=_main_thread(main, "runq_s") * per_step,
+        oncpu_s=_main_thread(main, "on_cpu_s") * per_step,
         py_names=list(py_names),
         py_s=py * per_step[:, None],
         timed_names=timed_names,
         timed_s=timed * per_step[:, None],
+        records=records,
     )
 
 
@@ -140,13 +147,13 @@ def _named_columns(rows: list[dict[str, float]]) -> tuple[list[str], np.ndarray]
         for name in row:
             names.setdefault(name, len(names))
     out = np.zeros((len(rows), len(names)))
-    for i, row in enumerate(rows):
-        for name, value in row.items():
+    for i in (i for i, row in enumerate(rows) if row):  # most ranks have none (no Python view)
+        for name, value in rows[i].items():
             out[i, names[name]] = value
     return list(names), out
 
 
-def _main_thread(patterns: Sequence[RankPattern], field: str) -> np.ndarray:
-    """Per rank: one of its main thread's scheduler times (ThreadTimes) in the window; NaN without that view."""
-    return np.fromiter((getattr(p.sched["main"], field) if "main" in p.sched else np.nan for p in patterns), float,
-                       len(patterns))
+def _main_thread(main: list[ThreadTimes | None], field: str) -> np.ndarray:
+    """Per rank: one of its main thread's scheduler times in the window (`main`: its ThreadTimes); NaN without
+    that view."""
+    return np.fromiter((np.nan if t is None else getattr(t, field) for t in main), float, len(main))

@@ -10,20 +10,31 @@ them, or none) joins that group.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
-
 import numpy as np
 
+from rankscope.analyzer.records import Collectives
 from rankscope.schema.patterns import RankPattern
 
 
-def peer_groups(patterns: Sequence[RankPattern]) -> list[np.ndarray]:
-    """Row indices of `patterns`, one array per role (a job of one role: one array of every row)."""
-    key = attrgetter("op", "bytes")  # read in C: 100,000 ranks in 0.13 s, a generator took ~1 s
-    signatures = [frozenset(map(key, p.collectives)) for p in patterns]
-    distinct = set(signatures)
-    if len(distinct) <= 1:
-        return [np.arange(len(patterns))]
+def peer_groups(patterns: Sequence[RankPattern], records: Collectives | None = None) -> list[np.ndarray]:
+    """Row indices of `patterns`, one array per role (a job of one role: one array of every row); `records`:
+    their collectives, when read already."""
+    cols = Collectives.of(patterns) if records is None else records
+    n = len(patterns)
+    if not cols.op.size:  # no rank completed a collective: one role, as far as can be told
+        return [np.arange(n)]
+    # Each rank's set of (op, bytes) as a row of flags over the job's distinct pairs: read in numpy, not per record.
+    sizes, size = np.unique(cols.bytes, return_inverse=True)
+    pairs, pair = np.unique(cols.op * sizes.size + size.ravel(), return_inverse=True)
+    flags = np.zeros((n, len(pairs)), bool)
+    flags[cols.row, pair.ravel()] = True
+    if (flags == flags[0]).all():  # the common case: no sort of rows
+        return [np.arange(n)]
+    rows, first, inverse = np.unique(flags, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.ravel()
+    names = [(cols.ops[pr // sizes.size], int(sizes[pr % sizes.size])) for pr in pairs.tolist()]
+    signature = [frozenset(names[j] for j in np.flatnonzero(r)) for r in rows]
+    distinct = set(signature[i] for i in np.argsort(first, kind="stable"))  # as first seen, rank after rank
     # Largest first: each signature joins the first larger group whose signature holds it.
     heads: list[frozenset] = []
     home: dict[frozenset, int] = {}
@@ -32,5 +43,5 @@ def peer_groups(patterns: Sequence[RankPattern]) -> list[np.ndarray]:
         if home[sig] is None:
             home[sig] = len(heads)
             heads.append(sig)
-    groups = np.fromiter((home[s] for s in signatures), np.intp, len(signatures))
+    groups = np.array([home[sig] for sig in signature], np.intp)[inverse]
     return [np.flatnonzero(groups == g) for g in range(len(heads))]

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
+from rankscope.analyzer.records import Collectives
 from rankscope.schema.patterns import RankPattern, Role
 
 MIN_REPEATS = 2  # a period must be seen at least twice to be believed
@@ -124,11 +126,15 @@ def _period_op(seq: Sequence[tuple[str, int]], c: _Candidate) -> tuple[str, int]
     return op, per_op[op]
 
 
-def _over_window(p: RankPattern, op: str, per_step: int) -> float:
-    """The step over the whole window from call counts: window / (op's calls / per_step); NaN with too few
-    steps in the window to beat the edges (a step cut by the window's start or end) or no count."""
-    steps = (p.functions[op].count if op in p.functions else 0) / per_step
-    return p.window_s / steps if steps >= WINDOW_STEPS else np.nan
+def _over_window(patterns: Sequence[RankPattern], rows: np.ndarray, window_s: np.ndarray, op: str,
+                 per_step: int) -> np.ndarray:
+    """Per row: the step over the whole window from call counts, window / (op's calls / per_step); NaN with
+    too few steps in the window to beat the edges (a step cut by the window's start or end) or no count."""
+    counts = np.fromiter((f.count if f is not None else 0 for f in (patterns[i].functions.get(op) for i in rows)),
+                         float, rows.size)
+    steps = counts / per_step
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(steps >= WINDOW_STEPS, window_s[rows] / steps, np.nan)
 
 
 def _fallback(p: RankPattern) -> float:
@@ -143,27 +149,43 @@ def step_time(p: RankPattern) -> float | None:
     return t if np.isfinite(t) else None
 
 
-def step_times(patterns: Sequence[RankPattern]) -> np.ndarray:
-    """The step time of every pattern of one job (NaN: unknown). Vectorized: ranks of a job share their
-    collective sequence, so periods are proposed once per distinct sequence and spans are taken per group."""
+def window_starts(patterns: Sequence[RankPattern]) -> np.ndarray:
+    return np.fromiter(map(attrgetter("window_start"), patterns), float, len(patterns))
+
+
+def window_seconds(patterns: Sequence[RankPattern]) -> np.ndarray:
+    """Each pattern's window_s, as one array."""
+    ends = np.fromiter(map(attrgetter("window_end"), patterns), float, len(patterns))
+    return np.maximum(ends - window_starts(patterns), 1e-9)
+
+
+def step_times(patterns: Sequence[RankPattern], records: Collectives | None = None) -> np.ndarray:
+    """The step time of every pattern of one job (NaN: unknown); `records`: their collectives, when read
+    already. Vectorized: ranks of a job share their collective sequence, so periods are proposed once per
+    distinct sequence and spans are taken per group."""
+    cols = Collectives.of(patterns) if records is None else records
     out = np.full(len(patterns), np.nan)
-    groups: dict[tuple, list[int]] = {}
-    for i, p in enumerate(patterns):
-        groups.setdefault(tuple((c.op, c.bytes) for c in p.collectives), []).append(i)
-    for seq, rows in groups.items():
-        if not seq:
+    window_s = window_seconds(patterns)
+    offsets = cols.offsets
+    for rows in cols.sequences():
+        k = int(cols.counts[rows[0]])
+        if not k:
             continue
-        enter = np.array([[c.enter for c in patterns[i].collectives] for i in rows], dtype=float)
+        idx = offsets[rows, None] + np.arange(k)
+        seq = [(cols.ops[o], b) for o, b in zip(cols.op[idx[0]].tolist(), cols.bytes[idx[0]].tolist())]
+        enter = cols.enter[idx]
         # Sizes first (two buckets of different sizes are two collectives of one step); names alone when
         # sizes vary from step to step.
         candidates = _candidates(_key_ids(seq)) or _candidates(_key_ids([op for op, _ in seq]))
         ks, spans = _periods(enter, candidates)
         # The window's call counts cover all of it (the collectives shipped cover only its last steps).
-        ops = {c.k: _period_op(seq, c) for c in candidates if c.k in set(ks.tolist())}
-        out[rows] = [_over_window(patterns[i], *ops[k]) if k else np.nan for i, k in zip(rows, ks.tolist())]
+        for c in candidates:
+            mine = ks == c.k
+            if mine.any():
+                out[rows[mine]] = _over_window(patterns, rows[mine], window_s, *_period_op(seq, c))
         out[rows] = np.where(np.isfinite(out[rows]), out[rows], spans)
     known = np.isfinite(out)
-    seen = np.fromiter((bool(p.collectives) for p in patterns), bool, len(patterns))
+    seen = cols.counts > 0
     if known.any():  # one synchronous job, one step time: the median of the ranks' own
         out[seen] = float(np.median(out[known]))
     for i in np.flatnonzero(np.isnan(out)):

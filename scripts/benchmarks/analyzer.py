@@ -167,7 +167,7 @@ def run(ctx: Context) -> tuple[list[Row], dict]:
             f" traced, max RSS {r['maxrss_after_mb']:.0f} MB, findings {r['findings']}")
         if not r["straggler_found"]:
             raise BenchError(f"{n} ranks: diagnose did not name the injected straggler: {r['findings']}")
-        limit = 5.0 if n == 100_000 else None
+        limit = 1.0 if n == 100_000 else None  # #19
         rows.append(row("analyzer", f"diagnose() CPU time, {n:,} ranks, one core", r["diagnose_cpu_s"], "s", limit))
         rows.append(row("analyzer", f"diagnose() peak memory, {n:,} ranks (tracemalloc)",
                         r["diagnose_peak_traced_mb"], "MB"))

@@ -90,7 +90,7 @@ def test_agent_daemonset_has_what_the_agent_needs():
     args = build_parser().parse_args(c["args"])
     assert args.command == "agent" and args.all and args.token_file.startswith("/etc/rankscope/")
     assert args.listen.endswith(":" + str(c["ports"][0]["containerPort"]))
-    analyzer = _docs()[("Deployment", "rankscope-analyzer")]["spec"]["template"]["spec"]
+    analyzer = _docs()[("StatefulSet", "rankscope-analyzer")]["spec"]["template"]["spec"]
     for volumes in (pod["volumes"], analyzer["volumes"]):  # agents and analyzer share the token
         assert next(v for v in volumes if v["name"] == "token")["secret"]["secretName"] == "rankscope-token"
 
@@ -100,14 +100,17 @@ def test_analyzer_pulls_the_agents_through_the_headless_service():
     svc = docs[("Service", "rankscope-agent")]
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["selector"].items() <= docs[("DaemonSet", "rankscope-agent")]["spec"]["template"]["metadata"]["labels"].items()
-    c = _container(docs[("Deployment", "rankscope-analyzer")])
+    sts = docs[("StatefulSet", "rankscope-analyzer")]
+    c = _container(sts)
     args = build_parser().parse_args(c["args"])
-    assert args.command == "cluster"
+    assert args.command == "cluster" and args.replicas == sts["spec"]["replicas"] == 1
     ns = svc["metadata"]["namespace"]
     assert args.agents == f"dns+http://{svc['metadata']['name']}.{ns}.svc:{svc['spec']['ports'][0]['port']}"
     assert c["securityContext"]["runAsNonRoot"] and "privileged" not in c["securityContext"]
     analyzer_svc = docs[("Service", "rankscope-analyzer")]
     assert analyzer_svc["spec"]["ports"][0]["targetPort"] == "metrics"
+    # Each replica by its own name (it serves its own jobs): the StatefulSet's governing Service is headless.
+    assert sts["spec"]["serviceName"] == "rankscope-analyzer" and analyzer_svc["spec"]["clusterIP"] == "None"
 
 
 def test_chart_lints():
@@ -136,6 +139,7 @@ def test_chart_values_reach_the_pods():
                    "--set-json", "agent.tolerations=[]", "--set-json", 'agent.resources={"limits": {"memory": "3Gi"}}',
                    "--set", "image.repository=registry.local/rankscope", "--set", "image.tag=dev",
                    "--set", "token.existingSecret=my-token", "--set", "analyzer.window=10",
+                   "--set", "analyzer.replicas=3",
                    release="fleet", namespace="ml")
     assert not [key for key in docs if key[0] == "Secret"]  # the user's own
     ds = docs[("DaemonSet", "fleet-rankscope-agent")]
@@ -145,9 +149,10 @@ def test_chart_values_reach_the_pods():
     assert c["ports"][0]["containerPort"] == 9500 and c["securityContext"]["privileged"] is True
     assert c["image"] == "registry.local/rankscope:dev" and c["resources"]["limits"] == {"memory": "3Gi"}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"} and "tolerations" not in pod
-    analyzer = docs[("Deployment", "fleet-rankscope-analyzer")]
+    analyzer = docs[("StatefulSet", "fleet-rankscope-analyzer")]
     cluster = build_parser().parse_args(_container(analyzer)["args"])
     assert cluster.window == 10 and cluster.agents == "dns+http://fleet-rankscope-agent.ml.svc:9500"
+    assert cluster.replicas == analyzer["spec"]["replicas"] == 3 and cluster.replica is None  # from the pod name
     assert docs[("Service", "fleet-rankscope-agent")]["spec"]["ports"][0]["port"] == 9500
     for workload in (ds, analyzer):
         volumes = workload["spec"]["template"]["spec"]["volumes"]

@@ -23,6 +23,7 @@ from rankscope.agent.views import trace as chrome
 from rankscope.agent.views.folded import folded_diff
 from rankscope.agent.views.formats import encode
 from rankscope.agent.views.profile import DEFAULT_WHAT, RankProfile, diff, diff_json, peers_of
+from rankscope.agent.service.shard import Shard
 from rankscope.schema.wire import encode_patterns, pattern_to_json
 
 log = logging.getLogger(__name__)
@@ -183,10 +184,14 @@ def make_app(current: Callable[[], Snapshot], token: str | None = None,
                                   "skipped": snap.skipped})
 
     async def patterns(request: web.Request) -> web.Response:
-        snap = current()
+        try:  # a replica of a sharded cluster analyzer asks for its own jobs' patterns only
+            shard = Shard.of_query(request.query)
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=f"{e}\n") from None
+        served = [p for p in current().patterns if shard.owns(p.job)]
         if MSGPACK in request.headers.get("Accept", ""):
-            return web.Response(body=encode_patterns(snap.patterns), content_type=MSGPACK)
-        return web.json_response({"patterns": [pattern_to_json(p) for p in snap.patterns]})
+            return web.Response(body=encode_patterns(served), content_type=MSGPACK)
+        return web.json_response({"patterns": [pattern_to_json(p) for p in served]})
 
     async def diagnosis(request: web.Request) -> web.Response:
         return web.json_response(select_diagnosis(current().diagnoses, request))

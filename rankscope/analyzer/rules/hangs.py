@@ -73,9 +73,11 @@ def _non_arrivals(running: list[RankPattern]) -> tuple[set[int], str] | None:
 
 def hang(patterns: Sequence[RankPattern], timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> list[Finding]:
     running = [p for p in patterns if p.state == "running"]
-    if len(running) < 2 or min(_stalled_for(p) for p in running) < timeout_s:
+    if len(running) < 2:
         return []
-    stalled = min(_stalled_for(p) for p in running)
+    stalled = min(map(_stalled_for, running))
+    if stalled < timeout_s:
+        return []
     split = _non_arrivals(running)
     common = split[1] if split else Counter(_state(p) for p in running).most_common(1)[0][0]
     per_rank = sorted(({"rank": p.rank, "pid": p.pid, "host": p.host, "where": p.where,
