@@ -11,6 +11,9 @@
  *   free N          N cuLaunchKernel calls as fast as possible (cuStreamSynchronize every 1000)
  *   work N SPIN     N iterations of SPIN units of busy work then one cuLaunchKernel (a launcher paced by work)
  *   spin N SPIN     the same busy work without launches (calibration)
+ *   paced RATE S    RATE launches a second for S seconds, time-paced: every 10 ms a burst of RATE/100 launches
+ *                   and one cuStreamSynchronize, then a sleep to the next tick (a busy node's rank, not a
+ *                   CPU hog: 64 of them fit on 2 cores)
  *   pingpong N      N round trips parent -> child -> parent (switch mode)
  *   quit
  */
@@ -129,6 +132,27 @@ static void launches(long n, long units) {
     check(cuStreamSynchronize(stream), "cuStreamSynchronize");
 }
 
+#define PACE_HZ 100
+
+/* Bursts on an absolute 10 ms beat: a late burst (a busy CPU) is caught up at once, so that exactly
+ * RATE * S / 100 * 100 launches are issued whatever the scheduling. */
+static void paced(long rate, long seconds) {
+    struct timespec tick;
+    clock_gettime(CLOCK_MONOTONIC, &tick);
+    long per_burst = rate / PACE_HZ;
+    for (long b = 0; b < seconds * PACE_HZ; b++) {
+        for (long i = 0; i < per_burst; i++)
+            check(cuLaunchKernel(kernel, 1, 1, 1, 1, 1, 1, 0, stream, params, NULL), "cuLaunchKernel");
+        check(cuStreamSynchronize(stream), "cuStreamSynchronize");
+        tick.tv_nsec += 1000000000L / PACE_HZ;
+        if (tick.tv_nsec >= 1000000000L) {
+            tick.tv_nsec -= 1000000000L;
+            tick.tv_sec++;
+        }
+        clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &tick, NULL);
+    }
+}
+
 static void pin(int cpu) {
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -204,6 +228,8 @@ int main(int argc, char **argv) {
             launches(n, 0);
         else if (!switching && strcmp(cmd, "work") == 0 && fields == 3 && units > 0)
             launches(n, units);
+        else if (!switching && strcmp(cmd, "paced") == 0 && fields == 3 && n >= PACE_HZ && units > 0)
+            paced(n, units);
         else if (strcmp(cmd, "spin") == 0 && fields == 3)
             for (long i = 0; i < n; i++)
                 spin(units);

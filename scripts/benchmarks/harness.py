@@ -167,14 +167,23 @@ class Storm:
             self.close()
             raise BenchError(f"bench_storm {' '.join(args)} did not start")
         self.pids = [int(x) for x in ready[1:]]
+        self._cmd = ""
 
     def run(self, *cmd: object) -> tuple[int, int]:
         """(wall ns, CPU ns of the helper's own process)."""
-        self.proc.stdin.write(" ".join(map(str, cmd)) + "\n")
+        self.send(*cmd)
+        return self.reply()
+
+    def send(self, *cmd: object) -> None:
+        """Start a command without waiting for it (several storms at once); reply() waits."""
+        self._cmd = " ".join(map(str, cmd))
+        self.proc.stdin.write(self._cmd + "\n")
         self.proc.stdin.flush()
+
+    def reply(self) -> tuple[int, int]:
         reply = self.proc.stdout.readline().split()
         if not reply or reply[0] != "done":
-            raise BenchError(f"bench_storm: {' '.join(map(str, cmd))}: {' '.join(reply) or 'exited'}")
+            raise BenchError(f"bench_storm: {self._cmd}: {' '.join(reply) or 'exited'}")
         return int(reply[1]), int(reply[2])
 
     def close(self) -> None:
