@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterable
 
 # x86-64 numbers of the calls a blocked training thread is found in.
 _SYSCALLS = {
@@ -26,17 +27,20 @@ def _read(path: str) -> str:
         return ""
 
 
-def where(pid: int, samples: int = 1, interval_s: float = 0.01) -> str:
-    """e.g. "futex (futex_wait_queue)", "clock_nanosleep (hrtimer_nanosleep)", "running"; "" if unknown.
+def where(pids: Iterable[int], samples: int = 1, interval_s: float = 0.01) -> dict[int, str]:
+    """pid -> e.g. "futex (futex_wait_queue)", "clock_nanosleep (hrtimer_nanosleep)", "running"; "" if unknown.
 
-    With several samples, the most frequent answer: a thread polling in a wait loop is briefly running.
+    With several samples, the most frequent answer: a thread polling in a wait loop is briefly running. Every
+    process is read in each round, so a window with many stalled processes waits `samples` intervals, not
+    that many per process (64 processes one after another held each window 2.6 s).
     """
-    seen = []
-    for i in range(samples):
+    seen: dict[int, list[str]] = {pid: [] for pid in pids}
+    for i in range(samples if seen else 0):
         if i:
             time.sleep(interval_s)
-        seen.append(_where_now(pid))
-    return Counter(seen).most_common(1)[0][0]
+        for pid, states in seen.items():
+            states.append(_where_now(pid))
+    return {pid: Counter(states).most_common(1)[0][0] for pid, states in seen.items()}
 
 
 def _where_now(pid: int) -> str:

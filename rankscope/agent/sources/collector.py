@@ -67,6 +67,7 @@ class Collector:
         stalled = {t.pid for t in targets if self._stalled(t, now)}  # before this window's progress: a superset
         blocked_in = self._blocked_in(stalled) if stalled else {}
         pending_op = self._pending_ops({pid: pending[pid] for pid in stalled if pid in pending})
+        states = where(stalled, samples=STALLED_SAMPLES)  # all together: a few ms, however many stalled
         threads = sched.threads(bpf)
         thieves = sched.thieves(bpf)
         sockets = net.sockets(bpf)
@@ -95,7 +96,8 @@ class Collector:
                 major_faults=max(faults - cursor.major_faults, 0),
                 last_progress=cursor.last_progress,
                 since=t.attached_at,
-                where=self._where(t.pid, pending_op.get(t.pid) or blocked_in.get(t.pid), stalled=self._stalled(t, now)),
+                where=self._where(states.get(t.pid, ""), pending_op.get(t.pid) or blocked_in.get(t.pid),
+                                  stalled=self._stalled(t, now)),
                 tcp=cursor.tcp.flows(sockets.get(t.pid, {})),
                 cpus=None if cpus is None else HostCpus(*cpus),
             ))
@@ -134,12 +136,11 @@ class Collector:
         return now - ((cursor.last_progress if cursor else None) or t.attached_at) >= STALLED_AFTER_S
 
     @staticmethod
-    def _where(pid: int, op: str | None, stalled: bool) -> str:
+    def _where(state: str, op: str | None, stalled: bool) -> str:
         """Where a stalled rank is stuck ("" for a rank making progress): waiting for the collective `op` it
-        enqueued (NCCL) or is inside of (gloo), or else the state of its main thread."""
+        enqueued (NCCL) or is inside of (gloo), or else `state`, its main thread's (thread_state.where)."""
         if not stalled:
             return ""
-        state = where(pid, samples=STALLED_SAMPLES)
         return f"waiting for {op} ({state})" if op else state
 
     def _pending_ops(self, pending: dict[int, int]) -> dict[int, str]:

@@ -1,0 +1,30 @@
+"""Where stalled processes' main threads are (agent/host/thread_state.py), every process read in each round."""
+import subprocess
+import sys
+import time
+
+from rankscope.agent.host.thread_state import where
+
+
+def test_each_process_gets_its_own_state_and_a_gone_one_is_unknown():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"],
+                               stdout=subprocess.PIPE)
+    reader = subprocess.Popen([sys.executable, "-c", "import sys; print(flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        sleeper.stdout.readline(), reader.stdout.readline()  # both past start-up, about to block
+        deadline = time.monotonic() + 10
+        while True:  # wait until both are blocked where they stay
+            states = where([sleeper.pid, reader.pid, gone.pid], samples=3, interval_s=0.001)
+            if states[sleeper.pid].startswith(("clock_nanosleep", "select", "nanosleep")) and \
+                    states[reader.pid].startswith("read"):
+                break
+            assert time.monotonic() < deadline, states
+        assert states[gone.pid] == ""
+        assert where([]) == {}
+    finally:
+        for p in (sleeper, reader):
+            p.kill()
+            p.wait()
