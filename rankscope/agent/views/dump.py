@@ -64,12 +64,12 @@ def dump_process(pid: int, rank: int, max_depth: int = MAX_DEPTH) -> list[Thread
             raise PythonAttachError(f"pid {pid}: the interpreter's thread list cannot be read")
         by_tid = stacks_by_tid(mem, pid, stacks, interp.layout) or {}
         tid_of = {id(st): tid for tid, st in by_tid.items()}
+        states = thread_state.where(tid_of.values())
         out = []
         for st in stacks:
             tid = tid_of.get(id(st))
-            out.append(ThreadDump(rank, pid, tid, _comm(pid, tid) if tid else "?",
-                                  thread_state.where(tid) if tid else "", stack_frames(resolver, st.codes,
-                                                                                       st.truncated, st.partial)))
+            out.append(ThreadDump(rank, pid, tid, _comm(pid, tid) if tid else "?", states.get(tid, ""),
+                                  stack_frames(resolver, st.codes, st.truncated, st.partial)))
     finally:
         resolver.close()
         mem.close()
