@@ -8,8 +8,8 @@ before it may trigger again, so that a lasting slowdown cannot keep the job in d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from rankscope.agent.sources.python_sampler import DEFAULT_FREQUENCY

@@ -108,6 +108,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
                 ("input_s", "input_s"), ("gc_s", "gc_s"), ("runq_s", "runq_s"))}
 
     per_row = list(zip(*columns.values()))  # each row's values, in the order of `columns`
+    keys = list(map(attrgetter("rank", "pid"), patterns))
+    by_rank = sorted(range(len(patterns)), key=keys.__getitem__)  # the document lists ranks in order
     unknown = (None,) * len(columns)
 
     def rank_entry(p: RankPattern, i: int) -> dict[str, Any]:
@@ -140,8 +142,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
                            "end": reference.profile.end, "noise_s": reference.noise_s,
                            "slower": bool(compared and compared.slower)})
         if reference else None,
-        "ranks": [rank_entry(patterns[i], row_of[i])
-                  for i in sorted(range(len(patterns)), key=list(map(attrgetter("rank", "pid"), patterns)).__getitem__)],
+        "ranks": [rank_entry(patterns[i], row_of[i]) for i in by_rank],
         "findings": listed,
     }
 

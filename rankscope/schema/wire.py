@@ -15,8 +15,8 @@ from typing import Any
 import msgpack
 
 from rankscope.schema.patterns import (SCHEMA_VERSION, CollectiveGpu, CollectiveRecord, FunctionStats, GpuActivity,
-                                       GpuHealth, GpuKernel, HostCpus, LinkStats, Neighbour, PyFunction, PyTimed, RankPattern,
-                                       Role, TcpFlow, ThreadTimes)
+                                       GpuHealth, GpuKernel, HostCpus, LinkStats, Neighbour, PyFunction, PyTimed,
+                                       RankPattern, Role, TcpFlow, ThreadTimes)
 
 _ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5, Role.GC: 6}
 _ROLE_OF_CODE = {code: role for role, code in _ROLE_CODE.items()}

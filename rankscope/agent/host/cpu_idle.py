@@ -1,8 +1,8 @@
-"""How idle the CPUs a rank may run on sat during a window: the slack a what-if has on a busy host.
+"""How idle the CPUs a rank may run on sat during a window: whether its host was CPU-saturated.
 
-On a CPU-saturated host a straggler's extra work is not all lost time: while the others wait for it they free
-their CPUs, and a rank's work or its loader workers use them. The analyzer bounds a straggler's cost by what
-the CPUs could have run without its extra work (rules/stragglers.py), and needs the CPUs' idle share for that.
+On a saturated host a straggler's extra work is not all lost time: while the others wait for it they free
+their CPUs, and its work or the loader workers use them, so fixing it gains less than the wait its cost
+reports. A straggler's evidence carries the idle share (rules/stragglers.py) so the reader sees when that is.
 Reading /proc/stat costs ~30 us on a 2-CPU host (~0.3 ms at 256 CPUs) once per window.
 """
 from __future__ import annotations
