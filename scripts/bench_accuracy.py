@@ -486,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
         print(table(summarize(runs)))
         return 0
     if args.replay:
+        missing = [str(d) for d in args.replay if not d.is_dir()]
+        if missing:
+            print(f"bench_accuracy: no such folder: {', '.join(missing)}", file=sys.stderr)
+            return 2
         print(table(summarize(replay(args.replay))))
         return 0
     if os.geteuid() != 0:
