@@ -52,7 +52,7 @@ class Report:
     def write(self) -> None:
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
-            json.dump({**self.doc, "steps": list(self.steps)}, f)
+            f.write(json.dumps({**self.doc, "steps": list(self.steps)}))  # encoded in C: see sim/steplog.py
         os.replace(tmp, self.path)  # readers never see half a file
         self._written = time.time()
 

@@ -259,6 +259,9 @@ class PythonTimer:
         conf.frame_code, conf.code_name = lay.frame_code, lay.code_name
         conf.unicode_length, conf.unicode_ascii_size = lay.unicode_length, lay.unicode_ascii_size
         conf.code_tag_mask = lay.code_tag_mask
+        # Its rate counts from the moment its entries do: after the compile above (seconds), before attaching
+        # (the entry probe counts while the return probe goes in, which under load takes up to a second).
+        w.entries, w.read_at = 0, time.monotonic()
         bpf[PYX_TARGETS][ctypes.c_uint32(pid)] = conf
         try:
             for fn, returns in (("pyx_enter", False), ("pyx_return", True)):
@@ -266,7 +269,6 @@ class PythonTimer:
         except UprobeError as e:
             w.eval_probes = uprobe_links.detach(w.eval_probes)
             raise TimerError(f"pid {pid}: cannot probe {EVAL} in {interp.elf_path}: {e}") from e
-        w.entries, w.read_at = 0, time.monotonic()  # its rate counts from now: the compile above took seconds
         log.info("timing forward, loader __next__%s in pid %d", "".join(
             f", {t.module}:{t.qualname}" for t in self.selection.traced), pid)
 
