@@ -1,5 +1,5 @@
-"""An observation session: the processes watched, the probe program and its collector (which make each
-window's patterns), and the sources that fill in the rest, window by window.
+"""An observation session: the processes watched, and the sources (sources/source.py) that fill in each
+window's pattern of every one of them.
 
 Used the same way by `rankscope diagnose` (one window) and the node agent (a window every few seconds).
 A process that exits is reported once as exited, with what was collected up to its exit, then forgotten.
@@ -17,9 +17,10 @@ from rankscope.agent.inject.inject import InjectError
 from rankscope.agent.inject.shim import inject_shim
 from rankscope.agent.loader.program import ProbeProgram
 from rankscope.agent.loader.trace_stream import TraceStream
-from rankscope.agent.sources.collector import Collector
 from rankscope.agent.sources.gpu import GpuViews
+from rankscope.agent.sources.host import HostFacts
 from rankscope.agent.sources.probes import KINDS
+from rankscope.agent.sources.program import ProgramSource
 from rankscope.agent.sources.python_exact import PythonTiming, TracedFunction
 from rankscope.agent.sources.python_profile import PythonFrames
 from rankscope.agent.sources.python_sampler import PythonSampler
@@ -42,18 +43,22 @@ class Session:
     def __init__(self, program: ProbeProgram | None = None, traced: tuple[TracedFunction, ...] = (),
                  detail: Detail = LIGHT, inject_shim: bool = False):
         self.program = program or ProbeProgram()
-        self.program.hot = detail.hot_probes
         self.inject_shim = inject_shim  # load the CUPTI shim into processes that do not map it (--inject-shim)
-        self.collector = Collector(self.program, host_name())
-        self.collector.detail = detail
+        self.host = host_name()
+        self.detail = detail
         self.targets: dict[int, Target] = {}
+        self._window_start = time.time()
         self.sampler = sampler = PythonSampler(frequency=detail.python_hz)
-        # Attached in this order (the timer times what the sampler found), filled in this order.
+        self.probes = ProgramSource(self.program, detail)
         self.frames = PythonFrames(sampler, detail)  # also keeps the last window's full stacks
+        # Attached in this order (the probes first: a process they cannot watch is not watched; the timer
+        # times what the sampler found), filled in this order.
         self.sources: list[Source] = [
+            self.probes,
             self.frames,
             PythonTiming(sampler, traced, detail),
             GpuViews(launches=detail.hot_probes),
+            HostFacts(),
         ]
 
     def add(self, pid: int) -> Target:
@@ -61,15 +66,15 @@ class Session:
         if pid in self.targets:
             return self.targets[pid]
         target = inspect_process(pid, LIBRARY_PATTERNS, set(JOB_PATTERNS))
-        self.program.attach(target)
+        self.probes.attach(target)  # ProbeError: not watched
         target.attached_at = time.time()  # accounted from here (the watched map entry is in)
         if not target.alive():  # exited while we attached: do not keep probes for a reused PID
-            self.program.detach(pid)
+            self.probes.detach(pid)
             raise TargetError(f"process {pid} exited while attaching")
         self.targets[pid] = target
-        if self.inject_shim:  # before the sources attach: the GPU source then finds the shim's probes
+        if self.inject_shim:  # before the other sources attach: the GPU source then finds the shim's probes
             self._inject_shim(target)
-        for source in self.sources:
+        for source in self.sources[1:]:  # each optional: one that cannot watch the process logs why
             source.attach(target)
         return target
 
@@ -89,7 +94,9 @@ class Session:
         exited = {pid for pid, t in self.targets.items() if not t.alive()}
         for pid in exited:
             self._detach(pid)
-        patterns = self.collector.collect(list(self.targets.values()), exited)
+        now = time.time()
+        start, self._window_start = self._window_start, now
+        patterns = [self._pattern(t, start, now, t.pid in exited) for t in self.targets.values()]
         for source in self.sources:
             source.fill(patterns)
         for pid in exited:
@@ -97,10 +104,20 @@ class Session:
             self._forget(pid)
         return patterns
 
+    def _pattern(self, t: Target, start: float, now: float, exited: bool) -> RankPattern:
+        """`t`'s pattern for the window from `start` to `now` before the sources fill it: who it is, as its
+        launcher named it (the probes may know better: NCCL's communicator)."""
+        ident = t.identity
+        return RankPattern(job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
+                           # A rank attached during this window has been accounted only since then.
+                           window_start=max(start, t.attached_at), window_end=now,
+                           state="exited" if exited else "running", identity_source=ident.source,
+                           since=t.attached_at)
+
     def trace_streams(self) -> list[TraceStream]:
         """Every stream a trace capture of the watched processes reads: the uprobe program's, then the
-        sources'."""
-        return [self.program.trace_stream, *(s for source in self.sources for s in source.trace_streams())]
+        other sources'."""
+        return [s for source in self.sources for s in source.trace_streams()]
 
     def drops(self) -> dict[str, int]:
         """What the kernel side had no room for since the start, by kind: completed collectives (their stream
@@ -111,12 +128,11 @@ class Session:
 
     def set_detail(self, detail: Detail) -> None:
         """What the next windows record (call right after window(): samples are counted at one rate)."""
-        if detail != self.collector.detail:
+        if detail != self.detail:
             log.info("detail: %s", detail.level)
             for source in self.sources:
                 source.set_detail(detail)
-            self.program.set_hot(detail.hot_probes)
-            self.collector.detail = detail
+            self.detail = detail
 
     def remove(self, pid: int) -> None:
         """Stop watching `pid` (its data since the last window is dropped)."""
@@ -125,18 +141,14 @@ class Session:
             self._forget(pid)
 
     def _detach(self, pid: int) -> None:
-        self.program.detach(pid)
         for source in self.sources:
             source.detach(pid)
 
     def _forget(self, pid: int) -> None:
         del self.targets[pid]
-        self.collector.forget(pid)
         for source in self.sources:
             source.forget(pid)
-        self.program.purge(pid)
 
     def close(self) -> None:
         for source in reversed(self.sources):
             source.close()
-        self.program.close()

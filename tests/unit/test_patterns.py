@@ -186,7 +186,7 @@ def with_gpu(p: RankPattern) -> RankPattern:
 
 def test_gpu_views_round_trip_and_fit_1kb():
     p = with_gpu(typical())
-    p.collectives = p.collectives[:12]  # the collector's bound (agent/sources/collector.py MAX_COLLECTIVES)
+    p.collectives = p.collectives[:12]  # the program source's bound (Detail.max_collectives)
     payload = encode_patterns([p])
     assert len(payload) <= 1024, len(payload)
     q = decode_patterns(payload)[0]

@@ -29,7 +29,7 @@ from rankscope.agent.sources.probes import KINDS, KindUnavailable, Probe, ProbeK
 log = logging.getLogger(__name__)
 
 
-# Maps of bpf/common.h that user space reads (here and in sources/collector.py).
+# Maps of bpf/common.h that user space reads (here and in sources/program.py).
 WATCHED = "watched"  # pid -> its collective bookkeeping; a process is accounted while a key
 FN_STATS = "fn_stats"  # (pid, fn) -> calls, time, bytes, histogram
 INFLIGHT = "inflight"  # (tid, fn) -> a timed call's entry

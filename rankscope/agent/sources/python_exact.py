@@ -45,6 +45,7 @@ from rankscope.agent.interpreters.cpython.errors import PythonAttachError
 from rankscope.agent.interpreters.cpython.process import Interpreter
 from rankscope.agent.loader import histograms, uprobe_links, usdt
 from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.loader.maps import entries
 from rankscope.agent.loader.trace_stream import TRACE_PY_CALL, Labels, TraceStream
 from rankscope.agent.loader.uprobe_links import UprobeError, Uprobes
 from rankscope.agent.sources.deltas import Deltas
@@ -307,7 +308,7 @@ class PythonTimer:
             return
         bpf[PYX_TARGETS].pop(ctypes.c_uint32(pid), None)
         bpf[PYX_GC].pop(ctypes.c_uint32(pid), None)
-        for name in ("pyx_stats", "pyx_verdict"):
+        for name in (PYX_STATS, PYX_VERDICT):
             table = bpf[name]
             for key in [k for k in table.keys() if k.pid == pid]:
                 table.pop(key, None)
@@ -328,7 +329,7 @@ class PythonTimer:
         self._bound_cost()
         stats, verdicts = self._bpf[PYX_STATS], self._bpf[PYX_VERDICT]
         per_pid: dict[int, dict[str, PyTimed]] = {}
-        for key, val in stats.items():
+        for key, val in entries(stats):
             w = self._watched.get(key.pid)
             if w is None or key.code in w.skipped:
                 continue
@@ -378,7 +379,7 @@ class PythonTimer:
         if self._bpf is None:
             return {}
         out = {}
-        for key, val in self._bpf[PYX_GC].items():
+        for key, val in entries(self._bpf[PYX_GC]):
             w = self._watched.get(key.value)
             if w is None:
                 continue

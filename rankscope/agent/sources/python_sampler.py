@@ -32,7 +32,6 @@ threads give `<native thread>` ten seconds per second.
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import struct
@@ -52,6 +51,7 @@ from rankscope.agent.interpreters.cpython.layout import Layout
 from rankscope.agent.interpreters.cpython.process import Interpreter, inspect, open_memory
 from rankscope.agent.interpreters.cpython.threads import stacks_by_tid, thread_stacks
 from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.loader.maps import MapReadError, entries
 from rankscope.agent.loader.trace_stream import TRACE_PY_SAMPLE, TRACE_RECORD, Labels, TraceStream
 
 __all__ = [
@@ -79,7 +79,9 @@ PY_WATCHED = "py_watched"  # pid -> the interpreter to walk (sampled while a key
 PY_SLEEPING = "py_sleeping"  # tid -> the stack it went to sleep in, and when
 PY_CTL = "py_ctl"  # [0]: the generation of the stack maps the programs add to (user space reads the other)
 PY_COUNTERS = "py_counters"  # per CPU: COUNTER_NAMES
-PY_STACKS_0 = "py_stacks_0"  # stack -> samples (and py_stacks_1, py_offcpu_0/1: see _drain)
+# Two generations of each (0 and 1: the programs add to one while user space drains the other, see _drain).
+PY_STACKS = "py_stacks_{}"  # on-CPU stack -> samples
+PY_OFFCPU = "py_offcpu_{}"  # stack slept in -> time asleep
 MAX_TRACE_STACKS = 20_000  # distinct stacks kept by one capture, each program (~8 MB at most)
 
 
@@ -115,7 +117,7 @@ class _SampleStream(TraceStream):
     def __init__(self, bpf, frames: Callable[[object], tuple[Frame, ...]]):
         super().__init__(bpf)
         self._frames = frames  # a stack key -> its frames (PythonSampler._stack)
-        self._key = bpf[PY_STACKS_0].Key  # struct py_stack
+        self._key = bpf[PY_STACKS.format(0)].Key  # struct py_stack
         self._ids: dict[bytes, int] = {}
 
     def start(self, pids: list[int], sink) -> None:
@@ -362,9 +364,9 @@ class PythonSampler:
         gen = ctl[zero].value & 1
         ctl[zero] = ctypes.c_uint32(gen ^ 1)
         out = []
-        for name in (f"py_stacks_{gen}", f"py_offcpu_{gen}"):
+        for name in (PY_STACKS.format(gen), PY_OFFCPU.format(gen)):
             table = prog.bpf[name]
-            items = [(k, v.value) for k, v in table.items()]
+            items = [(k, v.value) for k, v in entries(table)]
             for k, _ in items:
                 try:
                     del table[k]
@@ -455,28 +457,12 @@ _libc.syscall.restype = ctypes.c_long
 
 
 def _sleeping(table) -> list[tuple[int, int]]:
-    """(tid, pid) of every thread in py_sleeping, read with BPF_MAP_LOOKUP_BATCH: it walks the hash bucket by
-    bucket, where get_next_key would start over each time the program deletes the key it stands on."""
-    from bcc.libbcc import lib
-
-    n = 256
-    keys = (ctypes.c_uint32 * n)()
-    values = (table.Leaf * n)()
-    in_batch, out_batch, count = ctypes.c_uint32(), ctypes.c_uint32(), ctypes.c_uint32()
-    out: list[tuple[int, int]] = []
-    first = True
-    while True:
-        count.value = n
-        res = lib.bpf_lookup_batch(table.map_fd, None if first else ctypes.byref(in_batch),
-                                   ctypes.byref(out_batch), ctypes.byref(keys), ctypes.byref(values),
-                                   ctypes.byref(count))
-        err = ctypes.get_errno()
-        out.extend((keys[i], values[i].stack.pid) for i in range(count.value))
-        if res != 0:
-            if err == errno.ENOENT:  # the end
-                return out
-            raise SamplerError(f"cannot list the threads off CPU: {os.strerror(err)}")
-        in_batch.value, first = out_batch.value, False
+    """(tid, pid) of every thread in py_sleeping, read in batches (loader/maps.py): a batch walks the hash
+    bucket by bucket, where get_next_key would start over each time the program deletes the key it stands on."""
+    try:
+        return [(tid.value, v.stack.pid) for tid, v in entries(table)]
+    except MapReadError as e:
+        raise SamplerError(f"cannot list the threads off CPU: {e}") from e
 
 
 def _flush(fd: int, tids) -> None:

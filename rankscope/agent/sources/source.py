@@ -1,7 +1,8 @@
 """What every source of data about watched processes does, so the session can drive them alike.
 
-The uprobe program and its collector make each window's patterns; every Source then adds its own part to
-them: Python frames, exact Python timing, the GPU's own view. The session attaches each source to every
+The session starts each window's pattern of every watched process (who it is, the window's bounds); every
+Source then fills its own part: the BPF program's calls, collectives and scheduler times, Python frames,
+exact Python timing, the GPU's own view, the host's facts. The session attaches each source to every
 process it watches, in the order the sources are listed, and tells each when a process leaves. Adding a
 source is one module with a Source subclass and one line in Session.__init__.
 """
@@ -17,8 +18,9 @@ from rankscope.schema.patterns import RankPattern
 
 class Source(ABC):
     def attach(self, target: Target) -> None:
-        """Start watching `target`'s process. Every source is optional: one that cannot watch a process
-        logs why and leaves that part of its pattern empty; it never raises."""
+        """Start watching `target`'s process. Every source but the BPF program's is optional: one that
+        cannot watch a process logs why and leaves that part of its pattern empty; it never raises. (The
+        program's raises ProbeError: without it a process has no pattern worth the name.)"""
 
     def set_detail(self, detail: Detail) -> None:
         """What the next windows record (called right after a window)."""

@@ -28,6 +28,7 @@ from rankscope.agent.host.targets import TargetError, mapped_libraries
 from rankscope.agent.loader import uprobe_links, usdt
 from rankscope.agent.loader.bcc import compile_bpf
 from rankscope.agent.loader.histograms import percentile_s
+from rankscope.agent.loader.maps import entries
 from rankscope.agent.loader.program import ProbeError
 from rankscope.agent.loader.trace_stream import TRACE_GPU, TRACE_NCCL, Labels, TraceStream
 from rankscope.agent.loader.uprobe_links import Uprobes
@@ -230,29 +231,29 @@ class CuptiReader:
     def activity(self) -> list[ActivityStats]:
         """Cumulative totals per record kind and kernel since attach."""
         return [ActivityStats(k.kind, self.name(k.name), v.count, v.total_ns, v.bytes, tuple(v.hist))
-                for k, v in self._bpf[GPU_ACTIVITY].items() if k.pid == self.pid]
+                for k, v in entries(self._bpf[GPU_ACTIVITY]) if k.pid == self.pid]
 
     def launches(self) -> LaunchStats:
         """Cumulative launches joined to their kernels since attach (counting while the probe was on)."""
         v = self._bpf[LAUNCH_QUEUE].get(ctypes.c_uint32(self.pid))
         if v is None:
             return LaunchStats(0, 0, ())
-        slots = {k.slot: n.value for k, n in self._bpf[LAUNCH_QUEUE_HIST].items() if k.pid == self.pid}
+        slots = {k.slot: n.value for k, n in entries(self._bpf[LAUNCH_QUEUE_HIST]) if k.pid == self.pid}
         return LaunchStats(v.joined, v.total_ns, tuple(slots.get(s, 0) for s in range(max(slots, default=-1) + 1)))
 
     def nccl_colls(self) -> list[CollTotals]:
         """Cumulative GPU-side spans of NCCL collectives per function since attach (NCCL profiler plugin)."""
         return [CollTotals(self.name(k.func), v.count, v.total_ns, tuple(v.hist))
-                for k, v in self._bpf[NCCL_COLL_GPU].items() if k.pid == self.pid]
+                for k, v in entries(self._bpf[NCCL_COLL_GPU]) if k.pid == self.pid]
 
     def nccl_links(self) -> list[LinkTotals]:
         """Cumulative network steps per (communicator, peer, direction) since attach (NCCL profiler plugin)."""
         return [LinkTotals(k.comm, k.rank, k.peer, bool(k.send), v.steps, v.bytes, v.wire_ns, v.peer_wait_ns)
-                for k, v in self._bpf[NCCL_LINKS].items() if k.pid == self.pid]
+                for k, v in entries(self._bpf[NCCL_LINKS]) if k.pid == self.pid]
 
     def busy_ns(self) -> dict[int, int]:
         """Cumulative GPU busy time per device (union of activity intervals) since attach."""
-        return {k.device: v.busy_ns for k, v in self._bpf[GPU_BUSY].items() if k.pid == self.pid}
+        return {k.device: v.busy_ns for k, v in entries(self._bpf[GPU_BUSY]) if k.pid == self.pid}
 
     def name(self, pointer: int) -> str:
         """A kernel name from CUPTI's string in the process, read once per pointer (CUPTI keeps one string

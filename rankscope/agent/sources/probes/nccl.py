@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from rankscope.agent.loader.maps import entries
 from rankscope.agent.sources.probes.base import COLLECTIVE, HAND_WRITTEN, Handler, Probe, ProbeKind
 from rankscope.schema.patterns import Role
 
@@ -50,7 +51,7 @@ class Communicator:
 def communicators(bpf) -> dict[int, list[Communicator]]:
     """pid -> communicators set up (or attempted) while watched, from the `comms` map."""
     out: dict[int, list[Communicator]] = {}
-    for key, info in bpf[COMMS].items():
+    for key, info in entries(bpf[COMMS]):
         out.setdefault(key.pid, []).append(Communicator(info.rank, info.nranks, info.id_hash, info.result))
     return out
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from rankscope.agent.host.kernel_btf import BTFError, kernel_bit_offset, kernel_offset
+from rankscope.agent.loader.maps import entries
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.base import KindUnavailable, ProbeKind
 from rankscope.schema.patterns import TcpFlow
@@ -76,7 +77,7 @@ def sockets(bpf) -> dict[int, dict[int, SocketCounters]]:
     except KeyError:
         return {}
     out: dict[int, dict[int, SocketCounters]] = {}
-    for key, v in table.items():
+    for key, v in entries(table):
         out.setdefault(key.pid, {})[key.sk] = SocketCounters(
             _endpoint(v.local, v.local_port), _endpoint(v.remote, v.remote_port), v.sends,
             v.srtt_us / 8e6, tuple(v.now), tuple(v.base))

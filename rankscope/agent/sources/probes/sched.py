@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from rankscope.agent.host import procfs
 from rankscope.agent.loader import histograms
+from rankscope.agent.loader.maps import entries
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.base import ProbeKind
 from rankscope.schema.patterns import Neighbour, ThreadTimes
@@ -48,7 +49,7 @@ class ThiefCounters:
 def threads(bpf) -> dict[int, dict[int, ThreadCounters]]:
     """pid -> tid -> cumulative counters."""
     out: dict[int, dict[int, ThreadCounters]] = {}
-    for key, v in bpf[THREAD_STATS].items():
+    for key, v in entries(bpf[THREAD_STATS]):
         out.setdefault(key.pid, {})[key.tid] = ThreadCounters(
             v.on_cpu_ns, v.runq_ns, v.sleep_ns, v.io_ns, v.reclaim_ns, v.preempted, tuple(v.runq_hist))
     return out
@@ -57,7 +58,7 @@ def threads(bpf) -> dict[int, dict[int, ThreadCounters]]:
 def thieves(bpf) -> dict[int, dict[int, ThiefCounters]]:
     """pid (the watched process that waited) -> the other process's pid -> cumulative counters."""
     out: dict[int, dict[int, ThiefCounters]] = {}
-    for key, v in bpf[THIEVES].items():
+    for key, v in entries(bpf[THIEVES]):
         out.setdefault(key.pid, {})[key.thief_tgid] = ThiefCounters(
             v.comm.decode(errors="replace"), v.waited_ns, v.count)
     return out

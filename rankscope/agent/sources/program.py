@@ -1,8 +1,10 @@
-"""Turns the uprobe program's cumulative maps into one RankPattern per watched process per window (the other
-sources then fill in their parts: sources/source.py).
+"""What the one BPF program (loader/program.py) saw of each rank in a window: its library calls (uprobes,
+probes/), the collectives they completed, its threads' scheduler times and whom it waited for a CPU behind,
+its TCP flows, and where a stalled rank is stuck.
 
-The kernel only ever adds; the collector keeps the previous reading and reports differences, so a
-window's numbers never depend on a reset racing with the probes, and nothing collected is lost.
+The kernel only ever adds; this source keeps the previous reading and reports differences, so a window's
+numbers never depend on a reset racing with the probes, and nothing collected is lost. It is the one source
+a process cannot be watched without: its attach raises ProbeError where the others log and go on.
 """
 from __future__ import annotations
 
@@ -10,17 +12,18 @@ import time
 
 import numpy as np
 
-from rankscope.agent.detail import LIGHT, Detail
-from rankscope.agent.host.cpu_idle import CpuIdle
-from rankscope.agent.host.targets import Identity, Target, major_faults, thread_group
+from rankscope.agent.detail import Detail
+from rankscope.agent.host.targets import Target, thread_group
 from rankscope.agent.host.thread_state import where
 from rankscope.agent.loader import histograms
-from rankscope.agent.loader.program import (COLL_RING, DONE_RECORD, FN_STATS, INFLIGHT, WATCHED,
-                                            ProbeProgram)
+from rankscope.agent.loader.maps import entries
+from rankscope.agent.loader.program import COLL_RING, DONE_RECORD, FN_STATS, INFLIGHT, WATCHED, ProbeProgram
+from rankscope.agent.loader.trace_stream import TraceStream
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes import net, sched
 from rankscope.agent.sources.probes.nccl import communicators, world_communicator
-from rankscope.schema.patterns import CollectiveRecord, FunctionStats, HostCpus, RankPattern, Role
+from rankscope.agent.sources.source import Source
+from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
 
 STALLED_SAMPLES = 5  # /proc reads of a stalled rank: its state by majority
 # A rank whose last collective completed this long before the window's end is stalled (so far): where it
@@ -37,83 +40,80 @@ class _ProcessCursor:
         self.last_progress: float | None = None  # unix s of the last collective completion seen
         self.sched = sched.SchedReader(pid)
         self.tcp = net.TcpReader(net.jiffies_per_s())
-        self.major_faults = major_faults(pid)
 
 
-class Collector:
-    def __init__(self, program: ProbeProgram, host: str):
+class ProgramSource(Source):
+    def __init__(self, program: ProbeProgram, detail: Detail):
         self.program = program
-        self.host = host
+        self.program.hot = detail.hot_probes
+        self.detail = detail
         self._cursors: dict[int, _ProcessCursor] = {}
-        self._window_start = time.time()
-        self._cpu_idle = CpuIdle()
-        self.detail: Detail = LIGHT
+
+    def attach(self, target: Target) -> None:
+        """Probe `target`'s libraries and account its calls from now on; ProbeError says why not."""
+        self.program.attach(target)
+
+    def set_detail(self, detail: Detail) -> None:
+        self.program.set_hot(detail.hot_probes)
+        self.detail = detail
+
+    def trace_streams(self) -> list[TraceStream]:
+        return [self.program.trace_stream]
+
+    def detach(self, pid: int) -> None:
+        self.program.detach(pid)
 
     def forget(self, pid: int) -> None:
         self._cursors.pop(pid, None)
+        self.program.purge(pid)
 
-    def collect(self, targets: list[Target], exited: set[int] = frozenset()) -> list[RankPattern]:
-        """One pattern per target for the window since the previous call."""
-        now = time.time()
-        mono_to_unix = now - time.monotonic()  # bpf_ktime_get_ns() is CLOCK_MONOTONIC
-        start, self._window_start = self._window_start, now
+    def close(self) -> None:
+        self.program.close()
+
+    def fill(self, patterns: list[RankPattern]) -> None:
+        if not patterns:
+            return
+        now = patterns[0].window_end  # one window for all
+        mono_to_unix = time.time() - time.monotonic()  # bpf_ktime_get_ns() is CLOCK_MONOTONIC
         bpf = self.program.bpf
         stats: dict[int, dict[int, tuple]] = {}
-        for key, val in bpf[FN_STATS].items():
+        for key, val in entries(bpf[FN_STATS]):
             stats.setdefault(key.pid, {})[key.fn] = (val.count, val.total_ns, val.max_ns, val.bytes, list(val.hist))
         completed = self.program.completed()
         comms = communicators(bpf)
-        pending = {k.value: v.pending_last for k, v in bpf[WATCHED].items() if v.pending_last}
-        stalled = {t.pid for t in targets if self._stalled(t, now)}  # before this window's progress: a superset
+        pending = {k.value: v.pending_last for k, v in entries(bpf[WATCHED]) if v.pending_last}
+        stalled = {p.pid for p in patterns if self._stalled(p, now)}  # before this window's progress: a superset
         blocked_in = self._blocked_in(stalled) if stalled else {}
         pending_op = self._pending_ops({pid: pending[pid] for pid in stalled if pid in pending})
         states = where(stalled, samples=STALLED_SAMPLES)  # all together: a few ms, however many stalled
         threads = sched.threads(bpf)
         thieves = sched.thieves(bpf)
         sockets = net.sockets(bpf)
-        self._cpu_idle.advance()
 
-        patterns = []
-        for t in targets:
-            if t.pid not in self._cursors:
-                self._cursors[t.pid] = _ProcessCursor(t.pid)
-            cursor = self._cursors[t.pid]
-            faults = major_faults(t.pid)
-            collectives = self._collectives(completed.get(t.pid, _NONE_DONE), mono_to_unix)
-            if collectives:
-                cursor.last_progress = collectives[-1].done
-            ident = self._identity(t, comms.get(t.pid, []))
-            cpus = self._cpu_idle.of(t.pid)
-            patterns.append(RankPattern(
-                job=ident.job, rank=ident.rank, world_size=ident.world_size, pid=t.pid, host=self.host,
-                # A rank attached during this window has been accounted only since then.
-                window_start=max(start, t.attached_at), window_end=now, state="exited" if t.pid in exited else "running",
-                functions=self._functions(cursor, stats.get(t.pid, {})),
-                collectives=collectives,
-                identity_source=ident.source,
-                sched=cursor.sched.thread_times(threads.get(t.pid, {})),
-                neighbours=cursor.sched.neighbours(thieves.get(t.pid, {})),
-                major_faults=max(faults - cursor.major_faults, 0),
-                last_progress=cursor.last_progress,
-                since=t.attached_at,
-                where=self._where(states.get(t.pid, ""), pending_op.get(t.pid) or blocked_in.get(t.pid),
-                                  stalled=self._stalled(t, now)),
-                tcp=cursor.tcp.flows(sockets.get(t.pid, {})),
-                cpus=None if cpus is None else HostCpus(*cpus),
-            ))
-            cursor.major_faults = faults
-        return patterns
+        for p in patterns:
+            cursor = self._cursors.get(p.pid) or self._cursors.setdefault(p.pid, _ProcessCursor(p.pid))
+            p.collectives = self._collectives(completed.get(p.pid, _NONE_DONE), mono_to_unix)
+            if p.collectives:
+                cursor.last_progress = p.collectives[-1].done
+            p.last_progress = cursor.last_progress
+            self._identify(p, comms.get(p.pid, []))
+            p.functions = self._functions(cursor, stats.get(p.pid, {}))
+            p.sched = cursor.sched.thread_times(threads.get(p.pid, {}))
+            p.neighbours = cursor.sched.neighbours(thieves.get(p.pid, {}))
+            p.where = self._where(states.get(p.pid, ""), pending_op.get(p.pid) or blocked_in.get(p.pid),
+                                  stalled=self._stalled(p, now))
+            p.tcp = cursor.tcp.flows(sockets.get(p.pid, {}))
 
     @staticmethod
-    def _identity(t: Target, comms) -> Identity:
-        env = t.identity
+    def _identify(p: RankPattern, comms) -> None:
+        """The communicator is the job's own word on rank and size (the pattern came with the launcher's);
+        the launcher's name for the job reads better than a hash when there is one."""
         world = world_communicator(comms)
         if world is None:
-            return env
-        # The communicator is the job's own word on rank and size; the launcher's name for the job reads
-        # better than a hash when there is one.
-        job = env.job if env.source == "env" else f"nccl-{world.id_hash:016x}"
-        return Identity(job=job, rank=world.rank, world_size=world.nranks, local_rank=env.local_rank, source="nccl")
+            return
+        if p.identity_source != "env":
+            p.job = f"nccl-{world.id_hash:016x}"
+        p.rank, p.world_size, p.identity_source = world.rank, world.nranks, "nccl"
 
     def _functions(self, cursor: _ProcessCursor, stats: dict[int, tuple]) -> dict[str, FunctionStats]:
         out = {}
@@ -131,9 +131,9 @@ class Collector:
             )
         return out
 
-    def _stalled(self, t: Target, now: float) -> bool:
-        cursor = self._cursors.get(t.pid)
-        return now - ((cursor.last_progress if cursor else None) or t.attached_at) >= STALLED_AFTER_S
+    def _stalled(self, p: RankPattern, now: float) -> bool:
+        cursor = self._cursors.get(p.pid)
+        return now - ((cursor.last_progress if cursor else None) or p.since) >= STALLED_AFTER_S
 
     @staticmethod
     def _where(state: str, op: str | None, stalled: bool) -> str:
@@ -149,7 +149,7 @@ class Collector:
         if not pending:
             return {}
         out = {}
-        for key, rec in self.program.bpf[COLL_RING].items():
+        for key, rec in entries(self.program.bpf[COLL_RING]):
             if pending.get(key.pid) == rec.seq and rec.fn in self.program.symbol_of:
                 out[key.pid] = self.program.symbol_of[rec.fn]
         return out
@@ -160,7 +160,7 @@ class Collector:
         Read only when a rank stalls; the in-flight map is keyed by thread, so each entry's process is looked
         up in /proc."""
         out = {}
-        for key, _val in self.program.bpf[INFLIGHT].items():
+        for key, _val in entries(self.program.bpf[INFLIGHT]):
             symbol = self.program.symbol_of.get(key.fn)
             probe = self.program.probe_of.get(symbol) if symbol else None
             if probe is None or probe.role != Role.COMM:
