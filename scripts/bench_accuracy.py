@@ -77,6 +77,7 @@ class Shape:
     args: tuple[str, ...] = ()
     base: str = ""  # faults on every rank that belong to the shape (storage latency: a host with idle CPU)
     workers: int = 0  # DataLoader worker processes: a slow loader must fall behind all of them
+    fetches: int = 1  # batches read per optimizer step (each one slowed by a slow loader)
     victim: int = -1  # the rank faults hit (default: the last)
     loads: int = -1  # the rank a slow loader hits: one that loads data (default: the victim)
     note: str = ""
@@ -99,8 +100,8 @@ SHAPES = [
     Shape("mlp-3-io", "mlp_regression.py", 3, base="loader:*:0.008", note="3 ranks, storage latency: idle CPU"),
     Shape("mlp-4", "mlp_regression.py", 4, note="4 CPU-bound ranks on 2 cores"),
     Shape("cnn-3", "cnn_classifier.py", 3, workers=2, note="many buckets, 2 loader workers per rank, Adam"),
-    Shape("lm-2", "lm_accum.py", 2, note="transformer, AdamW, 4 micro-batches accumulated (no_sync)"),
-    Shape("lm-2-long", "lm_accum.py", 2, args=("--d-model", "128", "--layers", "4"),
+    Shape("lm-2", "lm_accum.py", 2, fetches=4, note="transformer, AdamW, 4 micro-batches accumulated (no_sync)"),
+    Shape("lm-2-long", "lm_accum.py", 2, fetches=4, args=("--d-model", "128", "--layers", "4"),
           note="a 4-layer transformer: ~0.2 s steps (0.65 s with a slow loader), ~15-45 a window"),
     Shape("pipe-4", "pipeline_stages.py", 4, loads=1,
           note="2 stages x 2 replicas, send/recv, new_group all-reduce; stage 0 (ranks 0, 1) loads the data"),
@@ -149,9 +150,9 @@ class Run:
     truth_step_s: float | None = None  # the job's own
     cost: float | None = None
     truth_cost: float | None = None
-    # The issue's own measure, where the fault is one known delay a step (compute: the rank spins that long
-    # before optimizer.step): that delay's share of the faulty step. The what-if above is stricter: on a host
-    # the job oversubscribes, the others' waiting lends the straggler CPU and the job loses less than that.
+    # The issue's own measure, where the fault is one known delay a step (injected_share): that delay's share
+    # of the faulty step. The what-if above is stricter: on a host the job oversubscribes, the others' waiting
+    # lends the straggler CPU and the job loses less than that.
     injected_cost: float | None = None
     to_finding_s: float | None = None
     error: str = ""
@@ -200,6 +201,18 @@ def log(msg: str) -> None:
 def added_s(healthy_step: float) -> float:
     """Seconds a faulty rank adds per step: half the healthy step, within 20-300 ms."""
     return min(max(0.02, 0.5 * healthy_step), 0.3)
+
+
+def injected_share(shape: Shape, fault: str, healthy_step: float, step: float) -> float | None:
+    """The issue's own measure of a cost, where the fault is a known delay each step: that delay's share of the
+    faulty step (None where it is not one: a slower GPU, a loader behind worker processes, a GC storm)."""
+    if fault == "compute" and not shape.sim:
+        delay = added_s(healthy_step)  # the rank spins that long before optimizer.step
+    elif fault == "loader" and not shape.workers:
+        delay = added_s(healthy_step) * (1 if shape.sim else shape.fetches)  # slept in each batch's fetch
+    else:
+        return None
+    return min(delay / step, 1.0)
 
 
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
@@ -297,8 +310,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         if doc["findings"] and right and fault.expect and healthy_step and run.truth_step_s:
             run.cost = doc["findings"][0]["cost"]
             run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
-            if fault.name == "compute" and not shape.sim:
-                run.injected_cost = min(added_s(healthy_step) / run.truth_step_s, 1.0)
+            run.injected_cost = injected_share(shape, fault.name, healthy_step, run.truth_step_s)
     if misses.wanted(run):
         name = f"{shape.name}-{fault.name}-{job.run_id}-{window}"
         shutil.copyfile(saved, misses.path(f"{name}.msgpack"))
@@ -438,9 +450,9 @@ def replay(dirs: list[Path]) -> list[Run]:
         if not saved.exists() or shape is None or fault is None or fault.mode != "diagnose":
             continue
         run = Run(**{k: v for k, v in kept["run"].items() if k not in ("step_err", "cost_err", "injected_err")})
-        if run.fault == "compute" and not shape.sim and run.truth_cost is not None and run.truth_step_s:
+        if run.truth_cost is not None and run.truth_step_s:
             healthy = (1 - run.truth_cost) * run.truth_step_s  # the reference the kept run was scored against
-            run.injected_cost = min(added_s(healthy) / run.truth_step_s, 1.0)
+            run.injected_cost = injected_share(shape, run.fault, healthy, run.truth_step_s)
         timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
         doc = next(iter(diagnose(decode_patterns(saved.read_bytes()), timeout).values()))
         run.right, run.false = score(shape, fault, doc["findings"])
