@@ -13,7 +13,7 @@ from rankscope.agent.interpreters import Frame
 from rankscope.agent.loader.trace_stream import (TRACE_EVENTS, TRACE_LOST, TRACE_ON, TRACE_PIDS, TRACE_PY_SAMPLE,
                                                  TRACE_RECORD, CaptureBusy, TraceStream)
 from rankscope.agent.sources import python_sampler
-from rankscope.agent.sources.python_sampler import PY_STACKS_0
+from rankscope.agent.sources.python_sampler import PY_STACKS
 
 PID = 4242
 
@@ -47,7 +47,7 @@ class FakeBpf(dict):
 
     def __init__(self) -> None:
         super().__init__({TRACE_EVENTS: Ring(), TRACE_ON: Table(), TRACE_PIDS: Table(), TRACE_LOST: Table(),
-                          PY_STACKS_0: Stacks()})
+                          PY_STACKS.format(0): Stacks()})
         self.queued: list[bytes] = []
 
     def emit(self, raw: bytes) -> None:
