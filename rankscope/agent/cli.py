@@ -23,6 +23,9 @@ from rankscope.analyzer.diagnosis import diagnose
 from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 
 
+DEFAULT_AGENT_LISTEN = "127.0.0.1:9464"
+
+
 class UsageError(Exception):
     """Bad input: reported as one line on stderr with exit status 2."""
 
@@ -68,6 +71,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if args.duration <= 0 or args.hang_timeout <= 0:
         raise UsageError("--duration and --hang-timeout must be positive")
     pids = parse_pids(args.pid)
+    if args.agent is not None:
+        return diagnose_through_agent(args, pids)
     try:  # opened before attaching: a path that cannot be written fails before the job is touched
         save = open(args.save_patterns, "wb") if args.save_patterns else None
     except OSError as e:
@@ -83,6 +88,24 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             save.close()
             if os.path.getsize(args.save_patterns) == 0:  # nothing observed (attaching failed): no empty file
                 os.remove(args.save_patterns)
+    return 0
+
+
+def diagnose_through_agent(args: argparse.Namespace, pids: list[int]) -> int:
+    """`diagnose --agent URL`: the node agent's document for the job, nothing attached here."""
+    from rankscope.agent.ask_agent import AgentError, ask_agent
+
+    chosen = [flag for flag, on in (("--save-patterns", args.save_patterns), ("--trace-function", args.trace_function),
+                                    ("--inject-shim", args.inject_shim),
+                                    ("--hang-timeout", args.hang_timeout != DEFAULT_HANG_TIMEOUT_S)) if on]
+    if chosen:
+        raise UsageError(f"{', '.join(chosen)}: the agent's own settings apply with --agent")
+    try:
+        doc = ask_agent(args.agent, pids, args.duration, load_token(args.token_file),
+                        watching=lambda line: print(line, file=sys.stderr, flush=True))
+    except AgentError as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps(doc) if args.json else render(doc), flush=True)
     return 0
 
 
@@ -286,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-patterns", metavar="FILE",
                    help="also write the observed patterns to FILE (msgpack, as GET /v1/patterns serves them): "
                         "the raw data behind the verdict, to analyze again or attach to a report")
+    p.add_argument("--agent", nargs="?", const=f"http://{DEFAULT_AGENT_LISTEN}", metavar="URL",
+                   help="ask the node agent already watching the job (default URL: "
+                        f"http://{DEFAULT_AGENT_LISTEN}) instead of attaching: its document of the first window "
+                        "closing --duration seconds from now; nothing is compiled or attached here")
+    add_token_file(p)
     add_hang_timeout(p)
     add_trace_function(p)
     add_inject_shim(p)
@@ -318,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dump)
 
     p = sub.add_parser("agent", help="the node daemon: watch ranks, serve patterns and diagnosis over HTTP")
-    p.add_argument("--listen", default="127.0.0.1:9464", help="HOST:PORT to serve on (default 127.0.0.1:9464)")
+    p.add_argument("--listen", default=DEFAULT_AGENT_LISTEN, help=f"HOST:PORT to serve on (default {DEFAULT_AGENT_LISTEN})")
     who = p.add_mutually_exclusive_group()
     who.add_argument("--pid", help="comma-separated PIDs to watch")
     who.add_argument("--all", action="store_true", help="discover every training process on the node")

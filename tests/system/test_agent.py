@@ -1,8 +1,11 @@
 """The node agent on a running simulated job: diagnosis over HTTP, exits, and SIGKILL safety."""
 import os
 import signal
+import time
 
-from conftest import wait_until
+from conftest import diagnose_json, one_line_error, run, wait_until
+
+from rankscope.sim.harness import free_port
 
 from rankscope.agent.host.symbols import code_byte
 
@@ -113,3 +116,26 @@ def test_slowdown_of_every_rank_is_a_regression_and_raises_the_detail(sim_job, a
     # Bounded: back to light detail after --deep-seconds, though the job stays slow.
     back = wait_until(lambda: (d := a.get("/v1/diagnosis"))["mode"]["level"] == "light" and d, 15, "light mode")
     assert back["findings"][0]["kind"] == "regression"
+
+
+def test_diagnose_through_the_agent_gets_its_verdict_and_refuses_what_it_does_not_watch(sim_job, agent):
+    job = sim_job(3, faults=("slow-gpu:2:2",))
+    other = sim_job(2)
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", "1")
+    asked = time.time()
+    doc = diagnose_json(job.pids, 1.0, "--agent", a.url)
+    assert doc["job"] == job.job_id and doc["window"]["end"] >= asked + 1.0  # a window closed after the ask
+    assert sorted(r["pid"] for r in doc["ranks"]) == sorted(job.pids)
+    named = [f for f in doc["findings"] if f["kind"] == "compute_straggler"]
+    assert named and named[0]["ranks"] == [2], doc["findings"]
+    # Not the agent's processes: said in one line, nothing attached by diagnose.
+    err = one_line_error(run("diagnose", "--pid", str(other.pids[0]), "--duration", "1", "--agent", a.url))
+    assert f"does not watch pid {other.pids[0]}" in err and "without --agent" in err
+    err = one_line_error(run("diagnose", "--pid", str(job.pids[0]), "--agent", a.url, "--save-patterns", "/tmp/x"))
+    assert "--save-patterns" in err
+
+
+def test_diagnose_through_an_absent_agent_says_so():
+    err = one_line_error(run("diagnose", "--pid", str(os.getpid()), "--duration", "1",
+                             "--agent", f"http://127.0.0.1:{free_port()}"))
+    assert "no agent answers at http://127.0.0.1:" in err

@@ -181,7 +181,8 @@ def make_app(current: Callable[[], Snapshot], token: str | None = None,
     async def targets(_: web.Request) -> web.Response:
         snap = current()
         return web.json_response({"targets": [asdict(t) for t in snap.targets], "errors": snap.errors,
-                                  "skipped": snap.skipped})
+                                  "skipped": snap.skipped,
+                                  "window_end": snap.window_end})  # None until the first window closes
 
     async def patterns(request: web.Request) -> web.Response:
         try:  # a replica of a sharded cluster analyzer asks for its own jobs' patterns only
