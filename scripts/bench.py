@@ -28,6 +28,8 @@ and without the agent, A B B A ..., summarized by the median over pairs so that 
             (bursts every 10 ms), for 2 minutes, the agent in deep mode: the agent process's CPU share of one
             core and, apart, its BPF programs' kernel time (kernel.bpf_stats_enabled, on for the run only);
             RSS at start and end, windows served, launches counted, drops reported in /metrics
+  attach    `diagnose --pid <2 ranks> --duration 1` attaching itself (bcc compiles its programs) and through
+            the node agent already watching the job (`--agent`): seconds to its window, CPU, peak RSS
   torch     step time of the real torch DDP job (tests/torch_ddp_train.py, gloo on CPU, 4 ranks under torchrun)
             with the agent attached to its running ranks, light and deep mode; listed only when that script exists
 
@@ -55,14 +57,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks import (agent, analyzer, busy, cluster, detach, inject, job, latency, launch, payload, sched,
-                        torch_job, trace)
+from benchmarks import (agent, analyzer, attach, busy, cluster, detach, inject, job, latency, launch, payload,
+                        sched, torch_job, trace)
 from benchmarks.harness import Context, Row, log, machine, table
 
 BENCHES: dict[str, Callable[[Context], tuple[list[Row], dict]]] = {
     "job": job.run, "launch": launch.run, "sched": sched.run, "agent": agent.run, "detach": detach.run,
     "payload": payload.run, "latency": latency.run, "analyzer": analyzer.run, "inject": inject.run,
-    "trace": trace.run, "cluster": cluster.run, "busy": busy.run,
+    "trace": trace.run, "cluster": cluster.run, "busy": busy.run, "attach": attach.run,
 }
 if torch_job.TORCH_SCRIPT.exists():  # the real job (1a), once tests/torch_ddp_train.py exists
     BENCHES = {"torch": torch_job.run, **BENCHES}

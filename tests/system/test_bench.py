@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = {"job", "launch", "sched", "agent", "detach", "payload", "latency", "analyzer", "inject",
-              "trace", "cluster", "busy"}
+              "trace", "cluster", "busy", "attach"}
 
 
 def test_every_benchmark_runs_at_tiny_size(tmp_path):
