@@ -118,6 +118,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         entry["identity_source"] = p.identity_source
         if p.python_timed:  # exact per-call times of forward, data-loader __next__, --trace-function
             entry["python_timed"] = plain([f.to_dict() for f in p.python_timed])
+        if p.python_untimed:  # and why not, where they would have been
+            entry["python_untimed"] = p.python_untimed
         return entry
 
     profile = StepProfile.of(table) if analyzed and not hung else None

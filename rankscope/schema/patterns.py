@@ -241,6 +241,7 @@ class RankPattern:
     where: str = ""  # of a rank that completed nothing this window: e.g. "futex (futex_wait_queue)"
     python: list[PyFunction] = field(default_factory=list)  # main thread's top functions by self time
     python_timed: list[PyTimed] = field(default_factory=list)  # exactly timed functions, most time first
+    python_untimed: str = ""  # why its functions are not timed exactly (too costly for this job); "" if not
     gpu: GpuActivity | None = None  # None: the job does not load the CUPTI shim
     gpu_health: GpuHealth | None = None  # None: no NVML, or the rank's GPU is unknown
     links: list[LinkStats] = field(default_factory=list)  # NCCL profiler plugin; at most MAX_LINKS

@@ -78,6 +78,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         **({"tcp": [[f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
                     for f in p.tcp]} if p.tcp else {}),
         **({"rd": True} if p.raised_detail else {}),
+        **({"pyu": p.python_untimed} if p.python_untimed else {}),
         **({"cpu": [p.cpus.count, p.cpus.idle]} if p.cpus is not None else {}),
     }
 
@@ -307,6 +308,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
                                                                                "p99_s")],
             tcp=_tcp_from_wire(d.get("tcp", [])),
             raised_detail=d.get("rd", False) is True,
+            python_untimed=_str(d.get("pyu", ""), "pyu"),
             cpus=_cpus_from_wire(d.get("cpu")),
         )
     except PatternDecodeError:

@@ -302,6 +302,10 @@ def test_a_process_entering_eval_too_often_stops_being_probed_with_its_peers(tim
         assert (probed(peer), probed(other)) == (False, True)
         timer.attach(inspect(late.pid), "job-a")  # a rank of job-a watched later is not timed either
         assert not probed(late)
+        # Each of job-a's ranks says why (its pattern's python_untimed, the document's rank entry).
+        why = timer.untimed(busy.pid)
+        assert why.startswith(f"pid {busy.pid} of its job entered the Python eval loop") and "times a second" in why
+        assert timer.untimed(peer.pid) == timer.untimed(late.pid) == why and timer.untimed(other.pid) == ""
     finally:
         for p in (busy, peer, other, late):
             timer.detach(p.pid)

@@ -98,3 +98,16 @@ def test_a_rank_timed_among_untimed_peers_is_not_blamed_on_what_it_alone_was_tim
     assert [(f["kind"], f["ranks"], f["function"]) for f in found] == [
         ("compute_straggler", [slow], "train.py:augment_tokens")], found
     assert found[0]["evidence"]["per_rank"][0]["timed_function"] is None
+
+
+def test_the_document_says_why_a_ranks_functions_are_not_timed():
+    from rankscope.analyzer.diagnosis import diagnose
+
+    pats = simulate(3)
+    why = "pid 41 of its job entered the Python eval loop 26,103 times a second"
+    for p in pats:
+        p.python_untimed = why
+    pats[0].python_untimed = ""
+    doc = next(iter(diagnose(pats).values()))
+    ranks = {r["rank"]: r for r in doc["ranks"]}
+    assert "python_untimed" not in ranks[0] and ranks[1]["python_untimed"] == ranks[2]["python_untimed"] == why

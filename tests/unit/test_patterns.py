@@ -156,6 +156,20 @@ def test_timed_python_functions_round_trip_and_may_be_absent():
     assert p.python_timed[1].mean_s == pytest.approx(0.35 / 40)
 
 
+def test_why_python_is_not_timed_round_trips_and_is_absent_when_it_is():
+    p = typical()
+    plain = encode_patterns([p])
+    assert decode_patterns(plain)[0].python_untimed == ""
+    p.python_untimed = "pid 7 of its job entered the Python eval loop 26,103 times a second"
+    assert decode_patterns(encode_patterns([p]))[0].python_untimed == p.python_untimed
+    d = _wire()
+    d["pyu"] = 5
+    with pytest.raises(PatternDecodeError):
+        decode_patterns(msgpack.packb([d]))
+    p.python_untimed = ""
+    assert encode_patterns([p]) == plain  # timed (or never asked): not a byte more
+
+
 @pytest.mark.parametrize("pyt", [[["f", 1, 0.1]], [["f", -1, 0.1, 0.1]], [["f", 1, float("nan"), 0.1]],
                                  [[3, 1, 0.1, 0.1]], [["f", 1.5, 0.1, 0.1]], "x"])
 def test_malformed_timed_python_functions_raise_decode_error(pyt):

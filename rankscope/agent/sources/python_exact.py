@@ -145,7 +145,7 @@ class _Watched:
     resolver: CodeResolver
     peers: str  # the group timed all together or not at all (its job)
     eval_probes: list[Uprobes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
-    too_hot: bool = False  # it or a peer entered eval too often to be timed: never probed again
+    too_hot: str = ""  # why it is not timed: it or a peer entered eval too often (never probed again); "" if not
     gc_probes: list[Uprobes] = field(default_factory=list)  # the GC's USDT sites, where used
     seen: Deltas[int] = field(default_factory=Deltas)  # code -> (count, total_ns, hist) at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
@@ -213,7 +213,7 @@ class PythonTimer:
         if pid in self._watched:
             return
         w = self._watched[pid] = _Watched(interp, CodeResolver(interp), f"pid {pid}" if peers is None else peers)
-        w.too_hot = any(o.too_hot for o in self._watched.values() if o.peers == w.peers)
+        w.too_hot = next((o.too_hot for o in self._watched.values() if o.peers == w.peers and o.too_hot), "")
         try:
             self._time_gc(w, self._path(w))
         except (TimerError, OSError) as e:  # the functions can still be timed
@@ -313,6 +313,11 @@ class PythonTimer:
             for key in [k for k in table.keys() if k.pid == pid]:
                 table.pop(key, None)
 
+    def untimed(self, pid: int) -> str:
+        """Why `pid`'s functions are not timed exactly ("" while they are, or were never asked for)."""
+        w = self._watched.get(pid)
+        return w.too_hot if w is not None else ""
+
     def function(self, pid: int, code: int) -> Frame | None:
         """The function a timed code object of `pid` is; None if it is not one of the chosen (the kernel
         picks code objects by co_name alone) or the process is not watched."""
@@ -356,7 +361,7 @@ class PythonTimer:
         of their peers."""
         targets = self._bpf[PYX_TARGETS]
         now = time.monotonic()
-        hot = set()
+        hot: dict[str, str] = {}  # peers -> why they are no longer timed
         for pid, w in list(self._watched.items()):
             try:
                 entries = targets[ctypes.c_uint32(pid)].entries
@@ -368,11 +373,12 @@ class PythonTimer:
                 log.warning("pid %d enters the Python eval loop %.0f times a second: exact timing stopped for "
                             "it and its peers in %s (it would cost ~%.0f%% of a core)", pid, rate, w.peers,
                             rate * 1.3e-4)
-                hot.add(w.peers)
+                hot[w.peers] = (f"pid {pid} of its job entered the Python eval loop {rate:,.0f} times a second "
+                                f"(timing costs ~1.3 us an entry; stopped above {MAX_ENTRIES_PER_S:,})")
         for w in self._watched.values():
             if w.peers in hot:
                 w.eval_probes = uprobe_links.detach(w.eval_probes)
-                w.too_hot = True
+                w.too_hot = hot[w.peers]
 
     def read_gc(self) -> dict[int, FunctionStats]:
         """Per pid whose collections are timed through USDT, its collections since the previous read."""
@@ -437,6 +443,7 @@ class PythonTiming(Source):
         gc = self.timer.read_gc()
         for p in patterns:
             p.python_timed = timed.get(p.pid, [])
+            p.python_untimed = self.timer.untimed(p.pid)
             if p.pid in gc:
                 p.functions[gc[p.pid].name] = gc[p.pid]
 
