@@ -45,7 +45,8 @@ def ask_agent(url: str, pids: list[int], duration: float, token: str | None,
     deadline = asked + duration + GRACE_S
     while True:  # an agent that has just started lists its processes once its first window closes
         listing = _get(url, "/v1/targets", token)
-        if listing.get("window_end") is not None or time.time() > deadline:
+        # (an agent older than `window_end` is taken at its word at once)
+        if listing.get("window_end", asked) is not None or time.time() > deadline:
             break
         time.sleep(POLL_S)
     targets = {t["pid"]: t for t in listing["targets"]}
