@@ -91,7 +91,9 @@ class ProgramSource(Source):
         sockets = net.sockets(bpf)
 
         for p in patterns:
-            cursor = self._cursors.get(p.pid) or self._cursors.setdefault(p.pid, _ProcessCursor(p.pid))
+            if p.pid not in self._cursors:
+                self._cursors[p.pid] = _ProcessCursor(p.pid)
+            cursor = self._cursors[p.pid]
             p.collectives = self._collectives(completed.get(p.pid, _NONE_DONE), mono_to_unix)
             if p.collectives:
                 cursor.last_progress = p.collectives[-1].done

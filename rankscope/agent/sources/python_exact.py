@@ -364,11 +364,11 @@ class PythonTimer:
         hot: dict[str, str] = {}  # peers -> why they are no longer timed
         for pid, w in list(self._watched.items()):
             try:
-                entries = targets[ctypes.c_uint32(pid)].entries
+                probed = targets[ctypes.c_uint32(pid)].entries
             except KeyError:
                 continue
-            rate = (entries - w.entries) / max(now - w.read_at, 1e-3)
-            w.entries, w.read_at = entries, now
+            rate = (probed - w.entries) / max(now - w.read_at, 1e-3)
+            w.entries, w.read_at = probed, now
             if rate > MAX_ENTRIES_PER_S and w.eval_probes:
                 log.warning("pid %d enters the Python eval loop %.0f times a second: exact timing stopped for "
                             "it and its peers in %s (it would cost ~%.0f%% of a core)", pid, rate, w.peers,
