@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+import urllib.parse
 
 from rankscope.agent.detail import DEEP, DEEP_SECONDS, LEVELS, LIGHT, Detail, SlowdownTrigger
 from rankscope.agent.host.targets import TargetError
@@ -45,6 +46,17 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--listen takes HOST:PORT, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def parse_agent_url(text: str) -> str:
+    parts = urllib.parse.urlsplit(text)
+    try:
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # `.port` of a port that is not a number in range
+        valid = False
+    if not valid:
+        raise UsageError(f"--agent takes the agent's URL, http://HOST:PORT, got {text!r}")
+    return text
 
 
 def parse_traced(texts: list[str] | None) -> tuple[TracedFunction, ...]:
@@ -101,7 +113,7 @@ def diagnose_through_agent(args: argparse.Namespace, pids: list[int]) -> int:
     if chosen:
         raise UsageError(f"{', '.join(chosen)}: the agent's own settings apply with --agent")
     try:
-        doc = ask_agent(args.agent, pids, args.duration, load_token(args.token_file),
+        doc = ask_agent(parse_agent_url(args.agent), pids, args.duration, load_token(args.token_file),
                         watching=lambda line: print(line, file=sys.stderr, flush=True))
     except AgentError as e:
         raise UsageError(str(e)) from None

@@ -62,3 +62,9 @@ def test_insufficient_privilege():
                                   ["agent", "--pid", "1", "--slowdown-threshold", "0"]])
 def test_bad_agent_and_duration_arguments(args):
     one_line_error(run(*args))
+
+
+@pytest.mark.parametrize("url", ["foo", "127.0.0.1:9464", "ftp://host", "http://", "http://127.0.0.1:abc", "http://host:70000"])
+def test_malformed_agent_url(url):
+    line = one_line_error(run("diagnose", "--pid", str(os.getpid()), "--duration", "1", "--agent", url))
+    assert "--agent takes the agent's URL" in line
