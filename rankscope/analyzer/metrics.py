@@ -19,6 +19,9 @@ from rankscope.schema.patterns import RankPattern, Role, ThreadTimes
 
 # Python functions of the input pipeline (data loaders, datasets, batch loading), by name.
 DATA_LOADING = re.compile(r"load|batch|__next__|__getitem__|_next_data|fetch|collate|dataset|dataloader", re.I)
+# Collectives that run on the host (gloo's, as agent/sources/probes/gloo.py names them): while a rank waits in
+# one, its GPU holds none of the collective's work. NCCL's run on the GPU.
+HOST_COLLECTIVES = re.compile(r"^(gloo_|ProcessGroupGloo_)")
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,17 @@
 //
 // - rankscope:nccl_coll, once per collective (or send/recv task): its GPU-side duration, from the first
 //   channel's kernel start to the last channel's end on the GPU's global timer (NCCL's KernelCh events).
+//   NCCL gives no KernelCh events, so no span, for: a communicator of one rank (its collectives are a plain
+//   copy outside NCCL's planner, no event at all), a send/recv to self (no proxy op; in place, not even run),
+//   and CollNet collectives (their nChannels is left at 0, so the last channel is never known). A test of
+//   this probe needs a communicator of two ranks or more.
 // - rankscope:nccl_link, once a flush period per (communicator, peer, direction): the network steps of NCCL's
 //   proxy thread summed in place (ProxyOp/ProxyStep events): bytes, time on the wire, and for sends the time
 //   spent waiting for the receiver's credit. A slow link shows on one (src, dst) pair; a slow node on all
 //   of its pairs (C4's src x dst matrix, built by the analyzer).
 //
-// Cost while no agent is attached: none. NCCL reads the activation mask the plugin owns before every task,
+// Cost while no agent is attached: none. NCCL reads the activation mask the plugin owns at every collective or
+// send/recv call (a mask raised later applies from the next call; tasks already enqueued keep the old one),
 // and the plugin keeps it at 0 until one of the probes' semaphores is up (a watcher thread follows them once
 // a flush period). While attached, the proxy thread does a clock read and a few atomic adds per step; the
 // USDT traps come once per collective and once per link per flush period, never per step.

@@ -260,6 +260,16 @@ SHIM_API void rankscope_shim_stats(struct rankscope_shim_stats *out) {
     out->api_failures = atomic_load(&stats.api_failures);
 }
 
+// Once a flush period, on the shim's watcher thread: API records follow the launch semaphore and, while an
+// agent is attached, CUPTI hands over its partly filled buffers too. CUPTI's own flush period returns full
+// buffers only (its documentation says so; on an H200, a job's ~1,700 kernel records of 30 steps never
+// reached the probe), so the records of a job launching few kernels would reach the agent late, or never.
+static void every_flush_period(void) {
+    rankscope_shim_follow_launch_semaphore();
+    if (rankscope_activity_semaphore || rankscope_launch_semaphore)
+        cupti.flush_all(0);  // completed records only: never waits for the GPU
+}
+
 static void CUPTIAPI buffer_requested(uint8_t **buffer, size_t *size, size_t *max_records) {
     *buffer = aligned_alloc(8, BUFFER_BYTES);
     *size = *buffer ? BUFFER_BYTES : 0;
@@ -328,12 +338,12 @@ SHIM_API int InitializeInjection(void) {
             say("cannot enable activity records; GPU activity is not reported", rc);
             return 1;
         }
-    // CUPTI hands over partly filled buffers once a flush period, so windows see fresh records.
+    // CUPTI hands over full buffers once a flush period (partly filled ones: every_flush_period).
     if ((rc = cupti.flush_period(rankscope_flush_period_ms())) != CUPTI_SUCCESS)
         say("cannot set the flush period; records arrive when buffers fill", rc);
     // CUPTI's API record kinds are switched from a thread of the shim's own: never from CUPTI's buffer
     // callback (CUPTI calls made inside its own callbacks are what CUPTI restricts) nor from the job's threads.
-    if (rankscope_every_flush_period("rankscope-cupti", rankscope_shim_follow_launch_semaphore) != 0)
+    if (rankscope_every_flush_period("rankscope-cupti", every_flush_period) != 0)
         fprintf(stderr, "rankscope-cupti: no watcher thread; kernels are not joined to their launches\n");
     atexit(flush_at_exit);
     return 1;

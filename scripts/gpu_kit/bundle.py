@@ -197,6 +197,7 @@ def agent_env(prefix: Path | None, bundle: Path = DEFAULT_DIR, base: dict[str, s
         paths.append(str(prefix / "python"))
         env["LD_LIBRARY_PATH"] = ":".join(filter(None, [str(prefix / "lib"), env.get("LD_LIBRARY_PATH")]))
         env["BCC_KERNEL_SOURCE"] = str(prefix / "headers")
+        env["PYTHONWARNINGS"] = "ignore::SyntaxWarning"  # Debian 12's bcc has regexes Python 3.12 warns about
     env["PYTHONPATH"] = ":".join(filter(None, [*paths, env.get("PYTHONPATH")]))
     return env
 

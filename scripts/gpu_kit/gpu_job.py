@@ -3,13 +3,15 @@ products per step (GPU work the heavier rank gets more of), with its step times 
 
     python gpu_job.py --report R.json [--steps N] [--seconds S] [--matmuls K] [--matrix N] [--width W] [--batch B]
                       [--heavy-rank R --heavy-matmuls K2]
-                      [--collective none|nccl|gloo] [--profile-steps N]
+                      [--collective none|nccl|gloo] [--host-per-rank] [--profile-steps N]
 
---collective nccl: one rank (WORLD_SIZE=1), the gradients all-reduced by NCCL every step (one rank: NCCL returns
-at once, launching nothing) and exchanged by all_to_all, a send and receive to itself, which runs NCCL's kernel
-and reaches its profiler plugin. gloo: the ranks of the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
-share the one GPU, the gradients copied to the host and all-reduced by gloo, so a rank with more GPU work is
-a straggler the others wait for. --profile-steps N (one rank, no collective): after the warm-up, N steps
+The ranks of the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) share the one GPU.
+--collective nccl: the gradients all-reduced by NCCL every step and sent to the next rank (a ring of
+send/recv). NCCL refuses two ranks of a communicator on one device unless they seem to be on different hosts:
+--host-per-rank gives each rank a host id of its own (NCCL_HOSTID), so they talk over sockets (NCCL_NET=Socket
+on loopback: the caller's environment). One rank alone is a communicator NCCL answers without a kernel or a
+profiler event (its collectives are a copy, a send to itself has no proxy op). gloo: the gradients copied to
+the host and all-reduced by gloo, so a rank with more GPU work is a straggler the others wait for. --profile-steps N (one rank, no collective): after the warm-up, N steps
 between two marker kernels (torch.cuda._sleep: 'spin_kernel') for the CUPTI shim, then the same N steps under
 torch.profiler, whose kernels go to the report: the kit compares the two (--go-file: the measured steps wait
 for the kit's reader).
@@ -80,6 +82,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--heavy-rank", type=int, default=-1)
     ap.add_argument("--heavy-matmuls", type=int, default=16)
     ap.add_argument("--collective", choices=("none", "nccl", "gloo"), default="none")
+    ap.add_argument("--host-per-rank", action="store_true", help="NCCL_HOSTID per rank: NCCL ranks share the GPU")
     ap.add_argument("--profile-steps", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--go-file", help="with --profile-steps: wait for this file before the measured steps")
@@ -89,10 +92,12 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(0)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    rank = 0
+    rank, world = 0, 1
+    if args.host_per_rank:  # read by NCCL at the communicator's set-up
+        os.environ["NCCL_HOSTID"] = f"rankscope-kit-{os.environ.get('RANK', '0')}"
     if args.collective != "none":
         dist.init_process_group(args.collective)
-        rank = dist.get_rank()
+        rank, world = dist.get_rank(), dist.get_world_size()
     layers = [torch.nn.Linear(args.width, args.width) for _ in range(LAYERS)]
     model = torch.nn.Sequential(*(m for layer in layers for m in (layer, torch.nn.ReLU()))).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -113,9 +118,11 @@ def main(argv: list[str]) -> int:
         grads = [p.grad for p in model.parameters()]
         if args.collective == "nccl":
             for g in grads:
-                dist.all_reduce(g)  # one rank: NCCL returns at once (ncclLaunchOneRank), no kernel, no profiler event
+                dist.all_reduce(g)
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_to_all_single(torch.empty_like(flat), flat)  # a send/recv to itself: a kernel NCCL profiles
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, (rank + 1) % world),
+                                                dist.P2POp(dist.irecv, torch.empty_like(flat), (rank - 1) % world)]):
+                work.wait()
         elif args.collective == "gloo":
             flat = torch.cat([g.reshape(-1) for g in grads]).cpu()  # waits for this rank's GPU work
             dist.all_reduce(flat)

@@ -28,9 +28,10 @@ PROFILE_STEPS = 30
 TOLERANCE = 0.05  # the shim's kernel time against torch.profiler's
 ACTIVITY_FIELDS = ("kind", "start", "end", "device", "stream", "correlation", "name", "bytes")
 NCCL_COLL_FIELDS = ("comm", "rank", "func", "bytes", "span_ns", "seq")
+NCCL_LINK_FIELDS = ("comm", "rank", "peer", "direction", "steps", "bytes", "wire_ns", "wait_ns")
 KIND_MEMCPY, KIND_MEMSET = 1, 2
 MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: gpu_job.py launches one before and one after the shim's steps
-NCCL_CALLS = ("ncclAllReduce", "ncclAlltoAll", "ncclSend")  # counted beside the plugin's spans
+NCCL_CALLS = ("ncclAllReduce", "ncclSend", "ncclRecv")  # counted beside the plugin's spans
 
 
 class Skip(Exception):
@@ -214,6 +215,15 @@ def tracefs_uprobes(kit: Kit) -> dict:
     return figures
 
 
+def _semaphore(pid: int, shim: str, probe: str) -> int | None:
+    """The shim's semaphore of rankscope:`probe` in the job, as the kit's events left it (None: unreadable)."""
+    sites = [s for provider, name, s in sdt_sites(shim) if (provider, name) == ("rankscope", probe)]
+    try:
+        return tracefs.semaphore(pid, shim, sites[0].semaphore) if sites and sites[0].semaphore else None
+    except OSError:
+        return None
+
+
 def _activity_events(u: tracefs.Uprobes, shim: str) -> int:
     sites = [s for provider, name, s in sdt_sites(shim) if (provider, name) == ("rankscope", "activity")]
     for i, site in enumerate(sites):
@@ -249,17 +259,20 @@ def shim_vs_profiler(kit: Kit) -> dict:
             raise AssertionError(f"CUDA did not load the shim (CUDA_INJECTION64_PATH): {tail(job.log)}")
         with tracefs.Uprobes(buffer_kb=8192) as u:
             sites = _activity_events(u, shim)
+            armed = _semaphore(job.pids[0], shim, "activity")
             go.touch()
             job.wait_phase("done", 300)
             u.stop()
-            records = [e.fields for e in u.read() if e.pid == job.pids[0]]
-            lost = u.overruns()
+            events = u.read()
+            records = [e.fields for e in events if e.pid == job.pids[0]]
+            lost, unparsed = u.overruns(), u.unparsed[:3]
         report = job.report(0)
     finally:
         job.stop()
     kernels, markers = between_markers(records)
-    figures: dict = {"steps": PROFILE_STEPS, "activity_sites": sites, "records": len(records), "lost": lost,
-                     "markers": markers, "reference": "torch.profiler, the same process"}
+    figures: dict = {"steps": PROFILE_STEPS, "activity_sites": sites, "semaphore": armed, "records": len(records),
+                     "events_of_any_process": len(events), "unparsed": unparsed, "lost": lost, "markers": markers,
+                     "reference": "torch.profiler, the same process"}
     if kernels is None:
         raise Failed(f"the shim's records lack the two marker kernels; {tail(job.log)}", figures)
     profiled = [k for k in report.get("profiler_kernels", []) if MARKER not in k["name"]]
@@ -316,12 +329,15 @@ def compare(kernels: list[dict], profiled: list[dict]) -> dict:
 
 
 def nccl_spans(kit: Kit) -> dict:
-    """NCCL loads the plugin (NCCL_PROFILER_PLUGIN) and its nccl_coll probe hands over one GPU span per
-    collective or send/recv: the 1-rank job's all_to_all (a send and receive to itself; its all-reduces NCCL
-    answers without a kernel or a profiler event), beside the NCCL_CALLS of the same seconds."""
+    """NCCL loads the plugin (NCCL_PROFILER_PLUGIN) and its probes hand over one GPU span per collective or
+    send/recv (nccl_coll) and the proxy's link sums (nccl_link): two NCCL ranks sharing the GPU, each a host of
+    its own to NCCL (gpu_job.py --host-per-rank; over sockets on loopback), all-reducing and sending to each
+    other, beside the NCCL_CALLS of the same seconds. One rank would give nothing to time (gpu_job.py says why)."""
     kit.need_gpu()
-    job = kit.job(env=kit.job_env(shim=True, plugin=True), collective="nccl",
-                        args=("--seconds", "60"))
+    env = {**kit.job_env(shim=True, plugin=True), "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo",
+           "NCCL_DEBUG": "INFO"}  # the log says whether NCCL took the plugin
+    job = kit.job(ranks=2, env=env, collective="nccl",
+                  args=("--seconds", "60", "--host-per-rank", "--width", "256", "--matmuls", "0"))
     try:
         job.wait_phase("run", 120)
         shim = library_path(job.pids[0], "librankscope_cupti")
@@ -329,22 +345,33 @@ def nccl_spans(kit: Kit) -> dict:
         if shim is None or nccl is None:
             raise AssertionError(f"the job maps {'no shim' if shim is None else 'no libnccl'}; {tail(job.log)}")
         with tracefs.Uprobes(buffer_kb=16384) as u:
-            sites = [s for p, n, s in sdt_sites(shim) if (p, n) == ("rankscope", "nccl_coll")]
-            for i, site in enumerate(sites):
-                u.usdt(f"nccl_coll{i}", shim, site, NCCL_COLL_FIELDS, strings=("func",))
+            for probe, fields in (("nccl_coll", NCCL_COLL_FIELDS), ("nccl_link", NCCL_LINK_FIELDS)):
+                sites = [s for p, n, s in sdt_sites(shim) if (p, n) == ("rankscope", probe)]
+                for i, site in enumerate(sites):
+                    u.usdt(f"{probe}{i}", shim, site, fields, strings=("func",) if probe == "nccl_coll" else ())
             time.sleep(1.0)  # the plugin's watcher sees the semaphore within a flush period (0.2 s)
             exported = exported_functions(nccl)
             for symbol in NCCL_CALLS:
-                if symbol in exported:  # ncclAlltoAll: NCCL 2.28+
+                if symbol in exported:
                     u.function(symbol, nccl, exported[symbol])
-            events = [e for e in _read_after(u, 3.0) if e.pid == job.pids[0]]
+            armed = _semaphore(job.pids[0], shim, "nccl_coll")
+            every = _read_after(u, 3.0)
+            events = [e for e in every if e.pid in job.pids]
+            unparsed = u.unparsed[:3]
     finally:
         job.stop()
     spans = [e.fields for e in events if e.name.startswith("nccl_coll")]
-    figures = {"nccl_library": os.path.realpath(nccl), "spans": len(spans),
+    links = [e.fields for e in events if e.name.startswith("nccl_link")]
+    figures = {"nccl_library": os.path.realpath(nccl), "semaphore": armed, "spans": len(spans),
+               "spans_per_rank": {pid: sum(1 for e in events if e.pid == pid and e.name.startswith("nccl_coll"))
+                                  for pid in job.pids},
+               "events_of_any_process": len(every), "unparsed": unparsed,
+               "plugin_log": [line for line in tail(job.log, 20000).splitlines() if "rofiler" in line][-6:],
                "calls": {name: sum(1 for e in events if e.name == name) for name in NCCL_CALLS},
                "span_functions": sorted({str(s.get("func")) for s in spans}),
-               "span_us_p50": round(statistics.median(s["span_ns"] for s in spans) / 1e3, 2) if spans else None}
+               "span_us_p50": round(statistics.median(s["span_ns"] for s in spans) / 1e3, 2) if spans else None,
+               "links": sorted({(s["rank"], s["peer"], s["direction"]) for s in links}),
+               "link_bytes": sum(s["bytes"] for s in links)}
     if not spans:
         raise Failed(f"no NCCL spans from the plugin; {tail(job.log)}", figures)
     return figures
@@ -413,11 +440,15 @@ def diagnose_straggler(kit: Kit) -> dict:
                            "--duration", "3" if kit.gpu is None else "5", "--save-patterns", str(patterns),
                            timeout=240)
         took = time.monotonic() - start
+        doc = json.loads(result.stdout) if result.returncode == 0 else {}
+        try:  # the job's truth is evidence beside the verdict: a reference that fails loses only itself
+            truth = _job_truth(kit, job, doc) if kit.gpu and doc else {}
+        except Exception as e:  # noqa: BLE001
+            truth = {"truth_error": str(e)[-300:]}
     finally:
         stop()
     if result.returncode != 0:
         raise AssertionError(f"diagnose exited {result.returncode}: {result.stderr.strip()[-600:]}")
-    doc = json.loads(result.stdout)
     from rankscope.schema.wire import decode_patterns
     decoded = decode_patterns(patterns.read_bytes())
     findings = [{k: f.get(k) for k in ("kind", "ranks", "component", "function", "cost")} for f in doc["findings"]]
@@ -425,7 +456,7 @@ def diagnose_straggler(kit: Kit) -> dict:
                "ranks": [{k: v for k, v in r.items() if k not in ("host", "identity_source", "python_timed")}
                          for r in doc["ranks"]],
                "patterns_with_gpu_kernels": sum(1 for p in decoded if p.gpu is not None),
-               "patterns_with_nvml": sum(1 for p in decoded if p.gpu_health is not None)}
+               "patterns_with_nvml": sum(1 for p in decoded if p.gpu_health is not None), **truth}
     first = doc["findings"][0] if doc["findings"] else {}
     if first.get("kind") != "compute_straggler" or first.get("ranks") != [STRAGGLER_RANK] \
             or first.get("component") != "gpu":
@@ -433,6 +464,23 @@ def diagnose_straggler(kit: Kit) -> dict:
     if kit.gpu and not figures["patterns_with_gpu_kernels"]:
         raise Failed("no pattern carries the shim's kernel times", figures)
     return figures
+
+
+def _job_truth(kit: Kit, job: GpuJob, doc: dict) -> dict:
+    """The job's own step time over the diagnosed window (its step log), and the share of it the straggler
+    costs: the same job without the heavy rank, measured right after (the faulty job stopped first)."""
+    window = doc.get("window") or {}
+    step, steps = job.median_step_s(0, window.get("start", 0), window.get("end", time.time()))
+    job.stop()  # the GPU to the healthy job alone
+    healthy = kit.job(ranks=RANKS, env=kit.job_env(shim=True), collective="gloo",
+                      args=("--seconds", "60", "--width", "512", "--matmuls", "2"))
+    try:
+        healthy.wait_phase("run", 180)
+        reference, _ = _phase(healthy, 3)
+    finally:
+        healthy.stop()
+    return {"job_step_ms": round(step * 1e3, 3), "job_steps": steps, "healthy_step_ms": round(reference * 1e3, 3),
+            "injected_share": round(1 - reference / step, 4)}
 
 
 def late_attach(kit: Kit) -> dict:
@@ -478,6 +526,8 @@ def overhead(kit: Kit) -> dict:
     for a matmul-heavy step and a launch-bound one (many tiny kernels: where CUPTI costs most)."""
     kit.need_gpu()
     variants = {"matmul": ("--matmuls", "8"), "launch_bound": ("--matmuls", "0", "--width", "64", "--batch", "32")}
+    wanted = os.environ.get("RANKSCOPE_KIT_OVERHEAD")  # e.g. launch_bound: one variant (a rerun's device time)
+    variants = {k: v for k, v in variants.items() if not wanted or k in wanted.split(",")}
     figures: dict = {}
     for variant, args in variants.items():
         row: dict = {}

@@ -14,6 +14,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rankscope.agent.host import procfs
 from rankscope.agent.host.symbols import SdtProbe, file_offset
 
 ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
@@ -82,6 +83,18 @@ class Event:
     fields: dict[str, int | str] = field(default_factory=dict)
 
 
+def semaphore(pid: int, path: str, vaddr: int) -> int | None:
+    """The value of the USDT semaphore at link-time address `vaddr` of `path` in process `pid` (None: the
+    process does not map that part of the file): what the kernel's reference counter set there."""
+    inode = os.stat(path).st_ino
+    offset = file_offset(path, vaddr)
+    for m in procfs.maps(pid):
+        if m.inode == inode and m.offset <= offset < m.offset + (m.end - m.start):
+            with procfs.ProcessMemory(pid) as mem:
+                return int.from_bytes(mem.read(m.start + offset - m.offset, 2), "little")
+    return None
+
+
 class Uprobes:
     """A tracing instance of the kit's own and the uprobe events it defined; close() removes them all."""
 
@@ -90,6 +103,7 @@ class Uprobes:
         self.group = f"rankscope_kit_{os.getpid()}"  # its own: two kits at once do not collide
         self.instance = self.root / "instances" / self.group
         self.events: list[str] = []
+        self.unparsed: list[str] = []  # trace lines read() could not parse (it says so rather than drop them)
         try:
             self.instance.mkdir()
             (self.instance / "buffer_size_kb").write_text(str(buffer_kb))
@@ -147,6 +161,8 @@ class Uprobes:
             for line in f:
                 m = _LINE.match(line)
                 if not m:
+                    if not line.startswith("#"):
+                        self.unparsed.append(line.rstrip()[:200])
                     continue
                 comm, tid, tgid, _, name, rest = m.groups()
                 fields: dict[str, int | str] = {}

@@ -28,8 +28,10 @@ def test_tracefs_reads_the_shims_records_and_arms_its_semaphore(line, start_driv
     with tracefs.Uprobes(buffer_kb=256) as u:
         sites = [s for p, n, s in sdt_sites(shim) if (p, n) == ("rankscope", "activity")]
         assert len(sites) == 3  # kernels, copies, sets: one site each
+        assert tracefs.semaphore(driver.pid, shim, sites[0].semaphore) == 0
         for i, site in enumerate(sites):
             u.usdt(f"activity{i}", shim, site, steps.ACTIVITY_FIELDS, strings=("name",))
+        assert tracefs.semaphore(driver.pid, shim, sites[0].semaphore) == 3  # one count per site's event
         assert driver.emit(1)[:2] == (3, 0)  # the kernel raised the semaphore: the shim hands records over
         u.stop()
         records = [e.fields for e in u.read() if e.pid == driver.pid]

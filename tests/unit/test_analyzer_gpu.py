@@ -1,10 +1,11 @@
 """gpu_throttle and launch_bound on synthetic patterns (the simulated job of test_analyzer, plus GPU views)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_analyzer import WINDOW, findings, simulate
 
-from rankscope.schema.patterns import GpuActivity, GpuHealth, GpuKernel
+from rankscope.schema.patterns import FunctionStats, GpuActivity, GpuHealth, GpuKernel, Role
 
 
 def health(index: int, clock: int, reasons: int = 0, temperature: int = 62) -> GpuHealth:
@@ -55,9 +56,25 @@ def test_launch_bound_when_gpu_idles_between_short_kernels():
     assert len(fs) == 1
     f = fs[0]
     assert (f["ranks"], f["component"], f["function"]) == ([0, 1, 2, 3], "host", "cuLaunchKernel")
-    assert f["cost"] == pytest.approx(1 - 0.7 / WINDOW)
+    copies = np.median([p.time_in(Role.COPY) for p in ps])  # the host waits in copies: not the launch path's
+    assert f["cost"] == pytest.approx(1 - (0.7 + copies) / WINDOW)
     assert f["evidence"]["mean_kernel_us"] == pytest.approx(17.5)
-    assert "idle 65%" in f["summary"]
+    assert "idle 62%" in f["summary"]
+
+
+def test_ranks_waiting_in_host_collectives_are_not_launch_bound():
+    """The GPU of a rank waiting for a straggler in gloo idles, launching nothing: that wait explains it. NCCL's
+    collectives run on the GPU (its busy time), so their host-side time explains nothing."""
+    ps = simulate(4, seed=1)
+    for p in ps:
+        p.functions["cuStreamSynchronize"].total_s = 0.05
+        p.gpu = gpu(busy_s=0.7, kernels=40_000, kernel_s=0.7)
+        p.functions["gloo_allreduce"] = FunctionStats("gloo_allreduce", Role.COMM, 40, 0.7, 0.02, 0.017, 0.02)
+    assert [f for f in findings(ps) if f["kind"] == "launch_bound"] == []
+    for p in ps:
+        p.functions["ncclAllReduce"] = p.functions.pop("gloo_allreduce")
+        p.functions["ncclAllReduce"].name = "ncclAllReduce"
+    assert [f["kind"] for f in findings(ps) if f["kind"] == "launch_bound"] == ["launch_bound"]
 
 
 @pytest.mark.parametrize("busy,kernels,kernel_s,sync_s", [

@@ -19,8 +19,10 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "windows"
 WINDOWS = json.loads((DATA / "windows.json").read_text())
 HANG_TIMEOUT_S = 4.0  # as the matrix runs diagnose on hangs
 # Jobs that oversubscribe their host's CPUs: there the others' waiting lends the straggler CPU, and the wait
-# (what the cost reports) overstates the what-if (README: the accuracy matrix, fourth run).
-OVERSUBSCRIBED = {"cnn-3", "pipe-4"}
+# (what the cost reports) overstates the what-if (README: the accuracy matrix, fourth run). And ranks that
+# time-share one GPU (the GPU kit's job): the straggler's kernels slow its peers' too, so the what-if (the job
+# without it: 36% and 28% shorter) exceeds the time they wait for it (23% and 21%).
+OVERSUBSCRIBED = {"cnn-3", "pipe-4", "h200-gloo-4"}
 
 
 @pytest.mark.parametrize("name", sorted(WINDOWS))
@@ -31,6 +33,8 @@ def test_the_verdict_on_a_kept_window_of_a_real_job(name):
                              HANG_TIMEOUT_S if hang else DEFAULT_HANG_TIMEOUT_S).values()))
     verdict = [[f["kind"], f["ranks"]] for f in doc["findings"]]
     assert verdict == ([w["expect"]] if w["expect"] else []), (w["note"], doc["findings"])
+    if "component" in w:
+        assert doc["findings"][0]["component"] == w["component"], w["note"]
     if hang:
         assert doc["step_time_s"] is None
         return

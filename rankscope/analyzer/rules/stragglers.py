@@ -33,6 +33,10 @@ PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
 CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
+GPU_SHARE = 0.5  # a host-side CUDA call (a copy, a launch) holding a straggler's extra time is its GPU's when
+# the CUPTI shim saw the rank's GPU busy longer than its peers' by at least this share of that time: a copy to
+# the host (`.cpu()`, `.item()`) waits for the kernels queued before it (H200, a rank with 8x the matrix
+# products: 7.0 ms more GPU time a step, 4.0 ms more in cudaMemcpyAsync, its GPU time otherwise unexplained)
 
 _HOST_TIME = None  # "function" of time outside every probed function
 
@@ -155,6 +159,16 @@ def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
             **({"cpus": p.cpus.count, "cpus_idle": p.cpus.idle} if p.cpus is not None else {})}
 
 
+def _gpu_busy_excess(t: RankTable) -> np.ndarray:
+    """Per row: how much longer per step its GPU was busy than its peers' (the shim's union of kernel, copy
+    and set intervals; NaN: not measured)."""
+    busy = np.full(len(t.patterns), np.nan)
+    for i, p in enumerate(t.patterns):
+        if p.gpu is not None and p.window_s > 0:
+            busy[i] = p.gpu.busy_s / p.window_s * t.step_s[i]  # NaN with an unknown step
+    return peer_deviation(busy, 0.0)[1]
+
+
 def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
     that only waits longer for a CPU is cpu_contention's)."""
@@ -177,6 +191,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     if comm_cols:
         waited_in = t.fn_names[comm_cols[int(np.argmax(np.median(t.fn_s[valid][:, comm_cols], axis=0)))]]
 
+    gpu_excess = _gpu_busy_excess(t)
     groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
     for i in flagged:
         fn_excess = t.fn_s[i, cols] - fn_med
@@ -184,6 +199,8 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
         if fn_excess.size and fn_excess.max() > host_excess:
             j = cols[int(np.argmax(fn_excess))]
             function, component, where = t.fn_names[j], t.fn_roles[j].component, float(fn_excess.max())
+            if component == "host" and gpu_excess[i] >= GPU_SHARE * where:
+                component = "gpu"
         else:
             function, component, where = _HOST_TIME, "cpu", float(host_excess)
         python = _python_excess(t.py_names, t.py_s, i, valid, excess[i])
@@ -198,6 +215,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
             "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i]),
             "work_s": float(work[i]), "comm_s": float(t.comm_s[i]), "sync_s": float(t.sync_s[i]),
             "host_s": float(t.host_s[i]), "function_excess_s": where, "python_function": python,
+            **({"gpu_busy_excess_s": float(gpu_excess[i])} if np.isfinite(gpu_excess[i]) else {}),
             "timed_function": timed,
             "arrival_lateness_s": float(a.arrival_late_s[i]) if a is not None else None,
             "delay_s": delay(a, [i], float(excess[i])),
