@@ -26,7 +26,8 @@ def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(sim_job, hog):
     assert _kinds(doc) == [("cpu_contention", [2])], doc["findings"]
     f = doc["findings"][0]
     assert f["component"] == "cpu"
-    assert f["evidence"]["neighbours"][0]["pid"] == hog.pid
+    # Among those that held the rank's CPU (first on an idle machine; see test_torch's twin for a loaded one).
+    assert hog.pid in [n["pid"] for n in f["evidence"]["neighbours"]], f["evidence"]["neighbours"]
     # Its peers wait for a CPU too (ranks 0 and 1 share CPU 0), by how much depends on the machine's load.
     assert f["evidence"]["runq_s"] > f["evidence"]["peers_runq_s"]
 

@@ -184,7 +184,9 @@ def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(torch_job, hog):
     assert [(f["kind"], f["ranks"], f["component"]) for f in doc["findings"]] == [
         ("cpu_contention", [1], "cpu")], doc["findings"]
     f = doc["findings"][0]
-    assert f["evidence"]["neighbours"][0]["pid"] == hog.pid, f
+    # The hog is among the neighbours that held the rank's CPU (first on an idle machine; on one loaded by
+    # others, a stranger pinned to that CPU can hold it longer and be named first, rightly).
+    assert hog.pid in [n["pid"] for n in f["evidence"]["neighbours"]], f
     assert f["evidence"]["runq_s"] > 2 * f["evidence"]["peers_runq_s"], f
 
 
