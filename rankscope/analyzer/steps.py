@@ -103,15 +103,18 @@ def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three."""
     gaps = np.diff(enter, axis=1)
     long = gaps > LONG_GAP * np.median(gaps, axis=1, keepdims=True)
-    idx = np.arange(gaps.shape[1])
-    first = np.argmax(long, axis=1)[:, None]
     seen = 2 if enter.shape[1] <= SHORT_SEQUENCE else BURSTS_SEEN
     out = np.ones(enter.shape[0], np.intp)
-    found = np.zeros(enter.shape[0], bool)
+    # Only rows with enough long gaps can be bursts: a steady job's rows have none, and leave the loop below.
+    rows = np.flatnonzero(long.sum(axis=1) >= seen)
+    long = long[rows]
+    idx = np.arange(gaps.shape[1])
+    first = np.argmax(long, axis=1)[:, None]
+    found = np.zeros(rows.size, bool)
     for k in sorted(allowed - {1}):
         expected = (idx >= first) & ((idx - first) % k == 0)
-        fits = ~found & (first[:, 0] < k) & (long == expected).all(axis=1) & (long.sum(axis=1) >= seen)
-        out[fits], found[fits] = k, True
+        fits = ~found & (first[:, 0] < k) & (long == expected).all(axis=1)
+        out[rows[fits]], found[fits] = k, True
     return out
 
 
