@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 from operator import attrgetter
 from typing import Any
 
@@ -91,7 +92,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     jobs = {p.job for p in patterns}
     if len(jobs) > 1:
         raise ValueError(f"diagnose_job got patterns of several jobs: {sorted(jobs)}")
-    analyzed = [p for p in patterns if p.state not in NOT_ANALYZED]
+    kept = [state not in NOT_ANALYZED for state in map(attrgetter("state"), patterns)]
+    analyzed = list(compress(patterns, kept))
     table = rank_table(analyzed)
     reference = baseline.reference() if baseline is not None else None
     comparable = not any(p.raised_detail for p in patterns)
@@ -99,7 +101,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     # A hung job has no steps: a window's few steps before the stall, or the whole window read as one step
     # (10 s for a 60 ms job), would mislead; the hang's evidence says how long it has stalled.
     hung = any(f.kind in HANGS for f in findings)
-    row_of = (np.cumsum([p.state not in NOT_ANALYZED for p in patterns]) - 1).tolist()  # its row in `analyzed`
+    row_of = (np.cumsum(kept) - 1).tolist()  # its row in `analyzed`
     # Per-rank columns (seconds per step) as plain lists once (100,000 ranks: no per-value conversion calls).
     # input_s (data loading) is part of host_s; gc_s and runq_s (waiting for a CPU) are the page's and the
     # metrics' too (issue 18).
@@ -137,8 +139,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         listed = sorted([*listed, {**baseline.regression, "held": True}], key=lambda f: -f["cost"])
     return {
         "job": patterns[0].job,
-        "window": plain({"start": min(p.window_start for p in patterns),
-                         "end": max(p.window_end for p in patterns)}),
+        "window": plain({"start": min(map(attrgetter("window_start"), patterns)),
+                         "end": max(map(attrgetter("window_end"), patterns))}),
         "step_time_s": plain(profile.step_s if profile else None),
         "baseline": plain({"step_time_s": reference.profile.step_s, "windows": reference.windows,
                            "end": reference.profile.end, "noise_s": reference.noise_s,
