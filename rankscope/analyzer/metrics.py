@@ -124,7 +124,7 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     host = np.clip(step - fn_per_step.sum(axis=1), 0.0, None)
     return RankTable(
         patterns=patterns,
-        rank=np.fromiter((p.rank for p in patterns), np.int64, n),
+        rank=np.fromiter(map(attrgetter("rank"), patterns), np.int64, n),
         step_s=step,
         comm_s=comm,
         sync_s=in_role(Role.SYNC),
