@@ -280,8 +280,10 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
 
     # One record per (rank, instance): the nearest, should two records of a rank match one instance.
     ok = np.flatnonzero(dist < step_s / 2)
-    key = row[ok] * n_inst + col[ok]
-    if (np.diff(key) > 0).all():  # the common case, each instance matched once and in order: no sort
+    every = ok.size == op.size  # each record matched an instance: the columns themselves, no gather of 1.6M
+    key = row * n_inst + col if every else row[ok] * n_inst + col[ok]
+    in_order = bool((np.diff(key) > 0).all())
+    if in_order:  # the common case, each instance matched once and in order: no sort
         take = ok
     else:
         order = np.lexsort((dist[ok], key))
@@ -290,7 +292,7 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
         take = ok[order[first]]
 
     if take.size == n * n_inst:  # every rank matched every instance, in order (key is 0, 1, ...): no scatter
-        E, D, B = (a[take].reshape(n, n_inst) for a in (enter, done, nbytes))
+        E, D, B = ((a if every and in_order else a[take]).reshape(n, n_inst) for a in (enter, done, nbytes))
     else:
         E = np.full((n, n_inst), np.nan)
         D, B = E.copy(), E.copy()
@@ -298,10 +300,11 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
         D[row[take], col[take]] = done[take]
         B[row[take], col[take]] = nbytes[take]
 
-    compared = np.isfinite(D).sum(axis=1) >= max(2, (n_inst + 1) // 2)
+    finite = np.isfinite(D)
+    compared = finite.sum(axis=1) >= max(2, (n_inst + 1) // 2)
     if np.count_nonzero(compared) < 2:
         return Alignment.empty(n)
-    kept = np.isfinite(D[compared]).all(axis=0)
+    kept = finite[compared].all(axis=0)
     if not kept.any():
         return Alignment.empty(n)
     Ek, Dk, Bk = (E, D, B) if compared.all() and kept.all() else (a[compared][:, kept] for a in (E, D, B))

@@ -59,7 +59,9 @@ class Collectives:
         return Collectives(counts, self.ops, self.op[idx], self.bytes[idx], self.enter[idx], self.done[idx])
 
     def filter(self, keep: np.ndarray) -> Collectives:
-        """Only the records where `keep` (per record) holds."""
+        """Only the records where `keep` (per record) holds (these very columns when it holds for all)."""
+        if keep.all():
+            return self
         counts = np.bincount(self.row[keep], minlength=self.counts.size).astype(np.intp)
         return Collectives(counts, self.ops, self.op[keep], self.bytes[keep], self.enter[keep], self.done[keep])
 
