@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import chain
 from operator import attrgetter
 
@@ -42,11 +43,11 @@ class Collectives:
                    np.fromiter(map(attrgetter("enter"), recs), float, n),
                    np.fromiter(map(attrgetter("done"), recs), float, n))
 
-    @property
+    @cached_property
     def offsets(self) -> np.ndarray:
         return np.concatenate(([0], np.cumsum(self.counts)[:-1])).astype(np.intp)
 
-    @property
+    @cached_property
     def row(self) -> np.ndarray:
         """Per record: the index of its pattern."""
         return np.repeat(np.arange(self.counts.size), self.counts)
@@ -65,14 +66,18 @@ class Collectives:
         counts = np.bincount(self.row[keep], minlength=self.counts.size).astype(np.intp)
         return Collectives(counts, self.ops, self.op[keep], self.bytes[keep], self.enter[keep], self.done[keep])
 
+    def per_row(self, column: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+        """A per-record `column` of the patterns `rows` (ascending, k records each) as rows x k."""
+        if rows.size == self.counts.size:  # every pattern (each of k records): a view, no gather of 1.6M records
+            return column.reshape(rows.size, k)
+        return column[self.offsets[rows, None] + np.arange(k)]
+
     def sequences(self) -> list[np.ndarray]:
         """Rows (patterns) grouped by their whole sequence of (op, bytes), in the order each first appears."""
         groups: list[tuple[int, np.ndarray]] = []
-        offsets = self.offsets
         for k in np.unique(self.counts).tolist():
             rows = np.flatnonzero(self.counts == k)
-            idx = offsets[rows, None] + np.arange(k)
-            keys = np.concatenate([self.op[idx], self.bytes[idx]], axis=1)
+            keys = np.concatenate([self.per_row(self.op, rows, k), self.per_row(self.bytes, rows, k)], axis=1)
             if (keys == keys[0]).all():  # the common case, one sequence: no sort of rows
                 groups.append((int(rows[0]), rows))
                 continue

@@ -171,14 +171,13 @@ def step_times(patterns: Sequence[RankPattern], records: Collectives | None = No
     cols = Collectives.of(patterns) if records is None else records
     out = np.full(len(patterns), np.nan)
     window_s = window_seconds(patterns) if window_s is None else window_s
-    offsets = cols.offsets
     for rows in cols.sequences():
         k = int(cols.counts[rows[0]])
         if not k:
             continue
-        idx = offsets[rows, None] + np.arange(k)
-        seq = [(cols.ops[o], b) for o, b in zip(cols.op[idx[0]].tolist(), cols.bytes[idx[0]].tolist())]
-        enter = cols.enter[idx]
+        first = slice(cols.offsets[rows[0]], cols.offsets[rows[0]] + k)  # the group's sequence: its first row's
+        seq = [(cols.ops[o], b) for o, b in zip(cols.op[first].tolist(), cols.bytes[first].tolist())]
+        enter = cols.per_row(cols.enter, rows, k)
         # Sizes first (two buckets of different sizes are two collectives of one step); names alone when
         # sizes vary from step to step.
         candidates = _candidates(_key_ids(seq)) or _candidates(_key_ids([op for op, _ in seq]))
