@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ class StepProfile:
             return None
         fn = np.median(t.fn_s[valid], axis=0) if t.fn_names else []
         py = np.median(t.py_s[valid], axis=0) if t.py_names else []
-        return cls(end=max(p.window_end for p in t.patterns), step_s=float(np.median(t.step_s[valid])),
+        return cls(end=max(map(attrgetter("window_end"), t.patterns)), step_s=float(np.median(t.step_s[valid])),
                    host_s=float(np.median(t.host_s[valid])),
                    functions=dict(zip(t.fn_names, map(float, fn))), python=dict(zip(t.py_names, map(float, py))))
 

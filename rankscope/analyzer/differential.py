@@ -128,7 +128,7 @@ LATE_MARGIN = 0.05  # later than the other ranks by this share of a step: that s
 
 
 def _late_per_step(enter: np.ndarray, step_s: float,
-                   held: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per rank (row): how late it arrives per step, the median over stretches of one step (STEP_SPAN) of its
     largest lateness among the instances (columns) that start there; and the share of those stretches in
     which it arrived later than the median of the other ranks by LATE_MARGIN of a step. A straggler is late
@@ -139,11 +139,17 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     quickest rank each rank stayed in a rooted collective (a broadcast's root waits there for the last
     receiver, the straggler), and that much of its lateness at the instances within a step after it is
     forgiven (cnn-3: the root, held 30-47 ms a step, then arrived 35 ms late at the all-reduces, as late
-    as the straggler that held it, in 74% of the steps). Last, _ahead's pieces (Alignment.waited_for)."""
-    order = np.argsort(enter.min(axis=0), kind="stable")  # instances by time (completion order may differ)
-    enter, held = enter[:, order], held[:, order]
+    as the straggler that held it, in 74% of the steps); None: no rooted instance was lined up. Last,
+    _ahead's pieces (Alignment.waited_for)."""
     first = enter.min(axis=0)
-    late = np.maximum(enter - first - _carried(held, first, step_s), 0.0)
+    order = np.argsort(first, kind="stable")  # instances by time (completion order may differ)
+    if (np.diff(order) < 0).any():  # reordered only when out of order: 100,000 ranks x 16 copied costs ~20 ms
+        enter, first = enter[:, order], first[order]
+        held = None if held is None else held[:, order]
+    late = enter - first
+    if held is not None:
+        late -= _carried(held, first, step_s)
+    late = np.maximum(late, 0.0)
     ends = np.searchsorted(first, first + STEP_SPAN * step_s, side="left")
     starts = np.flatnonzero(ends - np.arange(first.size) >= 1)
     stretches = np.stack([late[:, j:ends[j]].max(axis=1) for j in starts], axis=1)
@@ -231,7 +237,8 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     # window began later, has no records before it: the others' would find no partner there).
     seen = cols.counts > 0
     since = float(window_starts(patterns)[seen].max()) if seen.any() else 0.0
-    ops = set(np.unique(cols.op).tolist())  # each name matched once, not once a record
+    # The ops present, each name matched once, not once a record (counted, not sorted: 1.6M records, ~20 ms)
+    ops = set(np.flatnonzero(np.bincount(cols.op, minlength=len(cols.ops))).tolist())
     lined_up = sorted(i for i in ops if not NOT_LINED_UP.search(cols.ops[i]))
     rooted_ops = [i for i in ops if ROOTED.search(cols.ops[i])]
     lined = cols.filter(np.isin(cols.op, lined_up) & (cols.enter >= since))
@@ -274,8 +281,10 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
 
     # One record per (rank, instance): the nearest, should two records of a rank match one instance.
     ok = np.flatnonzero(dist < step_s / 2)
-    key = row[ok] * n_inst + col[ok]
-    if (np.diff(key) > 0).all():  # the common case, each instance matched once and in order: no sort
+    every = ok.size == op.size  # each record matched an instance: the columns themselves, no gather of 1.6M
+    key = row * n_inst + col if every else row[ok] * n_inst + col[ok]
+    in_order = bool((np.diff(key) > 0).all())
+    if in_order:  # the common case, each instance matched once and in order: no sort
         take = ok
     else:
         order = np.lexsort((dist[ok], key))
@@ -283,26 +292,33 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
         first[1:] = key[order][1:] != key[order][:-1]
         take = ok[order[first]]
 
-    E = np.full((n, n_inst), np.nan)
-    D, B = E.copy(), E.copy()
-    E[row[take], col[take]] = enter[take]
-    D[row[take], col[take]] = done[take]
-    B[row[take], col[take]] = nbytes[take]
+    if take.size == n * n_inst:  # every rank matched every instance, in order (key is 0, 1, ...): no scatter
+        E, D, B = ((a if every and in_order else a[take]).reshape(n, n_inst) for a in (enter, done, nbytes))
+    else:
+        E = np.full((n, n_inst), np.nan)
+        D, B = E.copy(), E.copy()
+        E[row[take], col[take]] = enter[take]
+        D[row[take], col[take]] = done[take]
+        B[row[take], col[take]] = nbytes[take]
 
-    compared = np.isfinite(D).sum(axis=1) >= max(2, (n_inst + 1) // 2)
+    finite = np.isfinite(D)
+    compared = finite.sum(axis=1) >= max(2, (n_inst + 1) // 2)
     if np.count_nonzero(compared) < 2:
         return Alignment.empty(n)
-    kept = np.isfinite(D[compared]).all(axis=0)
+    kept = finite[compared].all(axis=0)
     if not kept.any():
         return Alignment.empty(n)
-    Ek, Dk, Bk = E[compared][:, kept], D[compared][:, kept], B[compared][:, kept]
+    Ek, Dk, Bk = (E, D, B) if compared.all() and kept.all() else (a[compared][:, kept] for a in (E, D, B))
 
     out = Alignment.empty(n)
     rooted = _rooted(cols.filter(np.isin(cols.op, rooted_ops) & (cols.enter >= since)), compared) if rooted_ops else []
     r_enter, r_done = _rooted_between(Ek, rooted)
-    stay = r_done - r_enter
-    held = np.concatenate([np.zeros_like(Ek), stay - stay.min(axis=0) if stay.size else stay], axis=1)
-    arrivals = np.concatenate([Ek, r_enter], axis=1)
+    if r_enter.size:
+        stay = r_done - r_enter
+        held = np.concatenate([np.zeros_like(Ek), stay - stay.min(axis=0)], axis=1)
+        arrivals = np.concatenate([Ek, r_enter], axis=1)
+    else:
+        held, arrivals = None, Ek
     out.arrival_late_s[compared], out.late_share[compared], pieces, lengths = _late_per_step(arrivals, step_s, held)
     ahead = np.full((n, pieces.shape[1]), np.nan, np.float32)
     ahead[compared] = pieces

@@ -15,7 +15,7 @@ import numpy as np
 
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.steps import step_times, window_seconds
-from rankscope.schema.patterns import RankPattern, Role, ThreadTimes
+from rankscope.schema.patterns import PyFunction, PyTimed, RankPattern, Role, ThreadTimes
 
 # Python functions of the input pipeline (data loaders, datasets, batch loading), by name.
 DATA_LOADING = re.compile(r"load|batch|__next__|__getitem__|_next_data|fetch|collate|dataset|dataloader", re.I)
@@ -78,10 +78,11 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     patterns = list(patterns)
     n = len(patterns)
     records = Collectives.of(patterns) if records is None else records
-    step = step_times(patterns, records)
+    window_s = window_seconds(patterns)
+    step = step_times(patterns, records, window_s)
     if job_step_s is not None and np.isfinite(job_step_s):
         step[records.counts > 0] = job_step_s
-    per_step = step / window_seconds(patterns)  # window totals -> seconds per step
+    per_step = step / window_s  # window totals -> seconds per step
 
     # Ranks of a job probe the same functions in the same order, so the name -> column layout is worked
     # out once per distinct name tuple; per rank only the totals are read.
@@ -113,8 +114,8 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
         return np.where(np.isfinite(step), total, np.nan)  # unknown step: unknown per-step times
 
     pys, timeds = list(map(attrgetter("python"), patterns)), list(map(attrgetter("python_timed"), patterns))
-    py_names, py = _named_columns([{f.name: f.self_s for f in fs} if fs else {} for fs in pys])
-    timed_names, timed = _named_columns([{f.name: f.total_s for f in fs} if fs else {} for fs in timeds])
+    py_names, py = _named_columns(pys, "self_s")
+    timed_names, timed = _named_columns(timeds, "total_s")
     timed[[not fs for fs in timeds]] = np.nan
 
     main = [s.get("main") for s in map(attrgetter("sched"), patterns)]
@@ -123,7 +124,7 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     host = np.clip(step - fn_per_step.sum(axis=1), 0.0, None)
     return RankTable(
         patterns=patterns,
-        rank=np.fromiter((p.rank for p in patterns), np.int64, n),
+        rank=np.fromiter(map(attrgetter("rank"), patterns), np.int64, n),
         step_s=step,
         comm_s=comm,
         sync_s=in_role(Role.SYNC),
@@ -143,16 +144,18 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     )
 
 
-def _named_columns(rows: list[dict[str, float]]) -> tuple[list[str], np.ndarray]:
-    """Per-rank {name: value} as a matrix over the union of names (0 where a rank lacks one)."""
+def _named_columns(rows: list[list[PyFunction]] | list[list[PyTimed]], field: str) -> tuple[list[str], np.ndarray]:
+    """Per rank, its named records' `field` as a matrix over the union of names (0 where a rank lacks one; of
+    a name listed twice, the last)."""
+    filled = [i for i, row in enumerate(rows) if row]  # most ranks have none (no Python view)
     names: dict[str, int] = {}
-    for row in rows:
-        for name in row:
-            names.setdefault(name, len(names))
+    for i in filled:
+        for f in rows[i]:
+            names.setdefault(f.name, len(names))
     out = np.zeros((len(rows), len(names)))
-    for i in (i for i, row in enumerate(rows) if row):  # most ranks have none (no Python view)
-        for name, value in rows[i].items():
-            out[i, names[name]] = value
+    for i in filled:
+        for f in rows[i]:
+            out[i, names[f.name]] = getattr(f, field)
     return list(names), out
 
 

@@ -103,15 +103,18 @@ def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three."""
     gaps = np.diff(enter, axis=1)
     long = gaps > LONG_GAP * np.median(gaps, axis=1, keepdims=True)
-    idx = np.arange(gaps.shape[1])
-    first = np.argmax(long, axis=1)[:, None]
     seen = 2 if enter.shape[1] <= SHORT_SEQUENCE else BURSTS_SEEN
     out = np.ones(enter.shape[0], np.intp)
-    found = np.zeros(enter.shape[0], bool)
+    # Only rows with enough long gaps can be bursts: a steady job's rows have none, and leave the loop below.
+    rows = np.flatnonzero(long.sum(axis=1) >= seen)
+    long = long[rows]
+    idx = np.arange(gaps.shape[1])
+    first = np.argmax(long, axis=1)[:, None]
+    found = np.zeros(rows.size, bool)
     for k in sorted(allowed - {1}):
         expected = (idx >= first) & ((idx - first) % k == 0)
-        fits = ~found & (first[:, 0] < k) & (long == expected).all(axis=1) & (long.sum(axis=1) >= seen)
-        out[fits], found[fits] = k, True
+        fits = ~found & (first[:, 0] < k) & (long == expected).all(axis=1)
+        out[rows[fits]], found[fits] = k, True
     return out
 
 
@@ -159,21 +162,22 @@ def window_seconds(patterns: Sequence[RankPattern]) -> np.ndarray:
     return np.maximum(ends - window_starts(patterns), 1e-9)
 
 
-def step_times(patterns: Sequence[RankPattern], records: Collectives | None = None) -> np.ndarray:
-    """The step time of every pattern of one job (NaN: unknown); `records`: their collectives, when read
-    already. Vectorized: ranks of a job share their collective sequence, so periods are proposed once per
-    distinct sequence and spans are taken per group."""
+def step_times(patterns: Sequence[RankPattern], records: Collectives | None = None,
+               window_s: np.ndarray | None = None) -> np.ndarray:
+    """The step time of every pattern of one job (NaN: unknown); `records`: their collectives, `window_s`:
+    their window_seconds, when read already (each read is a pass over the patterns: ~20 ms at 100,000).
+    Vectorized: ranks of a job share their collective sequence, so periods are proposed once per distinct
+    sequence and spans are taken per group."""
     cols = Collectives.of(patterns) if records is None else records
     out = np.full(len(patterns), np.nan)
-    window_s = window_seconds(patterns)
-    offsets = cols.offsets
+    window_s = window_seconds(patterns) if window_s is None else window_s
     for rows in cols.sequences():
         k = int(cols.counts[rows[0]])
         if not k:
             continue
-        idx = offsets[rows, None] + np.arange(k)
-        seq = [(cols.ops[o], b) for o, b in zip(cols.op[idx[0]].tolist(), cols.bytes[idx[0]].tolist())]
-        enter = cols.enter[idx]
+        first = slice(cols.offsets[rows[0]], cols.offsets[rows[0]] + k)  # the group's sequence: its first row's
+        seq = [(cols.ops[o], b) for o, b in zip(cols.op[first].tolist(), cols.bytes[first].tolist())]
+        enter = cols.per_row(cols.enter, rows, k)
         # Sizes first (two buckets of different sizes are two collectives of one step); names alone when
         # sizes vary from step to step.
         candidates = _candidates(_key_ids(seq)) or _candidates(_key_ids([op for op, _ in seq]))

@@ -1,6 +1,9 @@
 """What the GPU itself says: throttled clocks (NVML) and a GPU left idle by its host's launches (CUPTI)."""
 from __future__ import annotations
 
+from itertools import compress
+from operator import attrgetter
+
 import numpy as np
 
 from rankscope.analyzer.differential import Alignment, peers_median
@@ -65,9 +68,10 @@ def launch_bound(t: RankTable) -> list[Finding]:
     """Ranks whose GPU idles between kernels while the host is not waiting for it: the host cannot launch
     work fast enough (short kernels, the launch path dominates). Needs the CUPTI shim's GPU busy time."""
     per_rank = []
-    for i, p in enumerate(t.patterns):
+    for i in compress(range(len(t)), map(attrgetter("gpu"), t.patterns)):  # ranks with the CUPTI shim's view
+        p = t.patterns[i]
         g = p.gpu
-        if g is None or g.kernels == 0:
+        if g.kernels == 0:
             continue
         # The GPU's idle share that the host's waits in host-side collectives and copies leave unexplained: a
         # rank waiting there for a straggler launches nothing and its GPU idles (H200, gloo: the three ranks

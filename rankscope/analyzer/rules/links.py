@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -116,7 +118,7 @@ def link_matrix(patterns: Sequence[RankPattern]) -> LinkMatrix:
     claimed_twice: set[tuple[int, int]] = set()
     sends: dict[_Key, LinkStats] = {}
     recvs: dict[_Key, LinkStats] = {}
-    for p in patterns:
+    for p in compress(patterns, map(attrgetter("links"), patterns)):  # most patterns have none: skipped in C
         for k in p.links:
             if global_of.setdefault((k.comm, k.rank), p.rank) != p.rank:
                 claimed_twice.add((k.comm, k.rank))
@@ -152,6 +154,7 @@ def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[An
     """(src, dst) -> [sends, bytes, wire, peer wait, True, True] from the patterns' TCP connections. A
     connection's peer is the rank whose connection has its two ends reversed; an address two ranks claim
     (two hosts behind one NAT) places nothing."""
+    patterns = list(compress(patterns, map(attrgetter("tcp"), patterns)))  # most have none: skipped in C
     owner: dict[str, int] = {}
     twice: set[str] = set()
     for p in patterns:

@@ -4,6 +4,7 @@ served ranks of the job stopped answering (node_unreachable). Both need the clus
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -34,7 +35,7 @@ def node_fault(t: RankTable, a: Alignment | None = None) -> list[Finding]:
         return []
     rows, z, excess, work, _comm_med = found
     valid = decidable(t)
-    hosts = np.array([p.host for p in t.patterns], dtype=object)
+    hosts = np.array(list(map(attrgetter("host"), t.patterns)), dtype=object)
     slow_hosts = set(hosts[rows])
     if len(set(hosts[valid])) < 2 or slow_hosts == set(hosts[valid]):
         return []
