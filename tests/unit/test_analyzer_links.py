@@ -9,7 +9,8 @@ from test_analyzer import findings, simulate
 
 from rankscope.analyzer.diagnosis import find
 from rankscope.analyzer.rules.links import LinkRoles, link_findings, link_matrix
-from rankscope.schema.patterns import CollectiveColumns, CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, Role, TcpFlow
+from rankscope.schema.patterns import (CollectiveColumns, CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, Role,
+                                       TcpFlow)
 
 COMM = 0x5EED_CAFE
 GBPS = 20e9  # a healthy link

@@ -108,7 +108,8 @@ def _mutated(**changes) -> bytes:
     _mutated(fn={"f": [0, 1, -0.5, 0.1, 0.1, 0.1, 0]}), _mutated(fn={"f": [0, 1, "0.1", 0.1, 0.1, 0.1, 0]}),
     _mutated(fn={"f": "abc"}), _mutated(fn={"f": None}), _mutated(ops=KeyError), _mutated(ops=[1]),
     _mutated(coll={"a": 1}), _mutated(coll=[[0, 1, 2]]), _mutated(coll=[[5, 1, 2, 3]]), _mutated(coll=[[0, 1, 2.5, 3]]),
-    _mutated(coll=[None]), _mutated(coll=[[0, -1, 2, 3]]),
+    _mutated(coll=[None]), _mutated(coll=[[0, -1, 2, 3]]), _mutated(coll=[[0, True, 2, 3]]),
+    _mutated(coll=[[0, 1, 2, 3], [0, 1, 2]]), _mutated(coll=[[0, 1, 2**64 - 1, 3]]), _mutated(coll=[[0, 1, "2", 3]]),
 ])
 def test_malformed_payloads_raise_decode_error(payload):
     with pytest.raises(PatternDecodeError):
