@@ -8,9 +8,12 @@ from different nodes compare.  Their wire encoding is wire.py.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
 
 SCHEMA_VERSION = 3  # 2: roles as codes, collective ops as a table, instants as deltas; 3: scheduler view
 
@@ -58,6 +61,70 @@ class CollectiveRecord:
     bytes: int
     enter: float  # unix s
     done: float  # unix s
+
+
+@dataclass(frozen=True, eq=False)
+class CollectiveColumns(Sequence[CollectiveRecord]):
+    """A rank's collectives, oldest first, as arrays rather than an object each: the analyzer joins 100,000
+    ranks' (1.6M records a window) in ~0.1 s, where reading the objects cost ~0.28 s (analyzer/records.py).
+    Two arrays of two columns, not four of one: half the arrays to allocate and to join (~30 ms less). Reads
+    as a sequence of CollectiveRecord, each built on access (for the few readers of single records, tests)."""
+
+    ops: tuple[str, ...]  # op names, which `op` indexes (the wire's table: first appearance first)
+    keys: np.ndarray  # int64, records x 2: op, bytes
+    instants: np.ndarray  # float64, records x 2: enter, done (unix s)
+
+    @classmethod
+    def named(cls, names: Iterable[str], nbytes: Any, enter: Any, done: Any) -> CollectiveColumns:
+        """From each record's op name and the other columns (lists or arrays)."""
+        index: dict[str, int] = {}
+        op = [index.setdefault(name, len(index)) for name in names]
+        return cls(tuple(index), np.column_stack((np.array(op, np.int64), np.asarray(nbytes, np.int64))),
+                   np.column_stack((np.asarray(enter, float), np.asarray(done, float))))
+
+    @classmethod
+    def of(cls, records: Iterable[CollectiveRecord]) -> CollectiveColumns:
+        recs = list(records)
+        return cls.named([c.op for c in recs], [c.bytes for c in recs], [c.enter for c in recs],
+                         [c.done for c in recs])
+
+    @property
+    def op(self) -> np.ndarray:
+        return self.keys[:, 0]
+
+    @property
+    def bytes(self) -> np.ndarray:
+        return self.keys[:, 1]
+
+    @property
+    def enter(self) -> np.ndarray:
+        return self.instants[:, 0]
+
+    @property
+    def done(self) -> np.ndarray:
+        return self.instants[:, 1]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, i: int) -> CollectiveRecord: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> CollectiveColumns: ...
+
+    def __getitem__(self, i: int | slice) -> CollectiveRecord | CollectiveColumns:
+        if isinstance(i, slice):
+            return CollectiveColumns(self.ops, self.keys[i], self.instants[i])
+        (op, nbytes), (enter, done) = self.keys[i].tolist(), self.instants[i].tolist()
+        return CollectiveRecord(self.ops[op], nbytes, enter, done)
+
+    def __iter__(self) -> Iterator[CollectiveRecord]:
+        for (op, nbytes), (enter, done) in zip(self.keys.tolist(), self.instants.tolist()):
+            yield CollectiveRecord(self.ops[op], nbytes, enter, done)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CollectiveColumns) and list(self) == list(other)
 
 
 @dataclass
@@ -231,7 +298,8 @@ class RankPattern:
     window_end: float  # unix s
     state: str = "running"  # "running" | "exited"
     functions: dict[str, FunctionStats] = field(default_factory=dict)
-    collectives: list[CollectiveRecord] = field(default_factory=list)  # oldest first, bounded
+    # Oldest first, bounded; a list of CollectiveRecord (as tests and benchmarks write them) becomes columns.
+    collectives: CollectiveColumns = field(default_factory=lambda: CollectiveColumns.of(()))
     identity_source: str = "env"  # where rank/world/job came from: "nccl" | "env" | "pid"
     sched: dict[str, ThreadTimes] = field(default_factory=dict)  # by thread role
     neighbours: list[Neighbour] = field(default_factory=list)  # who took the CPU, most waited first
@@ -251,6 +319,10 @@ class RankPattern:
     # themselves, so the window is not compared with the job's baseline (analyzer/baseline.py).
     raised_detail: bool = False
     cpus: HostCpus | None = None  # None: unknown (an older agent, or the process exited)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.collectives, CollectiveColumns):
+            self.collectives = CollectiveColumns.of(self.collectives)
 
     @property
     def window_s(self) -> float:

@@ -19,7 +19,7 @@ from rankscope.analyzer.metrics import rank_table
 from rankscope.analyzer.rules.links import slow_link
 from rankscope.analyzer.rules.stragglers import _arrives_last
 from rankscope.analyzer.steps import step_time, step_times
-from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
+from rankscope.schema.patterns import CollectiveColumns, CollectiveRecord, FunctionStats, RankPattern, Role
 
 T0 = 1_700_000_000.0
 WINDOW = 2.0
@@ -225,7 +225,7 @@ def test_alignment_separates_arrival_from_finish():
 def test_alignment_tolerates_shifted_windows():
     ps = simulate(5, link_extra={3: 0.015})
     ps[0].collectives = ps[0].collectives[:-3]  # this rank's window closed three collectives earlier
-    ps[4].collectives = []  # and this one saw none: not compared, must not wipe out the instances
+    ps[4].collectives = CollectiveColumns.of([])  # and this one saw none: not compared, must not wipe out the instances
     a = align_collectives(ps)
     assert a.instances >= 12
     assert a.finish_late_s[3] == pytest.approx(0.015, abs=0.001)
@@ -243,7 +243,7 @@ def test_a_rank_late_only_at_the_buffer_broadcast_arrives_last():
             arrive = max(mine.enter, theirs.enter)  # the root waits for the late receiver
             recs += [CollectiveRecord("gloo_broadcast", 16_384, mine.enter, arrive + 0.0002),
                      CollectiveRecord("ncclAllReduce", NBYTES, arrive + 0.001, mine.done)]
-        p.collectives = recs
+        p.collectives = CollectiveColumns.of(recs)
     a = align_collectives(ps)
     assert a.arrival_late_s[1] == pytest.approx(0.03, abs=0.003) and a.arrival_late_s[0] < 0.001
     assert a.late_share[1] > 0.9 and a.op == "ncclAllReduce"
@@ -266,7 +266,7 @@ def test_lateness_a_broadcast_root_inherits_from_the_straggler_is_not_its_own():
             done = arrive + 2e-4 if i == 0 else max(root_in[i, k], root_in[0, k]) + 2e-4
             recs += [CollectiveRecord("gloo_broadcast", 4096, root_in[i, k], done)] * 2
             recs.append(CollectiveRecord(c.op, c.bytes, done + work if i == 0 else c.enter, c.done))
-        p.collectives = recs
+        p.collectives = CollectiveColumns.of(recs)
     a = align_collectives(ps)
     assert a.late_share[2] > 0.9 and a.late_share[0] < 0.1
     assert a.waited_for([2]) == pytest.approx(0.03, abs=0.003) and a.waited_for([0]) < 0.002
@@ -373,7 +373,7 @@ def test_a_straggler_the_totals_hide_is_found_from_the_instants():
 def test_two_ranks_without_collective_instants_or_with_a_slow_link_are_undecidable():
     ps = simulate(2, sync_extra={1: 0.03}, seed=9)
     for p in ps:  # totals alone: which of two is "the peers"?
-        p.collectives = []
+        p.collectives = CollectiveColumns.of([])
     assert findings(ps) == []
     # A slow link between two ranks slows both alike: neither arrives last.
     assert findings(simulate(2, link_extra={1: 0.02}, seed=9)) == []
@@ -382,7 +382,7 @@ def test_two_ranks_without_collective_instants_or_with_a_slow_link_are_undecidab
 def test_without_collective_instants_many_ranks_are_still_compared_by_totals():
     ps = simulate(4, sync_extra={2: 0.03}, seed=4)
     for p in ps:  # light patterns of a job whose collectives were not shipped: per-rank totals decide
-        p.collectives = []
+        p.collectives = CollectiveColumns.of([])
     assert [(f["kind"], f["ranks"]) for f in findings(ps)] == [("compute_straggler", [2])]
 
 
@@ -393,7 +393,7 @@ def test_point_to_point_ops_are_not_lined_up_across_the_group():
     rng = np.random.default_rng(1)
     for p in ps:
         sends = [CollectiveRecord("gloo_send", 4096, t, t + 0.001) for t in rng.uniform(T0, T0 + WINDOW, 40)]
-        p.collectives = sorted(p.collectives + sends, key=lambda c: c.done)
+        p.collectives = CollectiveColumns.of(sorted([*p.collectives, *sends], key=lambda c: c.done))
     a = align_collectives(ps)
     assert a.op == "ncclAllReduce" and a.arrival_late_s[1] == pytest.approx(0.03, abs=0.003)
     assert a.late_share[1] == 1.0 and a.late_share[0] == 0.0
@@ -405,12 +405,12 @@ def test_broadcasts_are_not_lined_up_by_their_ends():
     instances by their ends pairs unrelated ones. The all-reduces alone line the ranks up."""
     ps = simulate(3, sync_extra={2: 0.03}, seed=4)
     for p in ps:
-        reduces = list(p.collectives)
-        for c in reduces:
+        recs = list(p.collectives)
+        for c in p.collectives:
             start = c.enter - 0.04
             end = start + (0.035 if p.rank == 0 else 0.001)  # the root waits for the late receiver
-            p.collectives.append(CollectiveRecord("gloo_broadcast", 1024, start, end))
-        p.collectives.sort(key=lambda c: c.done)
+            recs.append(CollectiveRecord("gloo_broadcast", 1024, start, end))
+        p.collectives = CollectiveColumns.of(sorted(recs, key=lambda c: c.done))
     a = align_collectives(ps)
     assert a.op == "ncclAllReduce" and a.arrival_late_s[2] == pytest.approx(0.03, abs=0.003)
     assert a.arrival_late_s[0] < 0.003
@@ -505,7 +505,7 @@ def test_slow_compute_and_slow_link_on_one_rank_is_reported_once():
 
 def test_ranks_without_any_collective_have_unknown_metrics():
     ps = simulate(5, sync_extra={1: 0.03}, seed=20)
-    ps[3].collectives, ps[3].functions = [], {}  # e.g. attached between steps of a stalled rank
+    ps[3].collectives, ps[3].functions = CollectiveColumns.of([]), {}  # e.g. attached between steps of a stalled rank
     doc = diagnose_job(ps)
     assert {k: doc["ranks"][3][k] for k in ("step_time_s", "sync_s", "comm_s", "host_s")} == dict.fromkeys(
         ("step_time_s", "sync_s", "comm_s", "host_s"))

@@ -9,7 +9,8 @@ from test_analyzer import findings, simulate
 
 from rankscope.analyzer.diagnosis import find
 from rankscope.analyzer.rules.links import LinkRoles, link_findings, link_matrix
-from rankscope.schema.patterns import CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, Role, TcpFlow
+from rankscope.schema.patterns import (CollectiveColumns, CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, Role,
+                                       TcpFlow)
 
 COMM = 0x5EED_CAFE
 GBPS = 20e9  # a healthy link
@@ -252,7 +253,8 @@ def pipeline(stage_of: dict[int, int]) -> list[RankPattern]:
     ps = job(len(stage_of))
     for p in ps:
         if stage_of[p.rank]:
-            p.collectives = [CollectiveRecord(c.op, c.bytes * 2, c.enter, c.done) for c in p.collectives]
+            p.collectives = CollectiveColumns.of(CollectiveRecord(c.op, c.bytes * 2, c.enter, c.done)
+                                                 for c in p.collectives)
     return ps
 
 

@@ -7,9 +7,9 @@ import random
 import msgpack
 import pytest
 
-from rankscope.schema.patterns import (KERNEL_NAME_CHARS, MAX_LINKS, SCHEMA_VERSION, TOP_KERNELS, CollectiveGpu,
-                                       CollectiveRecord, FunctionStats, GpuActivity, GpuHealth, GpuKernel, HostCpus,
-                                       LinkStats, PyTimed, RankPattern, Role, TcpFlow)
+from rankscope.schema.patterns import (KERNEL_NAME_CHARS, MAX_LINKS, SCHEMA_VERSION, TOP_KERNELS, CollectiveColumns,
+                                       CollectiveGpu, CollectiveRecord, FunctionStats, GpuActivity, GpuHealth,
+                                       GpuKernel, HostCpus, LinkStats, PyTimed, RankPattern, Role, TcpFlow)
 from rankscope.schema.wire import PatternDecodeError, decode_patterns, encode_patterns, pattern_to_json
 
 T0 = 1_700_000_123.456789
@@ -38,7 +38,9 @@ def typical(rank: int = 3) -> RankPattern:
 def test_round_trip_within_float32():
     ps = [typical(0), typical(1)]
     ps[1].state = "exited"
-    ps[1].collectives.insert(3, CollectiveRecord("ncclAllGather", 4096, T0 + 1.0, T0 + 1.0005))
+    recs = list(ps[1].collectives)
+    recs.insert(3, CollectiveRecord("ncclAllGather", 4096, T0 + 1.0, T0 + 1.0005))
+    ps[1].collectives = CollectiveColumns.of(recs)
     back = decode_patterns(encode_patterns(ps))
     assert len(back) == 2
     for p, q in zip(ps, back):
@@ -106,7 +108,8 @@ def _mutated(**changes) -> bytes:
     _mutated(fn={"f": [0, 1, -0.5, 0.1, 0.1, 0.1, 0]}), _mutated(fn={"f": [0, 1, "0.1", 0.1, 0.1, 0.1, 0]}),
     _mutated(fn={"f": "abc"}), _mutated(fn={"f": None}), _mutated(ops=KeyError), _mutated(ops=[1]),
     _mutated(coll={"a": 1}), _mutated(coll=[[0, 1, 2]]), _mutated(coll=[[5, 1, 2, 3]]), _mutated(coll=[[0, 1, 2.5, 3]]),
-    _mutated(coll=[None]), _mutated(coll=[[0, -1, 2, 3]]),
+    _mutated(coll=[None]), _mutated(coll=[[0, -1, 2, 3]]), _mutated(coll=[[0, True, 2, 3]]),
+    _mutated(coll=[[0, 1, 2, 3], [0, 1, 2]]), _mutated(coll=[[0, 1, 2**64 - 1, 3]]), _mutated(coll=[[0, 1, "2", 3]]),
 ])
 def test_malformed_payloads_raise_decode_error(payload):
     with pytest.raises(PatternDecodeError):

@@ -23,7 +23,7 @@ from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes import net, sched
 from rankscope.agent.sources.probes.nccl import communicators, world_communicator
 from rankscope.agent.sources.source import Source
-from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
+from rankscope.schema.patterns import CollectiveColumns, FunctionStats, RankPattern, Role
 
 STALLED_SAMPLES = 5  # /proc reads of a stalled rank: its state by majority
 # A rank whose last collective completed this long before the window's end is stalled (so far): where it
@@ -172,11 +172,9 @@ class ProgramSource(Source):
                 out.setdefault(pid, symbol)
         return out
 
-    def _collectives(self, done: np.ndarray, mono_to_unix: float) -> list[CollectiveRecord]:
+    def _collectives(self, done: np.ndarray, mono_to_unix: float) -> CollectiveColumns:
         """The window's completed collectives (bpf_program.DONE_RECORD rows), the latest `max_collectives`."""
-        latest = done[-self.detail.max_collectives:][["fn", "enter_ns", "done_ns", "bytes"]].tolist()
-        return [
-            CollectiveRecord(op=self.program.symbol_of.get(fn, f"fn{fn}"), bytes=nbytes,
-                             enter=enter_ns / 1e9 + mono_to_unix, done=done_ns / 1e9 + mono_to_unix)
-            for fn, enter_ns, done_ns, nbytes in latest
-        ]
+        latest = done[-self.detail.max_collectives:]
+        return CollectiveColumns.named([self.program.symbol_of.get(fn, f"fn{fn}") for fn in latest["fn"].tolist()],
+                                       latest["bytes"], latest["enter_ns"] / 1e9 + mono_to_unix,
+                                       latest["done_ns"] / 1e9 + mono_to_unix)
