@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gpu_kit import bundle, tracefs
 from gpu_kit.jobs import GpuJob, library_path, rankscope, start_agent, start_gpu_job, tail
-from rankscope.agent.host.symbols import exported_functions, sdt_sites
+from rankscope.agent.host.symbols import SdtProbe, exported_functions, sdt_sites
 from rankscope.sim.harness import http_json, maps_library, wait_until
 
 STRAGGLER_RANK = 2
@@ -215,19 +215,26 @@ def tracefs_uprobes(kit: Kit) -> dict:
     return figures
 
 
+def _sites(shim: str, probe: str) -> list[SdtProbe]:
+    """The sites of the shim's probe rankscope:`probe` (one per place the compiler put it)."""
+    return [s for provider, name, s in sdt_sites(shim) if (provider, name) == ("rankscope", probe)]
+
+
 def _semaphore(pid: int, shim: str, probe: str) -> int | None:
     """The shim's semaphore of rankscope:`probe` in the job, as the kit's events left it (None: unreadable)."""
-    sites = [s for provider, name, s in sdt_sites(shim) if (provider, name) == ("rankscope", probe)]
+    sites = _sites(shim, probe)
     try:
         return tracefs.semaphore(pid, shim, sites[0].semaphore) if sites and sites[0].semaphore else None
     except OSError:
         return None
 
 
-def _activity_events(u: tracefs.Uprobes, shim: str) -> int:
-    sites = [s for provider, name, s in sdt_sites(shim) if (provider, name) == ("rankscope", "activity")]
+def _usdt_events(u: tracefs.Uprobes, shim: str, probe: str, fields: tuple[str, ...],
+                 strings: tuple[str, ...] = ()) -> int:
+    """An event `probe`N at each site of rankscope:`probe`; returns how many sites."""
+    sites = _sites(shim, probe)
     for i, site in enumerate(sites):
-        u.usdt(f"activity{i}", shim, site, ACTIVITY_FIELDS, strings=("name",))
+        u.usdt(f"{probe}{i}", shim, site, fields, strings=strings)
     return len(sites)
 
 
@@ -258,7 +265,7 @@ def shim_vs_profiler(kit: Kit) -> dict:
         if shim is None:
             raise AssertionError(f"CUDA did not load the shim (CUDA_INJECTION64_PATH): {tail(job.log)}")
         with tracefs.Uprobes(buffer_kb=8192) as u:
-            sites = _activity_events(u, shim)
+            sites = _usdt_events(u, shim, "activity", ACTIVITY_FIELDS, strings=("name",))
             armed = _semaphore(job.pids[0], shim, "activity")
             go.touch()
             job.wait_phase("done", 300)
@@ -345,10 +352,8 @@ def nccl_spans(kit: Kit) -> dict:
         if shim is None or nccl is None:
             raise AssertionError(f"the job maps {'no shim' if shim is None else 'no libnccl'}; {tail(job.log)}")
         with tracefs.Uprobes(buffer_kb=16384) as u:
-            for probe, fields in (("nccl_coll", NCCL_COLL_FIELDS), ("nccl_link", NCCL_LINK_FIELDS)):
-                sites = [s for p, n, s in sdt_sites(shim) if (p, n) == ("rankscope", probe)]
-                for i, site in enumerate(sites):
-                    u.usdt(f"{probe}{i}", shim, site, fields, strings=("func",) if probe == "nccl_coll" else ())
+            _usdt_events(u, shim, "nccl_coll", NCCL_COLL_FIELDS, strings=("func",))
+            _usdt_events(u, shim, "nccl_link", NCCL_LINK_FIELDS)
             time.sleep(1.0)  # the plugin's watcher sees the semaphore within a flush period (0.2 s)
             exported = exported_functions(nccl)
             for symbol in NCCL_CALLS:

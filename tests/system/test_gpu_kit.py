@@ -15,7 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from gpu_kit import bundle, steps, tracefs  # noqa: E402
-from rankscope.agent.host.symbols import sdt_sites  # noqa: E402
 from rankscope.cupti_shim.build import build_shim  # noqa: E402
 
 GPU_STEPS = ("shim_vs_profiler", "nccl_spans", "late_attach", "overhead")
@@ -26,7 +25,7 @@ def test_tracefs_reads_the_shims_records_and_arms_its_semaphore(line, start_driv
     assert driver.emit(1)[2] == 1  # nobody attached: the buffer is skipped
     shim = str(build_shim(line.major))
     with tracefs.Uprobes(buffer_kb=256) as u:
-        sites = [s for p, n, s in sdt_sites(shim) if (p, n) == ("rankscope", "activity")]
+        sites = steps._sites(shim, "activity")
         assert len(sites) == 3  # kernels, copies, sets: one site each
         assert tracefs.semaphore(driver.pid, shim, sites[0].semaphore) == 0
         for i, site in enumerate(sites):

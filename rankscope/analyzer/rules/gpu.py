@@ -76,8 +76,8 @@ def launch_bound(t: RankTable) -> list[Finding]:
         # The GPU's idle share that the host's waits in host-side collectives and copies leave unexplained: a
         # rank waiting there for a straggler launches nothing and its GPU idles (H200, gloo: the three ranks
         # waiting for a slow peer had their GPU idle 95% of the window, 53% of it in gloo, 19% in copies).
-        waits = sum(f.total_s for name, f in p.functions.items()
-                    if f.role == Role.COPY or (f.role == Role.COMM and HOST_COLLECTIVES.match(name)))
+        waits = p.time_in(Role.COPY) + sum(f.total_s for name, f in p.functions.items()
+                                           if f.role == Role.COMM and HOST_COLLECTIVES.match(name))
         void = 1.0 - min(g.busy_s / p.window_s, 1.0) - waits / p.window_s
         sync_share = p.time_in(Role.SYNC) / p.window_s
         mean_kernel = g.kernel_s / g.kernels

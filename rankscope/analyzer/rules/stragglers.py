@@ -164,7 +164,7 @@ def _gpu_busy_excess(t: RankTable) -> np.ndarray:
     and set intervals; NaN: not measured)."""
     busy = np.full(len(t.patterns), np.nan)
     for i, p in enumerate(t.patterns):
-        if p.gpu is not None and p.window_s > 0:
+        if p.gpu is not None:
             busy[i] = p.gpu.busy_s / p.window_s * t.step_s[i]  # NaN with an unknown step
     return peer_deviation(busy, 0.0)[1]
 
