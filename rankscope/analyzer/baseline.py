@@ -3,11 +3,13 @@
 Peers tell a slow rank from the others; they cannot tell that every rank got slower (a new driver, a
 slower dataset, a bigger model). For that a job is compared with itself: each window leaves a StepProfile
 (the job's step time and what each function cost per step, medians over ranks), the baseline is the window
-at the best quarter of the recent ones, and a job clearly slower than it is a regression, named by the
-function whose time per step grew the most.
+at the best quarter of the recent ones (never the single fastest), and a job clearly slower than it is a
+regression, named by the function whose time per step grew the most, or by the wait for a CPU when the job
+runs as long as before and waits longer (rules/regression.py).
 """
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from operator import attrgetter
@@ -20,7 +22,10 @@ from rankscope.analyzer.metrics import RankTable
 
 KEEP_WINDOWS = 720  # an hour of 5 s windows: "recent"
 MIN_WINDOWS = 3  # fewer windows are no baseline
-BEST_QUANTILE = 0.25  # the baseline is this quantile of the recent windows' step times: the good steps
+BEST_QUANTILE = 0.25  # the baseline is this quantile of the recent windows' step times: the good steps...
+# ...but never the fastest window alone: of few windows that is one lucky window (mlp-2 stepped 5.5 ms in its
+# first window and 7.4-7.9 ms in the next nine as neighbours' load came on; the 3-window baseline was 5.5 ms)
+NOT_FASTEST = 1
 SLOWDOWN_THRESHOLD = 0.10  # a job this much slower than its baseline has regressed (and triggers deep mode)
 
 
@@ -31,6 +36,8 @@ class StepProfile:
     end: float  # unix s
     step_s: float
     host_s: float  # outside every probed function
+    runq_s: float  # the main thread waiting for a CPU; NaN: no scheduler view
+    oncpu_s: float  # the main thread running; NaN: no scheduler view
     functions: dict[str, float]  # probed function -> seconds per step
     python: dict[str, float]  # Python function -> self seconds per step
 
@@ -42,8 +49,11 @@ class StepProfile:
             return None
         fn = np.median(t.fn_s[valid], axis=0) if t.fn_names else []
         py = np.median(t.py_s[valid], axis=0) if t.py_names else []
+        with warnings.catch_warnings():  # no scheduler view on any rank: NaN, said once here
+            warnings.simplefilter("ignore", RuntimeWarning)
+            runq, oncpu = (float(np.nanmedian(x[valid])) for x in (t.runq_s, t.oncpu_s))
         return cls(end=max(map(attrgetter("window_end"), t.patterns)), step_s=float(np.median(t.step_s[valid])),
-                   host_s=float(np.median(t.host_s[valid])),
+                   host_s=float(np.median(t.host_s[valid])), runq_s=runq, oncpu_s=oncpu,
                    functions=dict(zip(t.fn_names, map(float, fn))), python=dict(zip(t.py_names, map(float, py))))
 
 
@@ -94,4 +104,5 @@ class Baseline:
         ordered = sorted(self._windows, key=lambda w: w.step_s)
         steps = np.array([w.step_s for w in ordered])
         spread = MAD_TO_SIGMA * float(np.median(np.abs(steps - np.median(steps))))
-        return Reference(ordered[int(BEST_QUANTILE * (len(ordered) - 1))], len(ordered), spread)
+        best = max(NOT_FASTEST, int(BEST_QUANTILE * (len(ordered) - 1)))
+        return Reference(ordered[best], len(ordered), spread)

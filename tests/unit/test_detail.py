@@ -9,7 +9,7 @@ def doc(step: float, base: float | None, noise: float = 0.0) -> Comparison | Non
     """A window's step time against the job's baseline, its verdict from the analyzer's own rule (10%)."""
     if base is None:
         return None
-    ref = Reference(StepProfile(end=0.0, step_s=base, host_s=0.0, functions={}, python={}), 10, noise)
+    ref = Reference(StepProfile(end=0.0, step_s=base, host_s=0.0, runq_s=0.0, oncpu_s=0.0, functions={}, python={}), 10, noise)
     return Comparison(step, base, ref.slower(step, 0.10))
 
 

@@ -17,6 +17,12 @@ BROAD_SHARE = 0.75  # a regression: at least this share of ranks shows the growt
 # on its three ranks, and the regression was never confirmed at half). A straggler's part does not grow on
 # its peers at all (they wait in comm instead), and the straggler rules are asked first.
 GROWN_SHARE = 0.25
+# A job that runs as long on its CPUs as in its baseline but waits longer for them has not changed: the host's
+# CPUs went to other work. Then the step's growth is named after the wait, not after the function it stretched
+# (mlp-2 beside neighbours' load: +2.3 ms a step, main threads +0.9 ms runnable and +0.2 ms on CPU, gloo's
+# threads waiting for a CPU inside the all-reduce made it "gloo_allreduce grew by 1.5 ms, component link").
+CPU_WAIT_SHARE = 0.25  # the main threads' extra wait for a CPU is at least this share of the growth...
+CPU_RAN_SHARE = 0.2  # ...and their extra time on CPU under this share (a job computing longer runs longer)
 
 
 def regression(t: RankTable, ref: Reference | None, threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
@@ -50,15 +56,38 @@ def regression(t: RankTable, ref: Reference | None, threshold: float = SLOWDOWN_
         function = python[0][0]  # host time grew: the Python function where it went names it
         component = "input" if DATA_LOADING.search(function) else "python"
     cost = float(np.clip(grown / now.step_s, 0.0, 1.0))
-    where = function or "host work outside CUDA and NCCL calls"
+    waited, ran = now.runq_s - base.runq_s, now.oncpu_s - base.oncpu_s  # NaN without a scheduler view
+    starved = bool(waited >= CPU_WAIT_SHARE * grown and ran < CPU_RAN_SHARE * grown)
+    if starved:
+        function, component = None, "cpu"
+        where = (f"the ranks wait {ms(waited)} longer per step for a CPU while running as long as before "
+                 f"({_busy(t)}); {name or 'host work'} grew by {ms(growth)} per step waiting with them")
+    else:
+        where = f"{function or 'host work outside CUDA and NCCL calls'} grew by {ms(growth)} per step"
     return [Finding(
         kind="regression", ranks=sorted(int(r) for r in t.rank[valid]), function=function, component=component,
         score=grown / ref.noise_s, cost=cost,
         summary=(f"every rank is slower than the job's baseline: {ms(now.step_s)} per step instead of "
-                 f"{ms(base.step_s)} (+{grown / base.step_s:.0%}); {where} grew by {ms(growth)} per step; "
-                 f"costs {cost:.0%} of step time"),
-        evidence={"step_time_s": now.step_s, "baseline_step_s": base.step_s, "baseline_windows": ref.windows,
+                 f"{ms(base.step_s)} (+{grown / base.step_s:.0%}); {where}; costs {cost:.0%} of step time"),
+        evidence={"cpu_starved": starved, "runq_growth_s": _plain(waited), "oncpu_growth_s": _plain(ran),
+                  "step_time_s": now.step_s, "baseline_step_s": base.step_s, "baseline_windows": ref.windows,
                   "baseline_end": base.end, "baseline_noise_s": ref.noise_s, "grown_s": grown, "function_growth_s": growth,
                   "function_baseline_s": before, "ranks_grown_share": broad,
                   "python_growth": [{"function": f, "grown_s": g} for f, g in python[:3] if g > 0]},
     )]
+
+
+def _plain(v: float) -> float | None:
+    return None if v != v else v
+
+
+def _busy(t: RankTable) -> str:
+    """What kept the ranks' CPUs: the host's idle share, and the busiest tasks outside the job."""
+    job = {p.pid for p in t.patterns}
+    idle = [p.cpus.idle for p in t.patterns if p.cpus is not None]
+    waited: dict[tuple[str, int], float] = {}
+    for n in (n for p in t.patterns for n in p.neighbours if n.pid not in job):
+        waited[n.name, n.pid] = waited.get((n.name, n.pid), 0.0) + n.waited_s
+    others = ", ".join(f"{name} (pid {pid})" for name, pid in sorted(waited, key=lambda k: -waited[k])[:2])
+    cpus = f"the host's CPUs {float(np.median(idle)):.0%} idle" if idle else "the host's CPUs busy"
+    return f"{cpus}; other tasks ran while they waited: {others}" if others else cpus
