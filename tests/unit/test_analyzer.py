@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from rankscope.analyzer.rules.links import slow_link
 from rankscope.analyzer.rules.stragglers import _arrives_last
 from rankscope.analyzer.steps import step_time, step_times
 from rankscope.schema.patterns import CollectiveColumns, CollectiveRecord, FunctionStats, RankPattern, Role
+from rankscope.schema.wire import decode_patterns
 
 T0 = 1_700_000_000.0
 WINDOW = 2.0
@@ -171,6 +173,15 @@ def test_two_hiccups_of_a_one_collective_step_are_not_a_burst_period():
     # Bursts that do recur (9 buckets a step, 60 steps) are still one step each.
     many = _bursts(60, [1_000_000] * 9, [0.02] + [0.002] * 8, 0.048)
     assert step_time(_pattern(many)) == pytest.approx(0.048, rel=0.01)
+
+
+def test_hiccups_of_one_rank_in_a_short_sequence_are_not_the_jobs_burst_period():
+    # An agent's light window of the 2-rank MLP (64 all-reduces of one size a rank, ~6 ms steps): two 16 ms
+    # gaps 31 calls apart on rank 1 alone fit a 31-call burst; its peer shows none, so the job has none.
+    window = Path(__file__).resolve().parents[1] / "data" / "agent-windows" / "mlp-2-healthy-hiccups.msgpack"
+    ps = decode_patterns(window.read_bytes())
+    own = [p.functions["gloo_allreduce"].count for p in ps]
+    assert step_times(ps) == pytest.approx([np.mean([p.window_s / n for p, n in zip(ps, own)])] * 2, rel=0.05)
 
 
 def test_steps_that_alternate_in_length_are_still_one_step_each():
