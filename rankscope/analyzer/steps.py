@@ -23,6 +23,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from rankscope.analyzer.functions import FunctionTable
 from rankscope.analyzer.records import Collectives
 from rankscope.schema.patterns import RankPattern, Role
 
@@ -129,13 +130,11 @@ def _period_op(seq: Sequence[tuple[str, int]], c: _Candidate) -> tuple[str, int]
     return op, per_op[op]
 
 
-def _over_window(patterns: Sequence[RankPattern], rows: np.ndarray, window_s: np.ndarray, op: str,
+def _over_window(functions: FunctionTable, rows: np.ndarray, window_s: np.ndarray, op: str,
                  per_step: int) -> np.ndarray:
     """Per row: the step over the whole window from call counts, window / (op's calls / per_step); NaN with
     too few steps in the window to beat the edges (a step cut by the window's start or end) or no count."""
-    counts = np.fromiter((f.count if f is not None else 0 for f in (patterns[i].functions.get(op) for i in rows)),
-                         float, rows.size)
-    steps = counts / per_step
+    steps = functions.count_of(op)[rows] / per_step
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(steps >= WINDOW_STEPS, window_s[rows] / steps, np.nan)
 
@@ -163,9 +162,10 @@ def window_seconds(patterns: Sequence[RankPattern]) -> np.ndarray:
 
 
 def step_times(patterns: Sequence[RankPattern], records: Collectives | None = None,
-               window_s: np.ndarray | None = None) -> np.ndarray:
+               window_s: np.ndarray | None = None, functions: FunctionTable | None = None) -> np.ndarray:
     """The step time of every pattern of one job (NaN: unknown); `records`: their collectives, `window_s`:
-    their window_seconds, when read already (each read is a pass over the patterns: ~20 ms at 100,000).
+    their window_seconds, `functions`: their FunctionTable, when read already (each read is a pass over the
+    patterns: ~20 ms at 100,000).
     Vectorized: ranks of a job share their collective sequence, so periods are proposed once per distinct
     sequence and spans are taken per group."""
     cols = Collectives.of(patterns) if records is None else records
@@ -186,7 +186,8 @@ def step_times(patterns: Sequence[RankPattern], records: Collectives | None = No
         for c in candidates:
             mine = ks == c.k
             if mine.any():
-                out[rows[mine]] = _over_window(patterns, rows[mine], window_s, *_period_op(seq, c))
+                functions = FunctionTable.of(patterns) if functions is None else functions
+                out[rows[mine]] = _over_window(functions, rows[mine], window_s, *_period_op(seq, c))
         out[rows] = np.where(np.isfinite(out[rows]), out[rows], spans)
     known = np.isfinite(out)
     seen = cols.counts > 0
