@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from operator import attrgetter
 
 import numpy as np
@@ -63,9 +64,10 @@ class RankTable:
         return np.minimum(np.fmax(loading(self.timed_names, self.timed_s), loading(self.py_names, self.py_s)),
                           self.host_s)
 
-    @property
+    @cached_property
     def job_step_s(self) -> float:
-        """The job's step time: the median over ranks (ranks of a synchronous job share it)."""
+        """The job's step time: the median over ranks (ranks of a synchronous job share it). Once: the rules
+        ask ~20 times (100,000 ranks: ~1.5 ms each)."""
         known = self.step_s[np.isfinite(self.step_s)]
         return float(np.median(known)) if known.size else float("nan")
 
