@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rankscope.analyzer.medians import row_medians
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.steps import step_times, window_starts
 from rankscope.schema.patterns import RankPattern
@@ -160,8 +161,8 @@ def _late_per_step(enter: np.ndarray, step_s: float,
         others = np.median(stretches, axis=0, keepdims=True)
     else:  # a small job: each rank against the others only (of two ranks, the median of both halves it)
         others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in range(n)])
-    share = np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1)
-    return np.median(stretches, axis=1, overwrite_input=True), share, *_ahead(late, first, step_s)
+    return (row_medians(stretches), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1),
+            *_ahead(late, first, step_s))
 
 
 def _ahead(late: np.ndarray, first: np.ndarray, step_s: float) -> tuple[np.ndarray, np.ndarray]:
@@ -338,10 +339,9 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     else:
         ahead = np.full((n, pieces.shape[1]), np.nan, np.float32)
         ahead[compared] = pieces
-    out.finish_late_s[compared] = np.median(Dk - Dk.min(axis=0), axis=1)
-    out.transfer_s[compared] = np.median(Dk - Ek.max(axis=0), axis=1)
-    # One payload per instance across the row, the common case: that is its median (~2 ms, the median ~18).
-    out.bytes[compared] = Bk[:, 0] if (Bk == Bk[:, :1]).all() else np.median(Bk, axis=1)
+    out.finish_late_s[compared] = row_medians(Dk - Dk.min(axis=0))
+    out.transfer_s[compared] = row_medians(Dk - Ek.max(axis=0))
+    out.bytes[compared] = row_medians(Bk)
     names = {i: name for name, i in op_ids.items()}
     top_op = Counter(ref_op[kept].tolist()).most_common(1)[0][0]
     return Alignment(out.arrival_late_s, out.finish_late_s, out.transfer_s, out.bytes,

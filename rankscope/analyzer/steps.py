@@ -24,6 +24,7 @@ from operator import attrgetter
 import numpy as np
 
 from rankscope.analyzer.functions import FunctionTable
+from rankscope.analyzer.medians import row_medians
 from rankscope.analyzer.records import Collectives
 from rankscope.schema.patterns import RankPattern, Role
 
@@ -103,7 +104,7 @@ def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     long gaps recur at some spacing: two hiccups of a one-call step 218 calls apart made a 218-step "burst"
     (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three."""
     gaps = np.diff(enter, axis=1)
-    long = gaps > LONG_GAP * np.median(gaps, axis=1, keepdims=True)
+    long = gaps > LONG_GAP * row_medians(gaps)[:, None]
     seen = 2 if enter.shape[1] <= SHORT_SEQUENCE else BURSTS_SEEN
     out = np.ones(enter.shape[0], np.intp)
     # Only rows with enough long gaps can be bursts: a steady job's rows have none, and leave the loop below.
