@@ -56,7 +56,7 @@ class FunctionStats:
 @dataclass(frozen=True, eq=False, slots=True)
 class FunctionColumns(Mapping[str, FunctionStats]):
     """A rank's function statistics, name -> FunctionStats, as two arrays rather than an object each: the
-    analyzer joins 100,000 ranks' (1.1M statistics a window) in ~85 ms, where reading the objects cost ~0.2 s
+    analyzer joins 100,000 ranks' (1.1M statistics a window) in ~75 ms, where reading the objects cost ~0.19 s
     (analyzer/functions.py; a tuple per field read ~40 ms slower, its floats scattered over the heap). Each
     FunctionStats is built on access (the few readers of single functions: the rules' evidence, Prometheus);
     it is a copy, so change a rank's functions by replacing them whole."""
