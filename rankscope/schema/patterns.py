@@ -59,7 +59,7 @@ class FunctionColumns(Mapping[str, FunctionStats]):
     analyzer joins 100,000 ranks' (1.1M statistics a window) in ~75 ms, where reading the objects cost ~0.19 s
     (analyzer/functions.py; a tuple per field read ~40 ms slower, its floats scattered over the heap). Each
     FunctionStats is built on access (the few readers of single functions: the rules' evidence, Prometheus);
-    it is a copy, so change a rank's functions by replacing them whole."""
+    it is a copy, so change a rank's functions by replacing them whole (with_function)."""
 
     names: tuple[str, ...]
     roles: tuple[Role, ...]
@@ -73,6 +73,10 @@ class FunctionColumns(Mapping[str, FunctionStats]):
         return cls(tuple(functions), tuple(Role(f.role) for f in stats),
                    np.array([(f.count, f.bytes) for f in stats], np.int64).reshape(-1, 2),
                    np.array([(f.total_s, f.max_s, f.p50_s, f.p99_s) for f in stats], float).reshape(-1, 4))
+
+    def with_function(self, f: FunctionStats) -> FunctionColumns:
+        """These statistics with `f`'s set under its name (in place of the old, or added last)."""
+        return FunctionColumns.of({**self, f.name: f})
 
     def __getitem__(self, name: str) -> FunctionStats:
         try:

@@ -93,7 +93,7 @@ def simulate(n: int, *, job: str = "job-a", seed: int = 0, sync_extra: dict[int,
 
 def set_function(p: RankPattern, f: FunctionStats) -> None:
     """Set (or add) one function's statistics: a pattern holds them as columns, replaced whole."""
-    p.functions = FunctionColumns.of({**p.functions, f.name: f})
+    p.functions = p.functions.with_function(f)
 
 
 def findings(patterns: list[RankPattern]) -> list[dict]:
