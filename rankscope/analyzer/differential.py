@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rankscope.analyzer.medians import row_medians
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.steps import step_times, window_starts
 from rankscope.schema.patterns import RankPattern
@@ -149,16 +150,18 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     late = enter - first
     if held is not None:
         late -= _carried(held, first, step_s)
-    late = np.maximum(late, 0.0)
+    np.maximum(late, 0.0, out=late)  # in place, as the stretches below: 100,000 ranks' temporaries are 13 MB each
     ends = np.searchsorted(first, first + STEP_SPAN * step_s, side="left")
     starts = np.flatnonzero(ends - np.arange(first.size) >= 1)
-    stretches = np.stack([late[:, j:ends[j]].max(axis=1) for j in starts], axis=1)
+    stretches = np.empty((late.shape[0], starts.size))
+    for c, j in enumerate(starts.tolist()):
+        np.max(late[:, j:ends[j]], axis=1, out=stretches[:, c])
     n = stretches.shape[0]
     if n > LEAVE_ONE_OUT_MAX:  # one rank moves no median of many
         others = np.median(stretches, axis=0, keepdims=True)
     else:  # a small job: each rank against the others only (of two ranks, the median of both halves it)
         others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in range(n)])
-    return (np.median(stretches, axis=1), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1),
+    return (row_medians(stretches), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1),
             *_ahead(late, first, step_s))
 
 
@@ -172,8 +175,10 @@ def _ahead(late: np.ndarray, first: np.ndarray, step_s: float) -> tuple[np.ndarr
     lo = np.searchsorted(first, mid, side="left")
     hi = np.searchsorted(first, mid + span, side="left")
     late = late.astype(np.float32)  # microseconds kept; 100,000 ranks x ~130 pieces: 52 MB, not 104
-    none = np.zeros(late.shape[0], np.float32)
-    pieces = np.stack([late[:, a:b].max(axis=1) if b > a else none for a, b in zip(lo, hi)], axis=1)
+    pieces = np.zeros((late.shape[0], mid.size), np.float32)
+    for c, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+        if b > a:
+            np.max(late[:, a:b], axis=1, out=pieces[:, c])
     return pieces, np.diff(cuts) / step_s
 
 
@@ -267,23 +272,32 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
 
     col = np.full(op.size, -1, dtype=np.intp)
     dist = np.full(op.size, np.inf)
+    # In place where it can be: each temporary of 1.6M records is 13 MB of fresh memory (in a process's first
+    # window, huge pages the kernel compacts and clears). 100,000 ranks: ~20 ms, where a temporary per step
+    # took ~30 ms, ~100 in the first window.
     for o in np.unique(ref_op):
         idx = np.flatnonzero(ref_op == o)
         idx = idx[np.argsort(ref_done[idx], kind="stable")]
         vals = ref_done[idx]
-        sel = np.flatnonzero(op == o)
-        pos = np.searchsorted(vals, done[sel])
-        lo = np.clip(pos - 1, 0, vals.size - 1)
-        hi = np.clip(pos, 0, vals.size - 1)
-        d_lo, d_hi = np.abs(done[sel] - vals[lo]), np.abs(done[sel] - vals[hi])
-        col[sel] = idx[np.where(d_hi < d_lo, hi, lo)]
-        dist[sel] = np.minimum(d_lo, d_hi)
+        mine = op == o
+        sel = slice(None) if mine.all() else np.flatnonzero(mine)  # one op, the common case: no gather
+        d = done[sel]
+        hi = np.searchsorted(vals, d)
+        lo = np.clip(hi - 1, 0, vals.size - 1)
+        np.clip(hi, 0, vals.size - 1, out=hi)
+        d_lo, d_hi = vals[lo], vals[hi]
+        np.abs(np.subtract(d, d_lo, out=d_lo), out=d_lo)
+        np.abs(np.subtract(d, d_hi, out=d_hi), out=d_hi)
+        np.copyto(lo, hi, where=d_hi < d_lo)  # the nearer of the two
+        col[sel] = idx[lo]
+        dist[sel] = np.minimum(d_lo, d_hi, out=d_lo)
 
     # One record per (rank, instance): the nearest, should two records of a rank match one instance.
     ok = np.flatnonzero(dist < step_s / 2)
     every = ok.size == op.size  # each record matched an instance: the columns themselves, no gather of 1.6M
-    key = row * n_inst + col if every else row[ok] * n_inst + col[ok]
-    in_order = bool((np.diff(key) > 0).all())
+    key = (row if every else row[ok]) * n_inst
+    key += col if every else col[ok]
+    in_order = bool((key[1:] > key[:-1]).all())
     if in_order:  # the common case, each instance matched once and in order: no sort
         take = ok
     else:
@@ -320,11 +334,14 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     else:
         held, arrivals = None, Ek
     out.arrival_late_s[compared], out.late_share[compared], pieces, lengths = _late_per_step(arrivals, step_s, held)
-    ahead = np.full((n, pieces.shape[1]), np.nan, np.float32)
-    ahead[compared] = pieces
-    out.finish_late_s[compared] = np.median(Dk - Dk.min(axis=0), axis=1)
-    out.transfer_s[compared] = np.median(Dk - Ek.max(axis=0), axis=1)
-    out.bytes[compared] = np.median(Bk, axis=1)
+    if compared.all():  # every rank: the pieces themselves (100,000 ranks: no second 12 MB array to fill)
+        ahead = pieces
+    else:
+        ahead = np.full((n, pieces.shape[1]), np.nan, np.float32)
+        ahead[compared] = pieces
+    out.finish_late_s[compared] = row_medians(Dk - Dk.min(axis=0))
+    out.transfer_s[compared] = row_medians(Dk - Ek.max(axis=0))
+    out.bytes[compared] = row_medians(Bk)
     names = {i: name for name, i in op_ids.items()}
     top_op = Counter(ref_op[kept].tolist()).most_common(1)[0][0]
     return Alignment(out.arrival_late_s, out.finish_late_s, out.transfer_s, out.bytes,

@@ -23,6 +23,10 @@ def peer_groups(patterns: Sequence[RankPattern], records: Collectives | None = N
     n = len(patterns)
     if not cols.op.size:  # no rank completed a collective: one role, as far as can be told
         return [np.arange(n)]
+    # Every rank saw records, all of one op and payload, the common case: one role, no sort of 1.6M records
+    # (~20 ms at 100,000 ranks) to tell their pairs.
+    if cols.counts.all() and (cols.op == cols.op[0]).all() and (cols.bytes == cols.bytes[0]).all():
+        return [np.arange(n)]
     # Each rank's set of (op, bytes) as a row of flags over the job's distinct pairs: read in numpy, not per record.
     sizes, size = np.unique(cols.bytes, return_inverse=True)
     pairs, pair = np.unique(cols.op * sizes.size + size.ravel(), return_inverse=True)

@@ -23,6 +23,8 @@ from operator import attrgetter
 
 import numpy as np
 
+from rankscope.analyzer.functions import FunctionTable
+from rankscope.analyzer.medians import row_medians
 from rankscope.analyzer.records import Collectives
 from rankscope.schema.patterns import RankPattern, Role
 
@@ -108,7 +110,7 @@ def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     long gaps recur at some spacing: two hiccups of a one-call step 218 calls apart made a 218-step "burst"
     (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three."""
     gaps = np.diff(enter, axis=1)
-    long = gaps > LONG_GAP * np.median(gaps, axis=1, keepdims=True)
+    long = gaps > LONG_GAP * row_medians(gaps)[:, None]
     seen = 2 if enter.shape[1] <= SHORT_SEQUENCE else BURSTS_SEEN
     out = np.ones(enter.shape[0], np.intp)
     # Only rows with enough long gaps can be bursts: a steady job's rows have none, and leave the loop below.
@@ -135,13 +137,11 @@ def _period_op(seq: Sequence[tuple[str, int]], c: _Candidate) -> tuple[str, int]
     return op, per_op[op]
 
 
-def _over_window(patterns: Sequence[RankPattern], rows: np.ndarray, window_s: np.ndarray, op: str,
+def _over_window(functions: FunctionTable, rows: np.ndarray, window_s: np.ndarray, op: str,
                  per_step: int) -> np.ndarray:
     """Per row: the step over the whole window from call counts, window / (op's calls / per_step); NaN with
     too few steps in the window to beat the edges (a step cut by the window's start or end) or no count."""
-    counts = np.fromiter((f.count if f is not None else 0 for f in (patterns[i].functions.get(op) for i in rows)),
-                         float, rows.size)
-    steps = counts / per_step
+    steps = functions.count_of(op)[rows] / per_step
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(steps >= WINDOW_STEPS, window_s[rows] / steps, np.nan)
 
@@ -169,9 +169,10 @@ def window_seconds(patterns: Sequence[RankPattern]) -> np.ndarray:
 
 
 def step_times(patterns: Sequence[RankPattern], records: Collectives | None = None,
-               window_s: np.ndarray | None = None) -> np.ndarray:
+               window_s: np.ndarray | None = None, functions: FunctionTable | None = None) -> np.ndarray:
     """The step time of every pattern of one job (NaN: unknown); `records`: their collectives, `window_s`:
-    their window_seconds, when read already (each read is a pass over the patterns: ~20 ms at 100,000).
+    their window_seconds, `functions`: their FunctionTable, when read already (each read is a pass over the
+    patterns: ~20 ms at 100,000).
     Vectorized: ranks of a job share their collective sequence, so periods are proposed once per distinct
     sequence and spans are taken per group."""
     cols = Collectives.of(patterns) if records is None else records
@@ -192,7 +193,8 @@ def step_times(patterns: Sequence[RankPattern], records: Collectives | None = No
         for c in candidates:
             mine = ks == c.k
             if mine.any():
-                out[rows[mine]] = _over_window(patterns, rows[mine], window_s, *_period_op(seq, c))
+                functions = FunctionTable.of(patterns) if functions is None else functions
+                out[rows[mine]] = _over_window(functions, rows[mine], window_s, *_period_op(seq, c))
         out[rows] = np.where(np.isfinite(out[rows]), out[rows], spans)
     known = np.isfinite(out)
     seen = cols.counts > 0

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from rankscope.schema.patterns import (SCHEMA_VERSION, CollectiveColumns, CollectiveGpu, FunctionStats, GpuActivity,
+from rankscope.schema.patterns import (SCHEMA_VERSION, CollectiveColumns, CollectiveGpu, FunctionColumns, GpuActivity,
                                        GpuHealth, GpuKernel, HostCpus, LinkStats, Neighbour, PyFunction, PyTimed,
                                        RankPattern, Role, TcpFlow, ThreadTimes)
 
@@ -43,6 +43,12 @@ def _collectives_to_wire(c: CollectiveColumns, end_us: int) -> tuple[list[str], 
     return list(index), list(map(list, zip(op, c.bytes.tolist(), since.tolist(), (done_us - enter_us).tolist())))
 
 
+def _functions_to_wire(f: FunctionColumns) -> dict[str, list]:
+    """name -> [role code, count, total, max, p50, p99, bytes]."""
+    return {name: [_ROLE_CODE[role], count, *times, nbytes]
+            for name, role, (count, nbytes), times in zip(f.names, f.roles, f.calls.tolist(), f.times.tolist())}
+
+
 def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
     end_us = _us(p.window_end)
     ops, coll = _collectives_to_wire(p.collectives, end_us)
@@ -57,10 +63,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         "end": end_us,
         "state": p.state,
         "id": p.identity_source,
-        "fn": {
-            name: [_ROLE_CODE[Role(f.role)], f.count, f.total_s, f.max_s, f.p50_s, f.p99_s, f.bytes]
-            for name, f in p.functions.items()
-        },
+        "fn": _functions_to_wire(p.functions),
         "ops": ops,
         "coll": coll,
         "sch": {role: [t.threads, t.on_cpu_s, t.runq_s, t.sleep_s, t.io_s, t.reclaim_s, t.preempted, t.runq_p99_s]
@@ -136,21 +139,23 @@ def _cpus_from_wire(raw: Any) -> HostCpus | None:
     return HostCpus(_int(count, "cpu count", minimum=1), idle)
 
 
-def _function_from_wire(name: Any, row: Any) -> FunctionStats:
-    name = _str(name, "function name")
-    code, count, total, mx, p50, p99, nbytes = _list(row, f"function {name}", len(_FN_FIELDS))
-    if _int(code, f"{name}.role") not in _ROLE_OF_CODE:
-        raise PatternDecodeError(f"{name}: unknown role code {code}")
-    return FunctionStats(
-        name=name,
-        role=_ROLE_OF_CODE[code],
-        count=_int(count, f"{name}.count"),
-        total_s=_seconds(total, f"{name}.total_s"),
-        max_s=_seconds(mx, f"{name}.max_s"),
-        p50_s=_seconds(p50, f"{name}.p50_s"),
-        p99_s=_seconds(p99, f"{name}.p99_s"),
-        bytes=_int(nbytes, f"{name}.bytes"),
-    )
+def _functions_from_wire(raw: Any) -> FunctionColumns:
+    """Each row checked field by field as before; counts and bytes past int64 are refused (OverflowError)."""
+    if not isinstance(raw, dict):
+        raise PatternDecodeError("fn: expected a map")
+    names, roles, calls, times = [], [], [], []
+    for name, row in raw.items():
+        name = _str(name, "function name")
+        code, count, total, mx, p50, p99, nbytes = _list(row, f"function {name}", len(_FN_FIELDS))
+        if _int(code, f"{name}.role") not in _ROLE_OF_CODE:
+            raise PatternDecodeError(f"{name}: unknown role code {code}")
+        names.append(name)
+        roles.append(_ROLE_OF_CODE[code])
+        calls.append((_int(count, f"{name}.count"), _int(nbytes, f"{name}.bytes")))
+        times.append((_seconds(total, f"{name}.total_s"), _seconds(mx, f"{name}.max_s"),
+                      _seconds(p50, f"{name}.p50_s"), _seconds(p99, f"{name}.p99_s")))
+    return FunctionColumns(tuple(names), tuple(roles), np.array(calls, np.int64).reshape(-1, 2),
+                           np.array(times, float).reshape(-1, 4))
 
 
 def _collectives_from_wire(ops_raw: Any, rows: Any, end_us: int) -> CollectiveColumns:
@@ -279,9 +284,6 @@ def _pattern_from_wire(d: Any) -> RankPattern:
         end_us = _int(d["end"], "end")
         if end_us < start_us:
             raise PatternDecodeError("window ends before it starts")
-        fn = d["fn"]
-        if not isinstance(fn, dict):
-            raise PatternDecodeError("fn: expected a map")
         return RankPattern(
             job=_str(d["job"], "job"),
             rank=_int(d["rank"], "rank"),
@@ -292,7 +294,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             window_end=end_us / 1e6,
             state=_str(d["state"], "state"),
             identity_source=_str(d["id"], "id"),
-            functions={f.name: f for f in (_function_from_wire(k, v) for k, v in fn.items())},
+            functions=_functions_from_wire(d["fn"]),
             collectives=_collectives_from_wire(d["ops"], d["coll"], end_us),
             sched=_sched_from_wire(d["sch"]),
             neighbours=_neighbours_from_wire(d["nb"]),
@@ -345,7 +347,7 @@ def decode_patterns(data: bytes) -> list[RankPattern]:
 def pattern_to_json(p: RankPattern) -> dict[str, Any]:
     """The JSON view served by /v1/patterns: field names spelled out for people and scripts."""
     d = asdict(p)
-    d["collectives"] = [asdict(c) for c in p.collectives]  # records, as before they were held as columns
-    for f in d["functions"].values():
-        f["role"] = f["role"].value if isinstance(f["role"], Role) else f["role"]
+    # Records and statistics, as before they were held as columns.
+    d["collectives"] = [asdict(c) for c in p.collectives]
+    d["functions"] = {name: {**asdict(f), "role": f.role.value} for name, f in p.functions.items()}
     return d

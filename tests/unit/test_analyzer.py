@@ -20,7 +20,8 @@ from rankscope.analyzer.metrics import rank_table
 from rankscope.analyzer.rules.links import slow_link
 from rankscope.analyzer.rules.stragglers import _arrives_last
 from rankscope.analyzer.steps import step_time, step_times
-from rankscope.schema.patterns import CollectiveColumns, CollectiveRecord, FunctionStats, RankPattern, Role
+from rankscope.schema.patterns import (CollectiveColumns, CollectiveRecord, FunctionColumns, FunctionStats, RankPattern,
+                                       Role)
 from rankscope.schema.wire import decode_patterns
 
 T0 = 1_700_000_000.0
@@ -90,6 +91,11 @@ def simulate(n: int, *, job: str = "job-a", seed: int = 0, sync_extra: dict[int,
                                window_start=w0, window_end=w1, functions=fns, collectives=recs,
                                identity_source="nccl"))
     return out
+
+
+def set_function(p: RankPattern, f: FunctionStats) -> None:
+    """Set (or add) one function's statistics: a pattern holds them as columns, replaced whole."""
+    p.functions = p.functions.with_function(f)
 
 
 def findings(patterns: list[RankPattern]) -> list[dict]:
@@ -376,7 +382,8 @@ def test_a_straggler_the_totals_hide_is_found_from_the_instants():
     """The others' step - COMM swings by 90 ms (buckets overlapping backward unevenly on a loaded host): the
     straggler's work is no robust outlier, yet it arrives last in every step."""
     ps = simulate(3, host_extra={2: 0.03}, seed=3)
-    ps[1].functions["ncclAllReduce"].total_s *= 1.8  # rank 1's COMM swollen by overlap: its work reads negative
+    comm = ps[1].functions["ncclAllReduce"]  # rank 1's COMM swollen by overlap: its work reads negative
+    set_function(ps[1], dataclasses.replace(comm, total_s=comm.total_s * 1.8))
     [f] = findings(ps)
     assert (f["kind"], f["ranks"]) == ("compute_straggler", [2])
 
@@ -516,7 +523,8 @@ def test_slow_compute_and_slow_link_on_one_rank_is_reported_once():
 
 def test_ranks_without_any_collective_have_unknown_metrics():
     ps = simulate(5, sync_extra={1: 0.03}, seed=20)
-    ps[3].collectives, ps[3].functions = CollectiveColumns.of([]), {}  # e.g. attached between steps of a stalled rank
+    # e.g. attached between steps of a stalled rank
+    ps[3].collectives, ps[3].functions = CollectiveColumns.of([]), FunctionColumns.of({})
     doc = diagnose_job(ps)
     assert {k: doc["ranks"][3][k] for k in ("step_time_s", "sync_s", "comm_s", "host_s")} == dict.fromkeys(
         ("step_time_s", "sync_s", "comm_s", "host_s"))

@@ -9,7 +9,7 @@ from test_analyzer_python import with_python
 from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline, StepProfile
 from rankscope.analyzer.diagnosis import diagnose, diagnose_job
 from rankscope.analyzer.metrics import rank_table
-from rankscope.schema.patterns import CollectiveColumns
+from rankscope.schema.patterns import CollectiveColumns, FunctionColumns
 from rankscope.schema.wire import decode_patterns
 
 RANKS = 6
@@ -164,7 +164,7 @@ def test_a_hang_in_a_raised_window_is_not_hidden_behind_the_held_regression():
                               baseline=b)) == [("regression", "cuStreamSynchronize", "gpu")]
     stalled = raised(simulate(RANKS, seed=52))
     for p in stalled:  # nothing completes for a minute: every rank waits in its collective
-        p.collectives, p.functions = CollectiveColumns.of([]), {}
+        p.collectives, p.functions = CollectiveColumns.of([]), FunctionColumns.of({})
         p.since, p.last_progress = p.window_end - 90, p.window_end - 60
         p.where = "futex (futex_wait)"
     assert [f["kind"] for f in diagnose_job(stalled, baseline=b)["findings"]] == ["comm_hang"]

@@ -1,11 +1,13 @@
 """gpu_throttle and launch_bound on synthetic patterns (the simulated job of test_analyzer, plus GPU views)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
-from test_analyzer import WINDOW, findings, simulate
+from test_analyzer import WINDOW, findings, set_function, simulate
 
-from rankscope.schema.patterns import FunctionStats, GpuActivity, GpuHealth, GpuKernel, Role
+from rankscope.schema.patterns import FunctionColumns, FunctionStats, GpuActivity, GpuHealth, GpuKernel, Role
 
 
 def health(index: int, clock: int, reasons: int = 0, temperature: int = 62) -> GpuHealth:
@@ -50,7 +52,7 @@ def gpu(busy_s: float, kernels: int, kernel_s: float) -> GpuActivity:
 def test_launch_bound_when_gpu_idles_between_short_kernels():
     ps = simulate(4, seed=1)
     for p in ps:
-        p.functions["cuStreamSynchronize"].total_s = 0.05  # the host hardly waits for its GPU
+        set_function(p, replace(p.functions["cuStreamSynchronize"], total_s=0.05))  # the host hardly waits for its GPU
         p.gpu = gpu(busy_s=0.7, kernels=40_000, kernel_s=0.7)  # 17.5 us kernels, busy 35% of 2 s
     fs = [f for f in findings(ps) if f["kind"] == "launch_bound"]
     assert len(fs) == 1
@@ -67,13 +69,14 @@ def test_ranks_waiting_in_host_collectives_are_not_launch_bound():
     collectives run on the GPU (its busy time), so their host-side time explains nothing."""
     ps = simulate(4, seed=1)
     for p in ps:
-        p.functions["cuStreamSynchronize"].total_s = 0.05
+        set_function(p, replace(p.functions["cuStreamSynchronize"], total_s=0.05))
         p.gpu = gpu(busy_s=0.7, kernels=40_000, kernel_s=0.7)
-        p.functions["gloo_allreduce"] = FunctionStats("gloo_allreduce", Role.COMM, 40, 0.7, 0.02, 0.017, 0.02)
+        set_function(p, FunctionStats("gloo_allreduce", Role.COMM, 40, 0.7, 0.02, 0.017, 0.02))
     assert [f for f in findings(ps) if f["kind"] == "launch_bound"] == []
     for p in ps:
-        p.functions["ncclAllReduce"] = p.functions.pop("gloo_allreduce")
-        p.functions["ncclAllReduce"].name = "ncclAllReduce"
+        gloo = p.functions["gloo_allreduce"]
+        p.functions = FunctionColumns.of({**{n: f for n, f in p.functions.items() if n != gloo.name},
+                                          "ncclAllReduce": replace(gloo, name="ncclAllReduce")})
     assert [f["kind"] for f in findings(ps) if f["kind"] == "launch_bound"] == ["launch_bound"]
 
 
@@ -85,7 +88,7 @@ def test_ranks_waiting_in_host_collectives_are_not_launch_bound():
 def test_not_launch_bound(busy, kernels, kernel_s, sync_s):
     ps = simulate(4, seed=1)
     for p in ps:
-        p.functions["cuStreamSynchronize"].total_s = sync_s
+        set_function(p, replace(p.functions["cuStreamSynchronize"], total_s=sync_s))
         p.gpu = gpu(busy, kernels, kernel_s)
     assert [f for f in findings(ps) if f["kind"] == "launch_bound"] == []
 
@@ -95,7 +98,7 @@ def test_launch_bound_evidence_has_the_queue_delay_and_a_queued_rank_is_not_laun
     a long one (the host ahead of a busy GPU) takes the rank out of launch_bound, whatever else it shows."""
     ps = simulate(4, seed=1)
     for p in ps:
-        p.functions["cuStreamSynchronize"].total_s = 0.05
+        set_function(p, replace(p.functions["cuStreamSynchronize"], total_s=0.05))
         p.gpu = gpu(busy_s=0.7, kernels=40_000, kernel_s=0.7)
         p.gpu.launches, p.gpu.queue_p50_s, p.gpu.queue_p99_s = 39_990, 2 ** 12.5 / 1e9, 2 ** 14.5 / 1e9
     ps[2].gpu.queue_p50_s, ps[2].gpu.queue_p99_s = 2 ** 20.5 / 1e9, 2 ** 22.5 / 1e9  # ~1.5 ms in the queue

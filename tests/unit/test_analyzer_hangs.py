@@ -1,6 +1,6 @@
 """Hang classification on synthetic ranks: who is stuck where decides comm_hang vs noncomm_hang."""
 from rankscope.analyzer.diagnosis import diagnose_job
-from rankscope.schema.patterns import FunctionStats, RankPattern, Role
+from rankscope.schema.patterns import FunctionColumns, FunctionStats, RankPattern, Role
 
 T = 1_700_000_000.0
 
@@ -59,7 +59,7 @@ def test_a_hung_window_has_no_step_time():
     """Its few steps before the stall, or the window read as one step, would mislead (10 s for a 60 ms job)."""
     pats = [rank(r, "futex (futex_wait)") for r in range(4)]
     for p in pats:  # the one all-reduce the window saw: entered, never completed
-        p.functions = {"allreduce": FunctionStats("allreduce", Role.COMM, 1, 5.0, 5.0, 5.0, 5.0)}
+        p.functions = FunctionColumns.of({"allreduce": FunctionStats("allreduce", Role.COMM, 1, 5.0, 5.0, 5.0, 5.0)})
     doc = diagnose_job(pats, 30.0)
     assert [f["kind"] for f in doc["findings"]] == ["comm_hang"]
     assert doc["step_time_s"] is None and all(r["step_time_s"] is None and r["comm_s"] is None for r in doc["ranks"])

@@ -9,8 +9,8 @@ from test_analyzer import findings, simulate
 
 from rankscope.analyzer.diagnosis import find
 from rankscope.analyzer.rules.links import LinkRoles, link_findings, link_matrix
-from rankscope.schema.patterns import (CollectiveColumns, CollectiveGpu, CollectiveRecord, LinkStats, RankPattern, Role,
-                                       TcpFlow)
+from rankscope.schema.patterns import (CollectiveColumns, CollectiveGpu, CollectiveRecord, FunctionColumns, LinkStats,
+                                       RankPattern, Role, TcpFlow)
 
 COMM = 0x5EED_CAFE
 GBPS = 20e9  # a healthy link
@@ -220,7 +220,8 @@ def test_the_cost_of_a_slow_link_under_overlapped_buckets_is_its_extra_time_on_t
     for src, dst, mbps in ((0, 2, 12.5), (2, 1, 13.0), (1, 0, 45.0)):
         connect(ps, src, dst, mbps, sent=sent)
     for p in ps:
-        p.functions = {n: replace(f, total_s=p.window_s) if f.role == Role.COMM else f for n, f in p.functions.items()}
+        p.functions = FunctionColumns.of({n: replace(f, total_s=p.window_s) if f.role == Role.COMM else f
+                                          for n, f in p.functions.items()})
     f, = link_findings(ps)
     assert f.ranks == [2] and f.evidence["comm_share"] == pytest.approx(1.0)
     assert f.cost == pytest.approx(f.evidence["extra_wire_s"] / ps[0].window_s) and f.cost < 1 - 12.5 / 45

@@ -1,6 +1,6 @@
 """Python-level root causes on synthetic jobs: the function where a straggler's time goes names the cause."""
 import pytest
-from test_analyzer import WINDOW, findings, simulate
+from test_analyzer import WINDOW, findings, set_function, simulate
 
 from rankscope.schema.patterns import FunctionStats, PyFunction, PyTimed, Role
 
@@ -45,7 +45,7 @@ def test_gc_pauses_are_python_gc():
     pats = simulate(4, host_extra={0: 0.015})
     for p in pats:
         gc_s = (0.001 + (0.015 if p.rank == 0 else 0.0)) * STEPS
-        p.functions["gc_collect_main"] = FunctionStats("gc_collect_main", Role.GC, 40, gc_s, 0.02, 0.01, 0.02)
+        set_function(p, FunctionStats("gc_collect_main", Role.GC, 40, gc_s, 0.02, 0.01, 0.02))
     found = findings(pats)
     assert [(f["kind"], f["ranks"], f["component"], f["function"]) for f in found] == [
         ("python_gc", [0], "python", "gc_collect_main")], found

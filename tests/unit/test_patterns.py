@@ -77,6 +77,20 @@ def test_empty_pattern_and_empty_list():
     assert decode_patterns(encode_patterns([])) == []
 
 
+def test_functions_read_as_statistics_and_are_replaced_whole():
+    p = typical()
+    gc = FunctionStats("gc_collect_main", Role.GC, 40, 0.12, 0.02, 0.002, 0.015)
+    sync = FunctionStats("cuStreamSynchronize", Role.SYNC, 41, 0.05, 0.03, 0.001, 0.02)
+    before = dict(p.functions.items())
+    p.functions = p.functions.with_function(gc).with_function(sync)
+    assert list(p.functions) == [name for name, *_ in FUNCTIONS] + ["gc_collect_main"]  # set in place, added last
+    assert p.functions["gc_collect_main"] == gc and p.functions["cuStreamSynchronize"] == sync
+    assert all(p.functions[name] == f for name, f in before.items() if name != "cuStreamSynchronize")
+    assert "ncclAllReduce" in p.functions and p.functions.get("nope") is None
+    with pytest.raises(KeyError):
+        p.functions["nope"]
+
+
 def test_json_view_names_roles():
     d = pattern_to_json(typical())
     assert d["functions"]["cuStreamSynchronize"]["role"] == "sync"

@@ -23,7 +23,7 @@ from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes import net, sched
 from rankscope.agent.sources.probes.nccl import communicators, world_communicator
 from rankscope.agent.sources.source import Source
-from rankscope.schema.patterns import CollectiveColumns, FunctionStats, RankPattern, Role
+from rankscope.schema.patterns import CollectiveColumns, FunctionColumns, FunctionStats, RankPattern, Role
 
 STALLED_SAMPLES = 5  # /proc reads of a stalled rank: its state by majority
 # A rank whose last collective completed this long before the window's end is stalled (so far): where it
@@ -117,7 +117,7 @@ class ProgramSource(Source):
             p.job = f"nccl-{world.id_hash:016x}"
         p.rank, p.world_size, p.identity_source = world.rank, world.nranks, "nccl"
 
-    def _functions(self, cursor: _ProcessCursor, stats: dict[int, tuple]) -> dict[str, FunctionStats]:
+    def _functions(self, cursor: _ProcessCursor, stats: dict[int, tuple]) -> FunctionColumns:
         out = {}
         for fn, (count, total_ns, max_ns, nbytes, hist) in stats.items():
             d_count, d_ns, d_bytes, d_hist = cursor.functions.step(fn, (count, total_ns, nbytes, hist))
@@ -131,7 +131,7 @@ class ProgramSource(Source):
                 max_s=max_s, p50_s=min(histograms.percentile_s(d_hist, 0.5), max_s),
                 p99_s=min(histograms.percentile_s(d_hist, 0.99), max_s), bytes=d_bytes,
             )
-        return out
+        return FunctionColumns.of(out)
 
     def _stalled(self, p: RankPattern, now: float) -> bool:
         cursor = self._cursors.get(p.pid)

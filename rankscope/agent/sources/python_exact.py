@@ -445,7 +445,7 @@ class PythonTiming(Source):
             p.python_timed = timed.get(p.pid, [])
             p.python_untimed = self.timer.untimed(p.pid)
             if p.pid in gc:
-                p.functions[gc[p.pid].name] = gc[p.pid]
+                p.functions = p.functions.with_function(gc[p.pid])
 
     def trace_streams(self) -> list[TraceStream]:
         return self.timer.trace_streams()

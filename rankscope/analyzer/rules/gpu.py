@@ -33,11 +33,13 @@ def _reasons(bits: int) -> list[str]:
 def gpu_throttle(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Straggling ranks whose GPU runs below its peers' clocks with a slowdown reason (thermal, power, ...):
     the straggler's root cause is its GPU's clock, not its work."""
+    health = list(map(attrgetter("gpu_health"), t.patterns))
+    if not any(health):  # no rank has an NVML view (no GPU, or no NVML): no clocks to compare
+        return []
     found = straggling(t)
     if found is None:
         return []
     rows, z, excess, _work, _comm_med = found
-    health = [p.gpu_health for p in t.patterns]
     ratio = np.array([h.sm_clock_mhz / h.max_sm_clock_mhz if h and h.max_sm_clock_mhz else np.nan for h in health])
     if np.count_nonzero(np.isfinite(ratio)) < MIN_RANKS:
         return []
