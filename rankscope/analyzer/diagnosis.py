@@ -58,6 +58,8 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     groups = peer_groups(table.patterns, table.records)
     found: list[Finding] = []
     timed: list[Finding] = []
+    # Ranks that waited for a CPU their own job's processes held (no finding): late for that, not for a link.
+    self_contended: set[int] = set()
     for rows in groups:  # ranks are compared with the ranks of their own role only (pipeline stages)
         peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows], table.job_step_s,
                                                           table.records.take(rows))
@@ -65,14 +67,16 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
         throttled = gpu_throttle(peers, alignment)
         explained = {r for f in throttled for r in f.ranks}
         # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
+        contended, waited_for_job = cpu_contention(peers, alignment)
+        self_contended |= waited_for_job
         stragglers = [f for f in compute_straggler(peers, alignment)
-                      if not (f.component == "gpu" and set(f.ranks) <= explained)] + cpu_contention(peers, alignment)
+                      if not (f.component == "gpu" and set(f.ranks) <= explained)] + contended
         found += stragglers + throttled + node_fault(peers, alignment)
-        timed += slow_link(peers, alignment, {r for f in found for r in f.ranks})
+        timed += slow_link(peers, alignment, {r for f in found for r in f.ranks} | self_contended)
     found += launch_bound(table)
     # The link matrix (NCCL profiler plugin) names the precise link or node; the timing-based rule, from
     # collective instants, serves jobs without the plugin and adds only what the matrix does not cover.
-    measured = link_findings(table.patterns, {r for f in found for r in f.ranks})
+    measured = link_findings(table.patterns, {r for f in found for r in f.ranks} | self_contended)
     # ...nor what the matrix's slow links explain: in a ring, the rank receiving over a slow rank's link
     # finishes its all-reduces last (mlp-4: the matrix named rank 3, the timing rule rank 2, its receiver).
     covered = {r for f in measured for r in f.ranks} | {r for f in measured for row in f.evidence["links"]

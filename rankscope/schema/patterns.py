@@ -198,6 +198,7 @@ class Neighbour:
     pid: int
     cgroup: str  # the last components of its cgroup path: which container or pod it is
     waited_s: float  # how long the rank's threads had waited before it let them run
+    job: bool = False  # one of the job's own processes (a rank, or a rank's child: a DataLoader worker)
 
 
 @dataclass

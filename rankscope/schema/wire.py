@@ -68,7 +68,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         "coll": coll,
         "sch": {role: [t.threads, t.on_cpu_s, t.runq_s, t.sleep_s, t.io_s, t.reclaim_s, t.preempted, t.runq_p99_s]
                 for role, t in p.sched.items()},
-        "nb": [[n.name, n.pid, n.cgroup, n.waited_s] for n in p.neighbours],
+        "nb": [[n.name, n.pid, n.cgroup, n.waited_s, n.job] for n in p.neighbours],
         "mf": p.major_faults,
         "lp": None if p.last_progress is None else _us(p.last_progress),
         "wh": p.where,
@@ -192,9 +192,15 @@ def _sched_from_wire(raw: Any) -> dict[str, ThreadTimes]:
 def _neighbours_from_wire(raw: Any) -> list[Neighbour]:
     out = []
     for row in _list(raw, "nb"):
-        name, pid, cgroup, waited = _list(row, "neighbour", 4)
+        row = _list(row, "neighbour")
+        if len(row) == 4:  # an agent from before `job` (2026-11-27): unknown, as no neighbour of the job
+            row = [*row, False]
+        name, pid, cgroup, waited, job = _list(row, "neighbour", 5)
+        if not isinstance(job, bool):
+            raise PatternDecodeError(f"neighbour job: expected a bool, got {job!r}")
         out.append(Neighbour(name=_str(name, "neighbour name"), pid=_int(pid, "neighbour pid"),
-                             cgroup=_str(cgroup, "neighbour cgroup"), waited_s=_seconds(waited, "neighbour waited")))
+                             cgroup=_str(cgroup, "neighbour cgroup"), waited_s=_seconds(waited, "neighbour waited"),
+                             job=job))
     return out
 
 

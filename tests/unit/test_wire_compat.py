@@ -1,10 +1,11 @@
 """The wire format and /v1/patterns' JSON did not change when collectives became columns: agents and analyzers
-of either side interoperate. The files under tests/data/wire/ were written by the codec of record objects
+of either side interoperate (since 2026-11-27 a neighbour row carries a fifth field, `job`; rows of four
+still decode). The files under tests/data/wire/ were written by the codec of record objects
 (main at 81db7fd), from the patterns `built()` makes:
 
     PYTHONPATH=<that checkout> python tests/unit/test_wire_compat.py
 
-This module uses only names both codecs have, so it runs (and writes) with either.
+Its `built()` uses only names both codecs have, so it runs (and writes) with either.
 """
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-from rankscope.schema.patterns import CollectiveRecord, FunctionStats, RankPattern, Role
-from rankscope.schema.wire import decode_patterns, encode_patterns, pattern_to_json
+import msgpack
+import pytest
+
+from rankscope.schema.patterns import CollectiveRecord, FunctionStats, Neighbour, RankPattern, Role
+from rankscope.schema.wire import PatternDecodeError, decode_patterns, encode_patterns, pattern_to_json
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 WIRE = DATA / "wire" / "patterns.msgpack"
@@ -57,9 +61,23 @@ def test_a_new_analyzer_reads_an_old_agents_patterns_as_an_old_analyzer_did():
     assert encode_patterns(decoded) == WIRE.read_bytes()
 
 
-def test_kept_windows_of_old_agents_encode_back_to_their_own_bytes():
+def test_kept_windows_of_old_agents_encode_back_to_their_own_fields():
+    """Every field as the old agent wrote it, each neighbour row with `job` (2026-11-27) added: unknown, False."""
     for path in sorted((DATA / "windows").glob("*.msgpack")):
-        assert encode_patterns(decode_patterns(path.read_bytes())) == path.read_bytes(), path.name
+        old = msgpack.unpackb(path.read_bytes())
+        for p in old:
+            p["nb"] = [[*row, False] for row in p["nb"]]
+        assert msgpack.unpackb(encode_patterns(decode_patterns(path.read_bytes()))) == old, path.name
+
+
+def test_a_neighbour_of_the_job_is_sent_as_such_and_a_malformed_flag_is_refused():
+    p = built()[0]
+    p.neighbours = [Neighbour("pt_data_worker", 201, "", 0.2, job=True), Neighbour("stress", 300, "pod-b", 0.5)]
+    assert [n.job for n in decode_patterns(encode_patterns([p]))[0].neighbours] == [True, False]
+    raw = msgpack.unpackb(encode_patterns([p]))
+    raw[0]["nb"][0][4] = 1
+    with pytest.raises(PatternDecodeError, match="neighbour job"):
+        decode_patterns(msgpack.packb(raw))
 
 
 if __name__ == "__main__":  # write the reference files with the codec on sys.path

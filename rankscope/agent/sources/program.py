@@ -101,10 +101,15 @@ class ProgramSource(Source):
             self._identify(p, comms.get(p.pid, []))
             p.functions = self._functions(cursor, stats.get(p.pid, {}))
             p.sched = cursor.sched.thread_times(threads.get(p.pid, {}))
-            p.neighbours = cursor.sched.neighbours(thieves.get(p.pid, {}))
             p.where = self._where(states.get(p.pid, ""), pending_op.get(p.pid) or blocked_in.get(p.pid),
                                   stalled=self._stalled(p, now))
             p.tcp = cursor.tcp.flows(sockets.get(p.pid, {}))
+        ranks: dict[str, set[int]] = {}  # job -> its ranks' pids (after _identify: a communicator names the job)
+        for p in patterns:
+            ranks.setdefault(p.job, set()).add(p.pid)
+        jobs = {job: frozenset(pids) for job, pids in ranks.items()}
+        for p in patterns:
+            p.neighbours = self._cursors[p.pid].sched.neighbours(thieves.get(p.pid, {}), jobs[p.job])
 
     @staticmethod
     def _identify(p: RankPattern, comms) -> None:

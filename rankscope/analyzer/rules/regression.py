@@ -86,7 +86,7 @@ def _busy(t: RankTable) -> str:
     job = {p.pid for p in t.patterns}
     idle = [p.cpus.idle for p in t.patterns if p.cpus is not None]
     waited: dict[tuple[str, int], float] = {}
-    for n in (n for p in t.patterns for n in p.neighbours if n.pid not in job):
+    for n in (n for p in t.patterns for n in p.neighbours if not n.job and n.pid not in job):
         waited[n.name, n.pid] = waited.get((n.name, n.pid), 0.0) + n.waited_s
     others = ", ".join(f"{name} (pid {pid})" for name, pid in sorted(waited, key=lambda k: -waited[k])[:2])
     cpus = f"the host's CPUs {float(np.median(idle)):.0%} idle" if idle else "the host's CPUs busy"

@@ -12,7 +12,7 @@ from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, Alignment, peer_devi
 from rankscope.analyzer.metrics import DATA_LOADING, RankTable
 from rankscope.analyzer.rules.wording import ms, range_ms, rank_list
 from rankscope.schema.finding import Finding
-from rankscope.schema.patterns import Role
+from rankscope.schema.patterns import RankPattern, Role
 
 MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable from per-rank totals alone...
 PAIR_RANKS = 2  # ...but the collective instants tell which of two arrives last (C4's rule: the other waits
@@ -32,6 +32,10 @@ PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.
 # ones did). By a fifth of the step: a GPU a few ms slower than its peers, persistently, is within their spread.
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
 CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
+OTHER_WORK = 0.5  # ...and contention is other work's: at least this share of the rank's wait behind its top
+# neighbours was behind processes outside its job. A job with more busy processes than CPUs waits for itself,
+# each rank in turn (cnn-3's 3 ranks and 6 DataLoader workers on 2 CPUs: rank 0 waited 25 ms a step more than
+# its peers behind rank 2 and two of the workers, and the agent confirmed `cpu_contention` on a healthy job).
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
 GPU_SHARE = 0.5  # a host-side CUDA call (a copy, a launch) holding a straggler's extra time is its GPU's when
 # the CUPTI shim saw the rank's GPU busy longer than its peers' by at least this share of that time: a copy to
@@ -116,6 +120,13 @@ def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray
     ran = peer_deviation(t.oncpu_s, 0.0)[1][rows]
     with np.errstate(invalid="ignore"):
         return rows[(runq >= CONTENTION_SHARE * excess[rows]) & ~(ran >= CONTENTION_RAN * excess[rows])]
+
+
+def _other_work(p: RankPattern) -> float:
+    """The share of the rank's wait behind its named neighbours that was behind processes outside its job (1.0
+    when none is named: an older agent's pattern, or a wait too short to name anyone)."""
+    waited = sum(n.waited_s for n in p.neighbours)
+    return sum(n.waited_s for n in p.neighbours if not n.job) / waited if waited > 0 else 1.0
 
 
 def _python_excess(names: list[str], per_step: np.ndarray, i: int, valid: np.ndarray, excess: float) -> str | None:
@@ -251,20 +262,25 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     return out
 
 
-def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
+def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Finding], set[int]]:
     """Straggling ranks whose extra time is waiting for a CPU (runnable, not running): the scheduler gave
-    their CPU to other tasks, named from the kernel's view of who ran while they waited."""
+    their CPU to other tasks, named from the kernel's view of who ran while they waited. Also the ranks that
+    waited for their own job's processes: no finding, but late for that reason (not their link's)."""
     found = straggling(t, PAIR_RANKS, a)
     if found is None:
-        return []
+        return [], set()
     rows, z, excess, _work, _comm_med = found
     step = t.job_step_s
     runq_excess = _runq_excess(t)
     out = []
+    own: set[int] = set()
     for i in _contended(t, rows, excess):
         p = t.patterns[i]
+        if _other_work(p) < OTHER_WORK:
+            own.add(int(t.rank[i]))
+            continue
         main = p.sched["main"]
-        neighbours = [{"name": n.name, "pid": n.pid, "cgroup": n.cgroup, "waited_s": n.waited_s}
+        neighbours = [{"name": n.name, "pid": n.pid, "cgroup": n.cgroup, "waited_s": n.waited_s, "job": n.job}
                       for n in p.neighbours]
         # The victim's threads also wait for a CPU inside the collectives (gloo's work runs on its own threads
         # there), which stretches them for every rank and is not arrival lateness: the main thread's wait for
@@ -272,7 +288,7 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
         # step, 3.2 ms more runnable than its peer, 3.6 ms lost against the job without the hog).
         lost = max(delay(a, [i], float(excess[i])), float(np.nan_to_num(runq_excess[i])))
         cost = float(np.clip(lost / step, 0.0, 1.0))
-        who = ", ".join(f"{n['name']} (pid {n['pid']})" for n in neighbours[:2]) or "other tasks"
+        who = ", ".join([f"{n['name']} (pid {n['pid']})" for n in neighbours if not n["job"]][:2]) or "other tasks"
         out.append(Finding(
             kind="cpu_contention", ranks=[int(t.rank[i])], function=None, component="cpu",
             score=float(z[i]), cost=cost,
@@ -283,4 +299,4 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> list[Finding]:
                       "runq_s": float(t.runq_s[i]), "peers_runq_s": float(t.runq_s[i] - runq_excess[i]),
                       "preempted": main.preempted, "runq_p99_s": main.runq_p99_s, "neighbours": neighbours},
         ))
-    return out
+    return out, own

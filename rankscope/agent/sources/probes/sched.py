@@ -87,6 +87,29 @@ def cgroup_of(pid: int) -> str:
     return ""
 
 
+def of_job(pid: int, job: frozenset[int]) -> bool:
+    """Whether `pid` is one of `job`'s ranks or a child or grandchild of one (DataLoader workers, a worker's
+    own pool): a job that runs more busy processes than its host has CPUs waits for itself, which is not
+    contention from other work. Two /proc reads at most, for the few neighbours a window names."""
+    for _ in range(3):
+        if pid in job:
+            return True
+        parent = _parent(pid)
+        if parent <= 1:
+            return False
+        pid = parent
+    return False
+
+
+def _parent(pid: int) -> int:
+    """The parent's pid; 0 once the process exited."""
+    text = _read_text(f"/proc/{pid}/stat")
+    try:
+        return int(text[text.rindex(")") + 2:].split()[1])
+    except (ValueError, IndexError):
+        return 0
+
+
 class SchedReader:
     """Turns one process's cumulative thread and thief counters into a window's ThreadTimes and neighbours."""
 
@@ -117,12 +140,13 @@ class SchedReader:
             for name, (n, d, hist) in acc.items()
         }
 
-    def neighbours(self, now: dict[int, ThiefCounters]) -> list[Neighbour]:
+    def neighbours(self, now: dict[int, ThiefCounters], job: frozenset[int]) -> list[Neighbour]:
+        """The processes that held the CPU longest while this one waited; `job`: the pids of its job's ranks."""
         waited = []
         added = self._thieves.read((pid, (c.waited_ns,)) for pid, c in now.items())
         for (pid, c), (ns,) in zip(now.items(), added):
             if ns > 0:
                 waited.append((ns, pid, c.name))
         waited.sort(reverse=True)
-        return [Neighbour(name=name, pid=pid, cgroup=cgroup_of(pid), waited_s=ns / 1e9)
+        return [Neighbour(name=name, pid=pid, cgroup=cgroup_of(pid), waited_s=ns / 1e9, job=of_job(pid, job))
                 for ns, pid, name in waited[:NEIGHBOURS]]
