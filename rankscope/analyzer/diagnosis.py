@@ -66,9 +66,9 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
         alignment = align_collectives(peers.patterns, peers.job_step_s, peers.records)
         throttled = gpu_throttle(peers, alignment)
         explained = {r for f in throttled for r in f.ranks}
-        # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
         contended, waited_for_job = cpu_contention(peers, alignment)
         self_contended |= waited_for_job
+        # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
         stragglers = [f for f in compute_straggler(peers, alignment)
                       if not (f.component == "gpu" and set(f.ranks) <= explained)] + contended
         found += stragglers + throttled + node_fault(peers, alignment)

@@ -124,7 +124,7 @@ def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray
 
 def _other_work(p: RankPattern) -> float:
     """The share of the rank's wait behind its named neighbours that was behind processes outside its job (1.0
-    when none is named: an older agent's pattern, or a wait too short to name anyone)."""
+    when none is named; an older agent marks none as the job's, so its patterns keep their verdicts)."""
     waited = sum(n.waited_s for n in p.neighbours)
     return sum(n.waited_s for n in p.neighbours if not n.job) / waited if waited > 0 else 1.0
 

@@ -91,14 +91,13 @@ def of_job(pid: int, job: frozenset[int]) -> bool:
     """Whether `pid` is one of `job`'s ranks or a child or grandchild of one (DataLoader workers, a worker's
     own pool): a job that runs more busy processes than its host has CPUs waits for itself, which is not
     contention from other work. Two /proc reads at most, for the few neighbours a window names."""
-    for _ in range(3):
+    for _ in range(2):  # the process, then its parent, then its grandparent
         if pid in job:
             return True
-        parent = _parent(pid)
-        if parent <= 1:
+        pid = _parent(pid)
+        if pid <= 1:  # init, or exited: no rank's descendant
             return False
-        pid = parent
-    return False
+    return pid in job
 
 
 def _parent(pid: int) -> int:
