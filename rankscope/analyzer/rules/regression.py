@@ -69,16 +69,12 @@ def regression(t: RankTable, ref: Reference | None, threshold: float = SLOWDOWN_
         score=grown / ref.noise_s, cost=cost,
         summary=(f"every rank is slower than the job's baseline: {ms(now.step_s)} per step instead of "
                  f"{ms(base.step_s)} (+{grown / base.step_s:.0%}); {where}; costs {cost:.0%} of step time"),
-        evidence={"cpu_starved": starved, "runq_growth_s": _plain(waited), "oncpu_growth_s": _plain(ran),
+        evidence={"cpu_starved": starved, "runq_growth_s": waited, "oncpu_growth_s": ran,  # NaN: None (plain)
                   "step_time_s": now.step_s, "baseline_step_s": base.step_s, "baseline_windows": ref.windows,
                   "baseline_end": base.end, "baseline_noise_s": ref.noise_s, "grown_s": grown, "function_growth_s": growth,
                   "function_baseline_s": before, "ranks_grown_share": broad,
                   "python_growth": [{"function": f, "grown_s": g} for f, g in python[:3] if g > 0]},
     )]
-
-
-def _plain(v: float) -> float | None:
-    return None if v != v else v
 
 
 def _busy(t: RankTable) -> str:

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from rankscope.agent.host import procfs
+from rankscope.agent.host.targets import TargetError, parent_pid
 from rankscope.agent.loader import histograms
 from rankscope.agent.loader.maps import entries
 from rankscope.agent.sources.deltas import Deltas
@@ -94,19 +95,13 @@ def of_job(pid: int, job: frozenset[int]) -> bool:
     for _ in range(2):  # the process, then its parent, then its grandparent
         if pid in job:
             return True
-        pid = _parent(pid)
-        if pid <= 1:  # init, or exited: no rank's descendant
+        try:
+            pid = parent_pid(pid)
+        except TargetError:  # exited since the window: a stranger now
+            return False
+        if pid <= 1:  # init: no rank's descendant
             return False
     return pid in job
-
-
-def _parent(pid: int) -> int:
-    """The parent's pid; 0 once the process exited."""
-    text = _read_text(f"/proc/{pid}/stat")
-    try:
-        return int(text[text.rindex(")") + 2:].split()[1])
-    except (ValueError, IndexError):
-        return 0
 
 
 class SchedReader:
