@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rankscope-bench-"))
     shared_cache = os.environ.get("XDG_CACHE_HOME", "")  # NVIDIA's wheels (the shims' headers): downloaded once
     os.environ["XDG_CACHE_HOME"] = str(tmp / "cache")  # private stand-ins: nobody else's probes on them
+    # Compiled BPF programs (loader/bpf_cache.py): the run's own, so the first benchmark to attach compiles, as
+    # on a fresh node, whatever the machine's cache holds. `agent` and `attach` measure both ways themselves.
+    os.environ["RANKSCOPE_BPF_CACHE"] = str(tmp / "bpf-cache")
     ctx = Context(args.quick, tmp, shared_cache)
     doc: dict[str, Any] = {"machine": machine(), "quick": args.quick, "started": time.time(), "results": {}}
     rows: list[Row] = []

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,17 @@ from rankscope.sim.job import SimJob, start_job
 __all__ = ["maps_library", "wait_until"]  # re-exported: the tests' own helpers live in the package
 
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
+
+# Compiled BPF programs (loader/bpf_cache.py) are shared by the session's processes, in a directory of its own:
+# the first test to attach a program compiles it, as on a fresh node, and the others load it. A developer's
+# RANKSCOPE_BPF_CACHE (e.g. "off": every process compiles) is kept.
+_BPF_CACHE = os.environ.get("RANKSCOPE_BPF_CACHE") or tempfile.mkdtemp(prefix="rankscope-test-bpf-")
+os.environ["RANKSCOPE_BPF_CACHE"] = _BPF_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _BPF_CACHE.startswith(tempfile.gettempdir() + "/rankscope-test-bpf-"):
+        shutil.rmtree(_BPF_CACHE, ignore_errors=True)
 
 
 def run(*args: str, user: int | None = None) -> subprocess.CompletedProcess:

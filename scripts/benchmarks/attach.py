@@ -1,14 +1,16 @@
-"""attach (#19): what `rankscope diagnose --pid <2 ranks> --duration 1` costs before its window opens, attaching
-on its own (compiling its BPF programs with bcc) and asking the node agent that already watches the job
-(`--agent`): seconds from start to its "watching" line (the window open, or the agent's answer awaited), the
-process's CPU time and peak RSS (its rusage), and the whole run's wall time. One run of each, alternating,
-on the simulated job."""
+"""attach (#19): what `rankscope diagnose --pid <2 ranks> --duration 1` costs before its window opens:
+attaching on its own, compiling its BPF programs with bcc (a node's first process); attaching on its own with
+the programs compiled by an earlier process (loader/bpf_cache.py: every later one); and asking the node agent
+that already watches the job (`--agent`). For each: seconds from start to its "watching" line (the window
+open, or the agent's answer awaited), the process's CPU time and peak RSS (its rusage), and the whole run's
+wall time. One run of each a round, alternating, on the simulated job."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from rankscope.sim.harness import wait_until
 
@@ -18,11 +20,13 @@ DIAGNOSE = [sys.executable, "-m", "rankscope.agent.cli", "diagnose", "--duration
 WATCHING = "rankscope: "  # the first line diagnose prints on stderr, once its window opens or the agent is asked
 
 
-def _diagnose(pids: list[int], *extra: str) -> dict[str, float]:
-    """One `diagnose` run: seconds to its first line, to its end, and its CPU seconds and peak RSS (MB)."""
+def _diagnose(pids: list[int], cache: Path, *extra: str) -> dict[str, float]:
+    """One `diagnose` run with compiled programs kept in `cache`: seconds to its first line, to its end, and
+    its CPU seconds and peak RSS (MB)."""
     t = time.monotonic()
     proc = subprocess.Popen([*DIAGNOSE, "--pid", ",".join(map(str, pids)), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, RANKSCOPE_BPF_CACHE=str(cache)))
     first = None
     lines = []
     for line in proc.stderr:
@@ -40,14 +44,16 @@ def _diagnose(pids: list[int], *extra: str) -> dict[str, float]:
 def run(ctx: Context) -> tuple[list[Row], dict]:
     rounds = 1 if ctx.quick else 3
     job, hold = start_held_job(2, ctx.tmp)
-    runs: dict[str, list[dict[str, float]]] = {"alone": [], "agent": []}
+    runs: dict[str, list[dict[str, float]]] = {"compiling": [], "cached": [], "agent": []}
+    cached = ctx.tmp / "attach-bpf-cache"
     try:
         hold.touch()
-        with AgentProc(ctx, job.pids, window=1.0) as agent:
+        with AgentProc(ctx, job.pids, window=1.0, bpf_cache=cached) as agent:
             wait_until(lambda: agent.get("/v1/targets").get("window_end"), 60, "the agent's first window")
-            for _ in range(rounds):  # alternating: drift on the machine falls on both alike
-                runs["alone"].append(_diagnose(job.pids))
-                runs["agent"].append(_diagnose(job.pids, "--agent", agent.url))
+            for i in range(rounds):  # alternating: drift on the machine falls on each alike
+                runs["compiling"].append(_diagnose(job.pids, ctx.tmp / f"attach-bpf-cache-{i}"))  # empty
+                runs["cached"].append(_diagnose(job.pids, cached))
+                runs["agent"].append(_diagnose(job.pids, cached, "--agent", agent.url))
     finally:
         job.stop()
 
@@ -55,7 +61,8 @@ def run(ctx: Context) -> tuple[list[Row], dict]:
         return median([r[key] for r in runs[mode]])
 
     rows = []
-    for mode, how in (("alone", "attaching itself"), ("agent", "through the node agent (--agent)")):
+    for mode, how in (("compiling", "attaching itself, compiling"), ("cached", "attaching itself, programs cached"),
+                      ("agent", "through the node agent (--agent)")):
         rows += [
             row("attach", f"diagnose {how}: seconds to its window (first line)", med(mode, "first_line_s"), "s", 2.0),
             row("attach", f"diagnose {how}: CPU seconds (whole run, 1 s window)", med(mode, "cpu_s"), "s", 1.0),

@@ -102,14 +102,17 @@ def expect_armed(pids: list[int], library: str, symbol: str, armed: bool) -> Non
 class AgentProc:
     """`rankscope agent --pid ...` in a subprocess; attached to every PID once it serves HTTP."""
 
-    def __init__(self, ctx: Context, pids: list[int], window: float, detail: str = "auto"):
+    def __init__(self, ctx: Context, pids: list[int], window: float, detail: str = "auto",
+                 bpf_cache: Path | None = None):
+        """`bpf_cache`: the compiled programs' directory (loader/bpf_cache.py), else the benchmark run's own."""
         self.url = f"http://127.0.0.1:{free_port()}"
         self.err_path = ctx.tmp / f"agent-{uuid.uuid4().hex[:8]}.err"
+        env = dict(os.environ, RANKSCOPE_BPF_CACHE=str(bpf_cache)) if bpf_cache else None
         with open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
                 [*AGENT, "agent", "--listen", self.url.removeprefix("http://"), "--pid", ",".join(map(str, pids)),
                  "--window", str(window), "--detail", detail],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env)
         try:
             wait_until(self._up, 120, "the agent to serve", interval=0.1)
         except BaseException:

@@ -1,4 +1,4 @@
-"""Compiling a BPF program with bcc, and giving the compiler's memory back.
+"""Compiling a BPF program with bcc (once a node: loader/bpf_cache.py), and giving the compiler's memory back.
 
 bcc compiles C with clang/LLVM inside this process, which costs resident memory twice over:
 - the heap grows by 60-100 MB that is free again afterwards, but glibc keeps freed heap mapped:
@@ -25,16 +25,25 @@ _MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \S+\s*(.*)$")
 
 
 def compile_bpf(text: str, cflags: list[str]) -> Any:
-    """bcc's BPF object for `text` (compiled, maps created); raises what bcc raises (a bare Exception)."""
+    """bcc's BPF object for `text` (maps created): from the node's cache of compiled programs
+    (loader/bpf_cache.py) where it holds this one, else compiled and kept there. Raises what bcc raises (a
+    bare Exception)."""
     try:
         from bcc import BPF
+
+        from rankscope.agent.loader import bpf_cache
     except ImportError as e:
         raise RuntimeError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
+    cached = bpf_cache.load(text, cflags)
+    if cached is not None:
+        return cached
     try:
-        return BPF(text=text, cflags=cflags)
+        bpf = BPF(text=text, cflags=cflags)
     finally:
         _trim_heap()
         release_clean_pages(COMPILER_LIBRARIES)
+    bpf_cache.store(text, cflags, bpf)
+    return bpf
 
 
 @cache

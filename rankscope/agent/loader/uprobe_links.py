@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from rankscope.agent.loader import bpf_syscall
+
 log = logging.getLogger(__name__)
 
-SYS_BPF = 321  # x86-64
-BPF_LINK_CREATE = 28
 BPF_TRACE_UPROBE_MULTI = 48
 BPF_F_UPROBE_MULTI_RETURN = 1
 BPF_PROBE_ENTRY, BPF_PROBE_RETURN = 0, 1  # libbcc's bpf_probe_attach_type
@@ -150,11 +150,7 @@ def _link_create(prog_fd: int, path: str, offsets: list[int], returns: bool, pid
     attr = _LinkCreate(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI, path=ctypes.addressof(raw_path),
                        offsets=ctypes.addressof(offs), ref_ctr_offsets=ctypes.addressof(refs) if refs else 0,
                        cnt=len(offsets), multi_flags=BPF_F_UPROBE_MULTI_RETURN if returns else 0, pid=pid)
-    fd = _syscall()(SYS_BPF, BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return fd
+    return bpf_syscall.bpf(bpf_syscall.BPF_LINK_CREATE, attr)
 
 
 def _perf_events(prog_fd: int, fn_name: str, path: str, offsets: list[int], returns: bool, pid: int | None,
@@ -170,15 +166,6 @@ def _perf_events(prog_fd: int, fn_name: str, path: str, offsets: list[int], retu
             raise UprobeError(f"cannot attach {fn_name} to {path} at offset {offset:#x}")
         probes.perf.append((fd, event))
     return probes
-
-
-@cache
-def _syscall():
-    """libc's syscall(2), typed for bpf(2): long arguments (variadic: ints would leave the high halves unset)."""
-    fn = ctypes.CDLL(None, use_errno=True).syscall
-    fn.restype = ctypes.c_long
-    fn.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_ulong]
-    return fn
 
 
 @cache

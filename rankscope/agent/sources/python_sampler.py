@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import struct
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from rankscope.agent.interpreters.cpython.layout import Layout
 from rankscope.agent.interpreters.cpython.process import Interpreter, inspect, open_memory
 from rankscope.agent.interpreters.cpython.threads import stacks_by_tid, thread_stacks
 from rankscope.agent.loader.bcc import compile_bpf
+from rankscope.agent.loader import bpf_syscall
 from rankscope.agent.loader.maps import MapReadError, entries
 from rankscope.agent.loader.trace_stream import TRACE_PY_SAMPLE, TRACE_RECORD, Labels, TraceStream
 
@@ -450,12 +450,6 @@ def _thread_states(pid: int) -> dict[int, tuple[str, int, int]]:
 
 # -- threads asleep, and running py_flush ----------------------------------------------------------------------------------------
 
-_SYS_BPF = 321  # x86-64
-_BPF_PROG_TEST_RUN = 10
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
 def _sleeping(table) -> list[tuple[int, int]]:
     """(tid, pid) of every thread in py_sleeping, read in batches (loader/maps.py): a batch walks the hash
     bucket by bucket, where get_next_key would start over each time the program deletes the key it stands on."""
@@ -477,6 +471,7 @@ def _flush(fd: int, tids) -> None:
         batch = tids[i : i + FLUSH_BATCH]
         for j in range(FLUSH_BATCH):
             ctx[j] = batch[j] if j < len(batch) else 0
-        if _libc.syscall(_SYS_BPF, _BPF_PROG_TEST_RUN, attr, ctypes.sizeof(attr)) < 0:
-            err = ctypes.get_errno()
-            raise SamplerError(f"cannot run the off-CPU flush: {os.strerror(err)}")
+        try:
+            bpf_syscall.bpf(bpf_syscall.BPF_PROG_TEST_RUN, attr)
+        except OSError as e:
+            raise SamplerError(f"cannot run the off-CPU flush: {e.strerror}") from e

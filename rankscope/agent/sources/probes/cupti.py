@@ -103,6 +103,16 @@ class RawActivity:
     bytes: int
 
 
+class _RawRecord(ctypes.Structure):
+    """struct raw_activity of bpf/cupti.bpf.c, as the ring buffer hands it over. Declared here rather than
+    derived from the compiled module by bcc (RingBuf.event), which a program from the cache has not."""
+
+    _fields_ = [("pid", ctypes.c_uint32), ("kind", ctypes.c_uint32), ("start", ctypes.c_uint64),
+                ("end", ctypes.c_uint64), ("device", ctypes.c_uint32), ("stream", ctypes.c_uint32),
+                ("correlation", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("name", ctypes.c_uint64),
+                ("bytes", ctypes.c_uint64)]
+
+
 def shim_path(pid: int) -> str | None:
     """The shim as mapped by `pid`, reached through /proc/PID/root; None when the process does not load it."""
     try:
@@ -224,7 +234,7 @@ class CuptiReader:
         return out
 
     def _on_raw(self, _ctx, data, _size) -> None:
-        r = self._bpf[RAW_ACTIVITY].event(data)
+        r = ctypes.cast(data, ctypes.POINTER(_RawRecord)).contents
         self._raw.append(RawActivity(r.pid, r.kind, r.start, r.end, r.device, r.stream, r.correlation,
                                      self.name(r.name), r.bytes))
 
