@@ -6,6 +6,7 @@ field a BPF program reads out of a kernel structure is read at an offset taken f
 from __future__ import annotations
 
 import struct
+from array import array
 from functools import cache
 
 VMLINUX = "/sys/kernel/btf/vmlinux"
@@ -23,64 +24,83 @@ class BTFError(OSError):
 
 
 class _BTF:
+    """The kernel's types, read where they are asked for. Only each type's place in the data is indexed
+    (~0.5 MB for ~130k types): parsing every type into Python objects held ~40 MB in the agent for good."""
+
     def __init__(self, data: bytes):
         magic, _ver, _flags, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data)
         if magic != 0xEB9F:
             raise BTFError("not BTF data")
-        types = data[hdr_len + type_off : hdr_len + type_off + type_len]
+        self.data = data[hdr_len + type_off : hdr_len + type_off + type_len]
         self.strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
-        self.types: list[tuple[int, str, int, int, list[tuple[str, int, int]]]] = [(0, "", 0, 0, [])]
+        self.at = array("I", [0])  # type id -> its header's offset in self.data (id 0, void, has none)
         pos = 0
-        while pos < len(types):
-            name_off, info, size_or_type = struct.unpack_from("<III", types, pos)
-            pos += 12
-            kind, vlen, kflag = (info >> 24) & 0x1F, info & 0xFFFF, info >> 31
-            members: list[tuple[str, int, int]] = []
-            if kind in (_STRUCT, _UNION):
-                for i in range(vlen):
-                    m_name, m_type, m_off = struct.unpack_from("<III", types, pos + 12 * i)
-                    bit = m_off & 0xFFFFFF if kflag else m_off
-                    members.append((self._str(m_name), m_type, bit))
-            pos += _FIXED_EXTRA.get(kind, 0) + _PER_VLEN.get(kind, 0) * vlen
-            self.types.append((kind, self._str(name_off), size_or_type, kflag, members))
+        while pos < len(self.data):
+            self.at.append(pos)
+            info = struct.unpack_from("<I", self.data, pos + 4)[0]
+            kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+            pos += 12 + _FIXED_EXTRA.get(kind, 0) + _PER_VLEN.get(kind, 0) * vlen
+
+    def _header(self, type_id: int) -> tuple[int, int, int, int, int]:
+        """(kind, name offset, size or referenced type, kflag, vlen) of a type."""
+        name_off, info, size_or_type = struct.unpack_from("<III", self.data, self.at[type_id])
+        return (info >> 24) & 0x1F, name_off, size_or_type, info >> 31, info & 0xFFFF
 
     def _str(self, off: int) -> str:
         end = self.strings.index(b"\x00", off)
         return self.strings[off:end].decode()
 
-    def _resolve(self, type_id: int) -> int:
-        while self.types[type_id][0] in _MODIFIERS:
-            type_id = self.types[type_id][2]
+    def members(self, type_id: int) -> list[tuple[str, int, int]]:
+        """(name, type id, bit offset) of each member of a struct or union."""
+        kind, _, _, kflag, vlen = self._header(type_id)
+        if kind not in (_STRUCT, _UNION):
+            return []
+        out = []
+        for i in range(vlen):
+            m_name, m_type, m_off = struct.unpack_from("<III", self.data, self.at[type_id] + 12 + 12 * i)
+            out.append((self._str(m_name), m_type, m_off & 0xFFFFFF if kflag else m_off))
+        return out
+
+    def resolve(self, type_id: int) -> int:
+        """The type behind typedefs and qualifiers."""
+        while type_id and self._header(type_id)[0] in _MODIFIERS:
+            type_id = self._header(type_id)[2]
         return type_id
+
+    def struct_id(self, name: str) -> int | None:
+        want = name.encode() + b"\x00"
+        for type_id in range(1, len(self.at)):
+            kind, name_off, _, _, _ = self._header(type_id)
+            if kind == _STRUCT and self.strings[name_off : name_off + len(want)] == want:
+                return type_id
+        return None
 
     def bit_offset(self, struct_name: str, path: str) -> int:
         """Bit offset of `path` ("thread.fsbase") in `struct struct_name`."""
-        tid = next((i for i, t in enumerate(self.types) if t[0] == _STRUCT and t[1] == struct_name), None)
+        tid = self.struct_id(struct_name)
         if tid is None:
             raise BTFError(f"no struct {struct_name} in the kernel's BTF")
         total = 0
         for name in path.split("."):
-            _, sname, _, _, members = self.types[self._resolve(tid)]
-            found = _find_member(self, members, name)
+            tid = self.resolve(tid)
+            found = _find_member(self, tid, name)
             if found is None:
-                where = sname or "an anonymous struct"
+                where = self._str(self._header(tid)[1]) or "an anonymous struct"
                 raise BTFError(f"no field {name} in {where} (looking for {struct_name}.{path})")
             bit, tid = found
             total += bit
         return total
 
 
-def _find_member(btf: _BTF, members, name: str):
-    """(bit offset, type id) of `name`, looking through anonymous structs and unions."""
-    for m_name, m_type, bit in members:
+def _find_member(btf: _BTF, type_id: int, name: str):
+    """(bit offset, type id) of `name` in a struct or union, looking through anonymous structs and unions."""
+    for m_name, m_type, bit in btf.members(type_id):
         if m_name == name:
             return bit, m_type
         if not m_name:
-            inner = btf.types[btf._resolve(m_type)]
-            if inner[0] in (_STRUCT, _UNION):
-                found = _find_member(btf, inner[4], name)
-                if found is not None:
-                    return bit + found[0], found[1]
+            found = _find_member(btf, btf.resolve(m_type), name)
+            if found is not None:
+                return bit + found[0], found[1]
     return None
 
 

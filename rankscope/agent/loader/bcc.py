@@ -34,13 +34,14 @@ def compile_bpf(text: str, cflags: list[str]) -> Any:
         from rankscope.agent.loader import bpf_cache
     except ImportError as e:
         raise RuntimeError("bcc is not importable: run scripts/install (Debian's python3-bpfcc)") from e
-    cached = bpf_cache.load(text, cflags)
-    if cached is not None:
-        return cached
     try:
+        cached = bpf_cache.load(text, cflags)
+        if cached is not None:
+            return cached
         bpf = BPF(text=text, cflags=cflags)
     finally:
         _trim_heap()
+        # Even without a compile: loading libbcc relocates the compiler's libraries, ~45 MB resident.
         release_clean_pages(COMPILER_LIBRARIES)
     bpf_cache.store(text, cflags, bpf)
     return bpf
