@@ -11,7 +11,8 @@ and without the agent, A B B A ..., summarized by the median over pairs so that 
             the slowdown of a launcher issuing 100,000 launches/s, in light mode (launches not probed) and deep
   sched     a context-switch storm (two processes pinned to one CPU ping-ponging over pipes): ns added per
             switch by the agent's scheduler tracepoints, storm not watched and watched
-  agent     the agent's own CPU share of one core and peak RSS while watching 8 ranks
+  agent     the agent's own CPU share of one core and peak RSS while watching 8 ranks: the node's first agent
+            (compiling its BPF programs) and a later one (its programs from the node's cache)
   detach    seconds a session's close() takes on one rank in deep detail, uprobes as uprobe_multi links against
             perf events (the older kernels' way), alternating in one run
   payload   msgpack bytes per rank per window of real patterns of the simulated job
@@ -28,10 +29,13 @@ and without the agent, A B B A ..., summarized by the median over pairs so that 
             (bursts every 10 ms), for 2 minutes, the agent in deep mode: the agent process's CPU share of one
             core and, apart, its BPF programs' kernel time (kernel.bpf_stats_enabled, on for the run only);
             RSS at start and end, windows served, launches counted, drops reported in /metrics
-  attach    `diagnose --pid <2 ranks> --duration 1` attaching itself (bcc compiles its programs) and through
-            the node agent already watching the job (`--agent`): seconds to its window, CPU, peak RSS
+  attach    `diagnose --pid <2 ranks> --duration 1` attaching itself (compiling its programs, or finding them
+            in the node's cache) and through the node agent already watching the job (`--agent`): seconds and
+            CPU to its window, whole run, peak RSS
   torch     step time of the real torch DDP job (tests/torch_ddp_train.py, gloo on CPU, 4 ranks under torchrun)
             with the agent attached to its running ranks, light and deep mode; listed only when that script exists
+  startup   step time of a 2-rank torch DDP job (both CPUs busy) over the first seconds after the agent starts,
+            against the seconds before: the node's first agent (compiling) and a later one (programs cached)
 
 --quick runs every benchmark at a tiny size (the smoke test); its figures mean nothing.
 The stand-in libraries are built into a private folder, so that probes other agents on the machine put on
@@ -58,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import (agent, analyzer, attach, busy, cluster, detach, inject, job, latency, launch, payload,
-                        sched, torch_job, trace)
+                        sched, startup, torch_job, trace)
 from benchmarks.harness import Context, Row, log, machine, table
 
 BENCHES: dict[str, Callable[[Context], tuple[list[Row], dict]]] = {
@@ -67,7 +71,7 @@ BENCHES: dict[str, Callable[[Context], tuple[list[Row], dict]]] = {
     "trace": trace.run, "cluster": cluster.run, "busy": busy.run, "attach": attach.run,
 }
 if torch_job.TORCH_SCRIPT.exists():  # the real job (1a), once tests/torch_ddp_train.py exists
-    BENCHES = {"torch": torch_job.run, **BENCHES}
+    BENCHES = {"torch": torch_job.run, **BENCHES, "startup": startup.run}
 
 
 def main(argv: list[str] | None = None) -> int:

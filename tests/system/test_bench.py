@@ -15,7 +15,7 @@ BENCHMARKS = {"job", "launch", "sched", "agent", "detach", "payload", "latency",
 
 
 def test_every_benchmark_runs_at_tiny_size(tmp_path):
-    expected = BENCHMARKS | ({"torch"} if (ROOT / "tests" / "torch_ddp_train.py").exists() else set())
+    expected = BENCHMARKS | ({"torch", "startup"} if (ROOT / "tests" / "torch_ddp_train.py").exists() else set())
     out = tmp_path / "bench.json"
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--json", str(out)],
                          capture_output=True, text=True, timeout=1200)
