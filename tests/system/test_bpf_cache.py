@@ -173,3 +173,17 @@ def test_off_keeps_nothing(tmp_path, monkeypatch):
     compile_bpf(PROGRAM, []).cleanup()
     assert bpf_cache.directory() is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_least_recently_used_entries_beyond_the_limit_are_removed(cache, monkeypatch):
+    monkeypatch.setattr(bpf_cache, "MAX_ENTRIES", 2)
+    texts = [PROGRAM + f"\n// {i}\n" for i in range(3)]
+    entries = [cache / f"{bpf_cache.key(text, [])}.json" for text in texts]
+    for i in range(2):
+        compile_bpf(texts[i], []).cleanup()
+        os.utime(entries[i], (1000 + i, 1000 + i))  # written long ago, 0 before 1
+    hit = compile_bpf(texts[0], [])  # used again: now the most recently used
+    assert isinstance(hit, bpf_cache.CachedBPF)
+    hit.cleanup()
+    compile_bpf(texts[2], []).cleanup()  # a third entry: one too many
+    assert [e.exists() for e in entries] == [True, False, True]

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # of an entry file; part of the key
 ENV = "RANKSCOPE_BPF_CACHE"  # the cache's directory; "off" (or empty) keeps nothing
 DEFAULT_DIR = "/var/cache/rankscope/bpf"
+# Entries kept, the least recently used beyond it removed when one is written: a program's text changes with
+# each rankscope version, its flags with each CPython version watched (layout offsets), so old entries pile up.
+MAX_ENTRIES = 64
 
 INSN_SIZE = 8
 LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: a 64-bit constant over two instructions
@@ -160,6 +163,7 @@ def load(text: str, cflags: list[str]) -> CachedBPF | None:
                 log.warning("ignoring BPF cache entry %s: writable by others", path)
                 return None
             entry = Entry.from_json(f.read())
+            os.utime(f.fileno())  # used now: what the pruning of old entries goes by
     except (OSError, CacheError) as e:
         log.warning("BPF cache entry %s unusable, compiling instead: %s", path, e)
         _remove(path)
@@ -191,8 +195,21 @@ def store(text: str, cflags: list[str], bpf: Any) -> None:
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as f:
             f.write(entry.to_json())
         os.replace(tmp, path)
+        _prune(root)
     except OSError as e:
         log.debug("cannot write the BPF cache in %s: %s", root, e)
+
+
+def _prune(root: Path) -> None:
+    """Removes the least recently used entries beyond MAX_ENTRIES."""
+    entries = []
+    for p in root.glob("*.json"):
+        try:
+            entries.append((p.stat().st_mtime, p))
+        except OSError:
+            continue
+    for _, p in sorted(entries, reverse=True)[MAX_ENTRIES:]:
+        _remove(p)
 
 
 def describe(bpf: Any) -> Entry:
