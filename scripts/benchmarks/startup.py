@@ -28,7 +28,7 @@ def _phase(ctx: Context, job: TorchJob, pids: list[int], window: float, cache=No
 
 
 def run(ctx: Context) -> tuple[list[Row], dict]:
-    window = 4.0 if ctx.quick else 10.0
+    window = 3.0 if ctx.quick else 10.0
     rounds = 1 if ctx.quick else 3
     warm = ctx.tmp / "startup-bpf-cache"
     job = TorchJob(ctx, 2)

@@ -79,7 +79,7 @@ def median_step(steps_per_rank: list[list[float]]) -> float:
 def run(ctx: Context) -> tuple[list[Row], dict]:
     """The real torch DDP job: a fresh 4-rank job per phase; the agent attaches to the running ranks; step times
     from the ranks' own reports over the same interval of each phase (from SETTLE s after the first steps)."""
-    ranks = 4
+    ranks = 2 if ctx.quick else 4  # quick: the smoke test; two ranks start sooner
     settle, measure = (2.0, 3.0) if ctx.quick else (8.0, 15.0)
 
     def phase(detail: str | None) -> dict[str, float]:
