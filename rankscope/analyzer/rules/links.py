@@ -46,12 +46,17 @@ MIN_BYTES = 1 << 20  # ...and bytes: a few small steps measure latency, not band
 MIN_LINKS = 3  # judged links of a role: with two, which one is "the others"?
 SLOW_FACTOR = 1.5  # a link below the median of its role's links divided by this is slow
 # TCP's throughput also follows who gets a CPU when the host is short of them (loopback copies are CPU work):
-# healthy links of one job ranged 134-333 MB/s beside a rank spinning on a core. A slow TCP link must run
-# below 0.4 of its peers. The accuracy matrix's kept windows (2026-11-27: ~400 windows of 9 shapes) put the
-# healthy links no lower than 0.45 of their role's (pipe-4; a factor of 2.2 called one slow) and cnn-3's
-# rate-limited link (100 Mbit/s against ~38 MB/s of loopback on a CPU-starved host) at 0.29-0.36, which a
-# factor of 3 missed in 1 of 10 windows (and 3 of 5 earlier).
-TCP_SLOW_FACTOR = 2.5
+# healthy links of one job ranged 134-333 MB/s beside a rank spinning on a core. A slow TCP link must run at
+# a third of the links it is compared with (the rate-limited link of the accuracy matrix: 12 MB/s vs
+# 100-500 MB/s)...
+TCP_SLOW_FACTOR = 3.0
+# ...or at half the links of its own peer group: they carry the same collectives, so they keep pace with each
+# other. In the accuracy matrix's kept windows (2026-11-27, 145 healthy windows with TCP links), every rank of
+# one group had a link at 0.74 of its group's others or faster (cnn-3, mlp-3-io, mlp-4), while the links of a
+# stage of two ranks, compared with the other stage's (a different part of the model), fell to 0.45 (pipe-4);
+# cnn-3's rate-limited rank (100 Mbit/s against ~35 MB/s of loopback on a CPU-starved host) had both its
+# links at 0.26-0.41, which a third missed in 4 of 25 windows.
+TCP_SLOW_FACTOR_IN_GROUP = 2.0
 MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (not one link) the suspect
 # TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
 # send, over which a transfer's rounding to whole ticks averages out.
@@ -190,6 +195,7 @@ class LinkRoles:
 
     id: np.ndarray
     between: np.ndarray  # bool: the link joins two peer groups (pipeline stages)
+    group: np.ndarray  # the peer group a link within one joins (-1: between two, or unknown)
 
     @classmethod
     def of(cls, m: LinkMatrix, patterns: Sequence[RankPattern]) -> LinkRoles:
@@ -200,7 +206,8 @@ class LinkRoles:
         keys = [((WITHIN, WITHIN) if gs == gd >= 0 else (gs, gd), bool(t)) for (gs, gd), t in zip(ends, m.tcp)]
         ids = {key: i for i, key in enumerate(sorted(set(keys)))}
         return cls(np.array([ids[key] for key in keys], dtype=np.intp),
-                   np.fromiter((gs != gd for gs, gd in ends), bool, len(ends)))
+                   np.fromiter((gs != gd for gs, gd in ends), bool, len(ends)),
+                   np.fromiter((gs if gs == gd else -1 for gs, gd in ends), np.intp, len(ends)))
 
 
 def _role_medians(judged: np.ndarray, role: np.ndarray, bw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -219,7 +226,8 @@ def _slow_factor(m: LinkMatrix) -> np.ndarray:
 
 def _slow_nodes(m: LinkMatrix, judged: np.ndarray, roles: LinkRoles, bw: np.ndarray) -> dict[int, float]:
     """rank -> the throughput its links fell short of, for each rank with MIN_NODE_LINKS judged links or more,
-    every one slower than its slow factor below the median of its role's links that do not touch the rank.
+    every one slower than its slow factor below the median of its role's links that do not touch the rank:
+    those of its own peer group where there are any (TCP_SLOW_FACTOR_IN_GROUP), else the role's others.
 
     Leaving the rank's own links out matters in small jobs: in a ring of three, two of the three links touch
     the slow rank, and a median over all of them is theirs. In a role of many links one rank's few barely
@@ -250,17 +258,23 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, roles: LinkRoles, bw: np.
     reads slowly from every sender (pipe-4: 1 -> 3 at 5.6 MB/s, 0 -> 2 at 10 MB/s)."""
     role = roles.id
     median, count = _role_medians(judged, role, bw)
-    factor = _slow_factor(m)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
     link = np.tile(np.arange(len(m)), 2)
     reference = median[link]
+    factor = _slow_factor(m)[link]
     for k in np.flatnonzero(judged[link] & (count[link] <= EXACT_ROLE_LINKS)):
-        r = end_rank[k]
+        r, g = end_rank[k], roles.group[link[k]]
         others = judged & (role == role[link[k]]) & (m.src != r) & (m.dst != r)
-        reference[k] = np.median(bw[others]) if others.any() else np.nan
+        in_group = others & (roles.group == g) if g >= 0 else np.zeros_like(others)
+        if in_group.any():  # the rank's own group's other links: the same collectives, the same pace
+            reference[k] = np.median(bw[in_group])
+            if m.tcp[link[k]]:
+                factor[k] = TCP_SLOW_FACTOR_IN_GROUP
+        else:
+            reference[k] = np.median(bw[others]) if others.any() else np.nan
     within = judged[link] & ~roles.between[link]
     with np.errstate(invalid="ignore"):
-        slow = within & (bw[link] < reference / factor[link])  # no reference: not slow
+        slow = within & (bw[link] < reference / factor)  # no reference: not slow
         clears = judged[link] & roles.between[link] & (bw[link] >= reference)
     ends, at = np.unique(end_rank, return_inverse=True)
     n_within = np.bincount(at, weights=within, minlength=ends.size)
