@@ -51,11 +51,11 @@ SLOW_FACTOR = 1.5  # a link below the median of its role's links divided by this
 # 100-500 MB/s)...
 TCP_SLOW_FACTOR = 3.0
 # ...or at half the links of its own peer group: they carry the same collectives, so they keep pace with each
-# other. In the accuracy matrix's kept windows (2026-11-27, 145 healthy windows with TCP links), every rank of
-# one group had a link at 0.74 of its group's others or faster (cnn-3, mlp-3-io, mlp-4), while the links of a
-# stage of two ranks, compared with the other stage's (a different part of the model), fell to 0.45 (pipe-4);
-# cnn-3's rate-limited rank (100 Mbit/s against ~35 MB/s of loopback on a CPU-starved host) had both its
-# links at 0.26-0.41, which a third missed in 4 of 25 windows.
+# other. In the accuracy matrix's kept windows (2026-11-27), every rank of one group had a link at 0.74 of its
+# group's others or faster (90 healthy windows of cnn-3, mlp-3-io, mlp-4), while the links of a stage of two
+# ranks, compared with the other stage's (a different part of the model), fell to 0.45 (pipe-4); cnn-3's
+# rate-limited rank (100 Mbit/s against ~35 MB/s of loopback on a CPU-starved host) had both its links at
+# 0.26-0.41 of the third link (30 windows), which a third missed in 8.
 TCP_SLOW_FACTOR_IN_GROUP = 2.0
 MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (not one link) the suspect
 # TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
