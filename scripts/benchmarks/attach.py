@@ -50,7 +50,8 @@ def run(ctx: Context) -> tuple[list[Row], dict]:
         hold.touch()
         with AgentProc(ctx, job.pids, window=1.0, bpf_cache=cached) as agent:
             wait_until(lambda: agent.get("/v1/targets").get("window_end"), 60, "the agent's first window")
-            _diagnose(job.pids, cached)  # diagnose's programs (deep detail) kept, as any earlier run keeps them
+            if not ctx.quick:  # diagnose's programs (deep detail) kept, as any earlier run keeps them
+                _diagnose(job.pids, cached)
             for i in range(rounds):  # alternating: drift on the machine falls on each alike
                 runs["compiling"].append(_diagnose(job.pids, ctx.tmp / f"attach-bpf-cache-{i}"))  # empty
                 runs["cached"].append(_diagnose(job.pids, cached))

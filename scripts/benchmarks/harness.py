@@ -232,13 +232,13 @@ def median(xs) -> float:
 DETAILS = ("light", "deep")  # the agent's levels, each measured against no agent
 
 
-def slowdown_series(bench: str, pairs_per_level: int,
-                    phase: Callable[[str | None], dict[str, float]]) -> dict[str, dict]:
+def slowdown_series(bench: str, pairs_per_level: int, phase: Callable[[str | None], dict[str, float]],
+                    levels: tuple[str, ...] = DETAILS) -> dict[str, dict]:
     """For each detail level, alternating phases without (A) and with the agent at that level (B), A B B A ...;
     `phase(level or None)` measures one phase: metric -> value, lower is better ("step_s" always).
     level -> {order, metric -> {values, pair slowdowns in %, medians without and with}}."""
     out = {}
-    for level in DETAILS:
+    for level in levels:
         order = abba(pairs_per_level)
         measured: list[dict[str, float]] = []
         for i, p in enumerate(order):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rankscope.sim.harness import free_port, wait_until
 
-from .harness import AgentProc, BenchError, Context, Row, cpu_ns, slowdown_rows, slowdown_series
+from .harness import DETAILS, AgentProc, BenchError, Context, Row, cpu_ns, slowdown_rows, slowdown_series
 
 TORCH_SCRIPT = Path(__file__).resolve().parents[2] / "tests" / "torch_ddp_train.py"
 
@@ -103,7 +103,8 @@ def run(ctx: Context) -> tuple[list[Row], dict]:
         finally:
             job.stop()
 
-    series = slowdown_series("torch", 1 if ctx.quick else 3, phase)
+    # Quick (the smoke test): light mode only, each phase being a fresh torch job; deep runs in `job` and `trace`.
+    series = slowdown_series("torch", 1 if ctx.quick else 3, phase, DETAILS[:1] if ctx.quick else DETAILS)
     details = {"ranks": ranks, "levels": series, "settle_s": settle, "measured_s": measure,
                "agent": "rankscope agent --pid --detail LEVEL (window 5 s)",
                "method": "tests/torch_ddp_train.py (gloo, CPU) under torchrun; the agent attaches to the running "
