@@ -127,6 +127,20 @@ def test_a_damaged_entry_is_compiled_again_and_replaced(cache):
         bpf.cleanup()
 
 
+def test_maps_the_kernel_refuses_are_compiled_instead(cache):
+    compile_bpf(PROGRAM, []).cleanup()
+    doc = json.loads(_entry(cache).read_text())
+    doc["maps"][0]["type"] = 0  # BPF_MAP_TYPE_UNSPEC
+    _entry(cache).write_text(json.dumps(doc))
+    bpf = compile_bpf(PROGRAM, [])
+    try:
+        assert not isinstance(bpf, bpf_cache.CachedBPF)
+        assert bpf.load_func("on_getpid", BPF.KPROBE).fd >= 0
+        assert json.loads(_entry(cache).read_text())["maps"][0]["type"] != 0  # the compile's entry replaced it
+    finally:
+        bpf.cleanup()
+
+
 def test_a_program_the_kernel_refuses_is_reported_and_compiled_next_time(cache):
     compile_bpf(PROGRAM, []).cleanup()
     doc = json.loads(_entry(cache).read_text())

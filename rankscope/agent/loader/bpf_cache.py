@@ -117,7 +117,7 @@ class Entry:
                                           tuple((int(i), int(m)) for i, m in f["map_refs"]))
                               for f in doc["functions"])
             entry = cls(str(doc["license"]), int(doc["kern_version"]), maps, functions)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CacheError(f"malformed entry: {e}") from e
         for f in functions:
             if len(f.insns) % INSN_SIZE or any(not (0 <= i < len(f.insns) // INSN_SIZE and 0 <= m < len(maps))
@@ -173,6 +173,10 @@ def load(text: str, cflags: list[str]) -> CachedBPF | None:
     except CacheError as e:  # the maps: what a compile would also need (memory, privileges)
         log.warning("BPF program from cache entry %s not loaded, compiling instead: %s", path, e)
         return None
+    except Exception as e:  # noqa: BLE001 - bcc raises bare Exception; whatever an entry does, the compile decides
+        log.warning("BPF program from cache entry %s not loaded, compiling instead: %s", path, e)
+        _remove(path)
+        return None
 
 
 def store(text: str, cflags: list[str], bpf: Any) -> None:
@@ -182,7 +186,7 @@ def store(text: str, cflags: list[str], bpf: Any) -> None:
         return
     try:
         entry = describe(bpf)
-    except (OSError, CacheError) as e:
+    except Exception as e:  # noqa: BLE001 - a program the cache cannot keep still loads, compiled
         log.debug("BPF program not cached: %s", e)
         return
     try:
