@@ -63,8 +63,11 @@ class _BTF:
 
     def resolve(self, type_id: int) -> int:
         """The type behind typedefs and qualifiers."""
-        while type_id and self._header(type_id)[0] in _MODIFIERS:
-            type_id = self._header(type_id)[2]
+        while type_id:
+            kind, _, referenced, _, _ = self._header(type_id)
+            if kind not in _MODIFIERS:
+                break
+            type_id = referenced
         return type_id
 
     def struct_id(self, name: str) -> int | None:

@@ -18,9 +18,9 @@ write to, and written whole (a temporary file renamed into place).
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import ctypes
-import errno
 import hashlib
 import json
 import logging
@@ -36,6 +36,7 @@ from bcc import BPF
 from bcc import table as bcc_table
 from bcc.libbcc import lib
 from bcc.utils import get_possible_cpus
+from bcc.version import __version__ as bcc_version
 
 from rankscope.agent.loader import bpf_syscall
 
@@ -51,9 +52,8 @@ MAX_ENTRIES = 64
 INSN_SIZE = 8
 LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: a 64-bit constant over two instructions
 PSEUDO_MAP_FD, PSEUDO_MAP_VALUE = 1, 2  # its source register when the constant is a map's fd
-# bcc attaches functions of these names itself when it compiles (BPF._trace_autoload)...
-AUTOLOADED = ("kprobe__", "kretprobe__", "tracepoint__", "raw_tracepoint__")
-# ...and these through the kernel's BTF, which an entry does not keep.
+# Functions bcc attaches by their name's prefix through the kernel's BTF, which an entry does not keep
+# (the other prefixes bcc attaches by name, kprobe__ and tracepoint__ ones, CachedBPF._autoload attaches).
 NOT_KEPT = ("kfunc__", "kretfunc__", "lsm__")
 # The map types rankscope's programs use, and bcc's Python class for each (bcc.table.Table chooses one by
 # asking the compiled module, which a cached program does not have).
@@ -135,7 +135,6 @@ def directory() -> Path | None:
 def key(text: str, cflags: list[str]) -> str:
     """What decides a compile's output: the program, its flags, bcc, the kernel (its release and build; the
     headers bcc reads are the release's) and the number of possible CPUs (the size of per-CPU arrays)."""
-    from bcc.version import __version__ as bcc_version
     uname = platform.uname()
     h = hashlib.sha256()
     for part in (str(FORMAT), bcc_version, uname.release, uname.version, uname.machine,
@@ -288,7 +287,6 @@ class CachedBPF(BPF):
         except OSError as e:
             self._close_maps()
             raise CacheError(f"cannot create its maps: {e.strerror}") from e
-        import atexit
         atexit.register(self.cleanup)
         self._autoload()
 
@@ -441,7 +439,6 @@ def _trusted_file(st: os.stat_result) -> bool:
 
 def _remove(path: Path) -> None:
     try:
-        os.unlink(path)
+        path.unlink(missing_ok=True)  # another process may have removed it first
     except OSError as e:
-        if e.errno != errno.ENOENT:
-            log.debug("cannot remove %s: %s", path, e)
+        log.debug("cannot remove %s: %s", path, e)

@@ -49,8 +49,8 @@ from rankscope.agent.interpreters.cpython.errors import InterpreterNotReady, Pyt
 from rankscope.agent.interpreters.cpython.layout import Layout
 from rankscope.agent.interpreters.cpython.process import Interpreter, inspect, open_memory
 from rankscope.agent.interpreters.cpython.threads import stacks_by_tid, thread_stacks
-from rankscope.agent.loader.bcc import compile_bpf
 from rankscope.agent.loader import bpf_syscall
+from rankscope.agent.loader.bcc import compile_bpf
 from rankscope.agent.loader.maps import MapReadError, entries
 from rankscope.agent.loader.trace_stream import TRACE_PY_SAMPLE, TRACE_RECORD, Labels, TraceStream
 
