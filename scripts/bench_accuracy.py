@@ -106,7 +106,7 @@ SHAPES = [
     Shape("pipe-4", "pipeline_stages.py", 4, loads=1,
           note="2 stages x 2 replicas, send/recv, new_group all-reduce; stage 0 (ranks 0, 1) loads the data"),
     Shape("sim-4", "", 4, sim=True,
-          faults=("healthy", "compute", "loader", "gc", "sigstop", "slowlink", "healthy-agent"),
+          faults=("healthy", "compute", "compute-small", "loader", "gc", "sigstop", "slowlink", "healthy-agent"),
           note="simulated GPU job: stand-in libcuda/libnccl, NCCL all-reduce; GPU-side faults"),
 ]
 
@@ -124,6 +124,8 @@ class Fault:
 FAULTS = [
     Fault("healthy", None),
     Fault("compute", "compute_straggler"),
+    # A tenth of the step: the smallest straggler the rules must still name (a 1,000-rank job loses it whole).
+    Fault("compute-small", "compute_straggler"),
     Fault("loader", "input_straggler"),
     Fault("gc", "python_gc"),
     Fault("hang", "noncomm_hang"),
@@ -198,16 +200,19 @@ def log(msg: str) -> None:
     print(f"[accuracy {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def added_s(healthy_step: float) -> float:
-    """Seconds a faulty rank adds per step: half the healthy step, within 20-300 ms."""
+def added_s(healthy_step: float, fault: str = "compute") -> float:
+    """Seconds a faulty rank adds per step: half the healthy step, within 20-300 ms; for compute-small a
+    tenth of it, from 1 ms."""
+    if fault == "compute-small":
+        return max(0.001, 0.1 * healthy_step)
     return min(max(0.02, 0.5 * healthy_step), 0.3)
 
 
 def injected_share(shape: Shape, fault: str, healthy_step: float, step: float) -> float | None:
     """The issue's own measure of a cost, where the fault is a known delay each step: that delay's share of the
     faulty step (None where it is not one: a slower GPU, a loader behind worker processes, a GC storm)."""
-    if fault == "compute" and not shape.sim:
-        delay = added_s(healthy_step)  # the rank spins that long before optimizer.step
+    if fault in ("compute", "compute-small") and not shape.sim:
+        delay = added_s(healthy_step, fault)  # the rank spins that long before optimizer.step
     elif fault == "loader" and not shape.workers:
         delay = added_s(healthy_step) * (1 if shape.sim else shape.fetches)  # slept in each batch's fetch
     else:
@@ -218,12 +223,13 @@ def injected_share(shape: Shape, fault: str, healthy_step: float, step: float) -
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     """$RANKSCOPE_FAULT for the case: delays scaled to the shape's healthy step time."""
     v = shape.target(fault.name)
-    extra = added_s(healthy_step)
+    extra = added_s(healthy_step, fault.name)
     if shape.sim:  # GPU-side equivalents: a slower GPU, input stall, a slower link
-        return {"compute": f"slow-gpu:{v}:1.5", "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
+        return {"compute": f"slow-gpu:{v}:1.5", "compute-small": f"slow-gpu:{v}:1.15", "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
                 "slowlink": f"slow-link:{v}:4"}.get(fault.name, "")
     spec = {
         "compute": f"compute:{v}:{extra:.4f}",
+        "compute-small": f"compute:{v}:{extra:.4f}",
         # A batch fetch must outlast every worker's share of the step to make the rank wait for it.
         "loader": f"loader:{v}:{extra + shape.workers * (healthy_step + extra):.4f}",
         "gc": f"gc:{v}:0.3",
