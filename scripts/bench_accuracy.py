@@ -202,9 +202,9 @@ def log(msg: str) -> None:
 
 def added_s(healthy_step: float, fault: str = "compute") -> float:
     """Seconds a faulty rank adds per step: half the healthy step, within 20-300 ms; for compute-small a
-    tenth of it, from 1 ms."""
+    tenth of it."""
     if fault == "compute-small":
-        return max(0.001, 0.1 * healthy_step)
+        return 0.1 * healthy_step
     return min(max(0.02, 0.5 * healthy_step), 0.3)
 
 
