@@ -49,7 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "jobs"))
 import launch  # noqa: E402  (tests/jobs/launch.py: torchrun jobs with injected faults)
 
+from rankscope.analyzer.baseline import Baseline  # noqa: E402
 from rankscope.analyzer.diagnosis import DEFAULT_HANG_TIMEOUT_S, diagnose  # noqa: E402
+from rankscope.analyzer.stability import Confirmer  # noqa: E402
 from rankscope.schema.wire import decode_patterns  # noqa: E402
 from rankscope.sim.harness import free_port, wait_until  # noqa: E402
 
@@ -445,17 +447,25 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 
 
 def replay(dirs: list[Path]) -> list[Run]:
-    """The diagnose windows kept in `dirs` (--misses, --keep-all), diagnosed again by the current analyzer: a
-    rule change tried on real jobs' windows before it lands. A cost is scored where the kept run had its truth
-    (a right verdict then)."""
+    """The windows kept in `dirs` (--misses, --keep-all), diagnosed again by the current analyzer: a rule change
+    tried on real jobs' windows before it lands. A cost is scored where the kept run had its truth (a right
+    verdict then). An agent's run is replayed window after window, as the agent analyzes them."""
     shapes, faults = {s.name: s for s in SHAPES}, {f.name: f for f in FAULTS}
     runs = []
     for path in sorted(p for d in dirs for p in d.glob("*.json")):
-        kept, saved = json.loads(path.read_text()), path.with_suffix(".msgpack")
+        kept = json.loads(path.read_text())
         shape, fault = shapes.get(kept["run"]["shape"]), faults.get(kept["run"]["fault"])
-        if not saved.exists() or shape is None or fault is None or fault.mode != "diagnose":
+        if shape is None or fault is None:
             continue
         run = Run(**{k: v for k, v in kept["run"].items() if k not in ("step_err", "cost_err", "injected_err")})
+        if fault.mode == "agent":
+            windows = sorted(path.parent.glob(f"{path.stem}-*.msgpack"), key=lambda w: int(w.stem.rsplit("-", 1)[1]))
+            if windows:
+                runs.append(replay_agent(shape, fault, run, windows))
+            continue
+        saved = path.with_suffix(".msgpack")
+        if not saved.exists():
+            continue
         if run.truth_cost is not None and run.truth_step_s:
             healthy = (1 - run.truth_cost) * run.truth_step_s  # the reference the kept run was scored against
             run.injected_cost = injected_share(shape, run.fault, healthy, run.truth_step_s)
@@ -466,6 +476,26 @@ def replay(dirs: list[Path]) -> list[Run]:
         run.cost = doc["findings"][0]["cost"] if run.right and run.truth_cost is not None and doc["findings"] else None
         runs.append(run)
     return runs
+
+
+def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path]) -> Run:
+    """An agent's kept run diagnosed again: its windows in order, each against the job's baseline so far, each
+    finding reported once it held (as rankscope.agent.daemon does), scored as agent_case scores it."""
+    baselines: dict[str, Baseline] = {}
+    confirmer = Confirmer()
+    findings: list[dict] = []
+    for w in windows:
+        docs = diagnose(decode_patterns(w.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines)
+        confirmer.confirm(docs)
+        findings += [f for doc in docs.values() for f in doc["findings"]]
+    if fault.expect is None:
+        run.right, run.false = score(shape, fault, findings)
+    else:
+        found = next((f for f in findings if f["kind"] == fault.expect), None)
+        run.right, run.false = score(shape, fault, [found] if found else [])
+        run.false += [label(f) for f in findings if f is not found and f["kind"] != fault.expect]
+    run.findings = [label(f) for f in findings]
+    return run
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -39,3 +39,24 @@ def test_replay_scores_kept_windows_with_the_current_analyzer(tmp_path):
     assert runs["healthy"].right and runs["healthy"].false == []
     table = bench.table(bench.summarize(list(runs.values())))
     assert "| mlp-4 | compute |" in table and "of injected" in table
+
+
+def keep_agent_run(bench, folder: Path, name: str, windows) -> None:
+    """An agent's run as the matrix keeps it: each window's patterns in order, and the run."""
+    run = bench.Run("mlp-4", "healthy-agent", right=True, false=[], findings=[], job=name)
+    for i, patterns in enumerate(windows):
+        (folder / f"{name}-{i}.msgpack").write_bytes(encode_patterns(patterns))
+    (folder / f"{name}.json").write_text(json.dumps({"run": asdict(run), "documents": []}))
+
+
+def test_replay_runs_an_agent_window_after_window_reporting_what_held(tmp_path):
+    """A rank late in one window of ten is not reported by the agent (it must hold in the next window too);
+    late in two running, it is: the replay scores it as a false finding on a healthy job."""
+    bench = bench_accuracy()
+    healthy, late = [simulate(4, seed=s) for s in range(10)], simulate(4, host_extra={3: 0.016}, seed=11)
+    keep_agent_run(bench, tmp_path, "mlp-4-healthy-agent-once", [*healthy[:4], late, *healthy[4:9]])
+    keep_agent_run(bench, tmp_path, "mlp-4-healthy-agent-twice", [*healthy[:4], late, late, *healthy[4:8]])
+    runs = {r.job: r for r in bench.replay([tmp_path])}
+    assert runs["mlp-4-healthy-agent-once"].right and runs["mlp-4-healthy-agent-once"].findings == []
+    assert not runs["mlp-4-healthy-agent-twice"].right
+    assert runs["mlp-4-healthy-agent-twice"].false == ["compute_straggler[3]"]
