@@ -101,9 +101,10 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     timed[[not fs for fs in timeds]] = np.nan
 
     main = [s.get("main") for s in map(attrgetter("sched"), patterns)]
-    comm = in_role(Role.COMM)
-    # Probed calls on other threads may overlap, so the remainder can dip below zero: clip.
-    host = np.clip(step - fn_per_step.sum(axis=1), 0.0, None)
+    summed = in_role(Role.COMM)
+    comm = summed * records.busy_share  # the rank's time in collectives, counted once where several overlap
+    # Other probed calls on other threads may overlap too, so the remainder can dip below zero: clip.
+    host = np.clip(step - fn_per_step.sum(axis=1) + (summed - comm), 0.0, None)
     return RankTable(
         patterns=patterns,
         rank=np.fromiter(map(attrgetter("rank"), patterns), np.int64, n),

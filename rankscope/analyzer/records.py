@@ -78,6 +78,41 @@ class Collectives:
         counts = np.bincount(self.row[keep], minlength=self.counts.size).astype(np.intp)
         return Collectives(counts, self.ops, self.op[keep], self.bytes[keep], self.enter[keep], self.done[keep])
 
+    @cached_property
+    def busy_share(self) -> np.ndarray:
+        """Per pattern: the time at least one of its collectives was in flight, as a share of the time summed
+        over them (1.0 without records). Under 1 where collectives overlap: DDP's gradient buckets all-reduced
+        at once on gloo's worker threads (lm-2-long: two of ~320 ms each, entered 16 ms apart), whose summed
+        time exceeds the wall time the rank spent waiting in them."""
+        share = np.ones(self.counts.size)
+        if self.enter.size < 2:
+            return share
+        # Records come in the order they completed: a rank's overlap where one entered before the one before
+        # it completed. Most ranks' never do (NCCL's host calls return at once; 100,000 ranks: ~10 ms to
+        # tell), and only the others are summed exactly.
+        overlap = self.enter[1:] < self.done[:-1]
+        starts = self.offsets[1:]
+        overlap[starts[starts > 0] - 1] = False  # a rank's first record after the last rank's last one
+        if not overlap.any():
+            return share
+        rows = np.unique(np.searchsorted(self.offsets, np.flatnonzero(overlap) + 1, side="right") - 1)
+        share[rows] = self.take(rows)._union_share()
+        return share
+
+    def _union_share(self) -> np.ndarray:
+        """busy_share, summed exactly: every rank's records on one time line, each rank after the last one's
+        end (so that one running maximum of the ends restarts at each rank), by entry."""
+        t0, row = float(self.enter.min()), self.row
+        shift = row * (float(self.done.max()) - t0 + 1.0)
+        enter, done = self.enter - t0 + shift, self.done - t0 + shift
+        order = np.argsort(enter, kind="stable")
+        row, enter, done = row[order], enter[order], done[order]
+        before = np.concatenate(([-np.inf], np.maximum.accumulate(done)[:-1]))  # the latest end before each
+        new = np.clip(done - np.maximum(enter, before), 0.0, None)
+        summed = np.bincount(row, weights=done - enter, minlength=self.counts.size)
+        union = np.bincount(row, weights=new, minlength=self.counts.size)
+        return np.divide(union, summed, out=np.ones_like(summed), where=summed > 0)
+
     def per_row(self, column: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
         """A per-record `column` of the patterns `rows` (ascending, k records each) as rows x k."""
         if rows.size == self.counts.size:  # every pattern (each of k records): a view, no gather of 1.6M records

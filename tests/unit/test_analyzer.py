@@ -17,6 +17,7 @@ import pytest
 from rankscope.analyzer.diagnosis import diagnose, diagnose_job
 from rankscope.analyzer.differential import Alignment, align_collectives, robust_z
 from rankscope.analyzer.metrics import rank_table
+from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.rules.links import slow_link
 from rankscope.analyzer.rules.stragglers import LATE_SOME_BY, STRAGGLER_MIN_EXCESS, _arrives_last
 from rankscope.analyzer.steps import step_time, step_times
@@ -281,7 +282,9 @@ def test_lateness_a_broadcast_root_inherits_from_the_straggler_is_not_its_own():
         for k, c in enumerate(p.collectives):
             arrive = root_in[:, k].max()  # the root's broadcast ends once the last receiver entered
             done = arrive + 2e-4 if i == 0 else max(root_in[i, k], root_in[0, k]) + 2e-4
-            recs += [CollectiveRecord("gloo_broadcast", 4096, root_in[i, k], done)] * 2
+            mid = root_in[i, k] + 1e-4  # two broadcasts, one after the other: the second one waits
+            recs += [CollectiveRecord("gloo_broadcast", 4096, root_in[i, k], mid),
+                     CollectiveRecord("gloo_broadcast", 4096, mid, done)]
             recs.append(CollectiveRecord(c.op, c.bytes, done + work if i == 0 else c.enter, c.done))
         p.collectives = CollectiveColumns.of(recs)
     a = align_collectives(ps)
@@ -369,6 +372,35 @@ def test_a_rank_late_in_most_steps_of_a_cpu_starved_host_is_not_yet_a_straggler(
     assert _late([24, 4, 7], [0.70, 0.13, 0.20]) == [False, False, False]  # cnn-3 healthy, host loaded 5 deep
     # The broadcast root held up by the straggler is late too (the findings' other rules tell them apart).
     assert _late([27, 0, 29], [0.93, 0.0, 0.97]) == [True, False, True]
+
+
+def test_collectives_in_flight_at_once_count_once_in_a_ranks_time_in_collectives():
+    """DDP all-reduces its gradient buckets on gloo's worker threads, two at once (lm-2-long: ~320 ms each,
+    entered 16 ms apart). Summed, the waiting rank spent more time in collectives than its step lasted, and
+    the straggler's reported excess (step - COMM against it) was 1.77x the delay injected: 724 ms a step of
+    612. Counted once where they overlap, the excess is the delay."""
+    ps = simulate(2, host_extra={1: 0.03}, seed=9)
+    for p in ps:  # each all-reduce as two buckets in flight at once
+        p.collectives = CollectiveColumns.of([CollectiveRecord(c.op, c.bytes // 2, c.enter + d, c.done)
+                                              for c in p.collectives for d in (0, 1e-4)])
+        comm = p.functions["ncclAllReduce"]
+        set_function(p, dataclasses.replace(comm, count=2 * comm.count, total_s=2 * comm.total_s))
+    t = rank_table(ps)
+    assert t.records.busy_share == pytest.approx([0.5, 0.5], abs=0.01)
+    assert t.comm_s[0] < t.step_s[0]
+    f, = findings(ps)
+    assert (f["kind"], f["ranks"]) == ("compute_straggler", [1])
+    assert f["evidence"]["per_rank"][0]["excess_s"] == pytest.approx(0.03, abs=0.005)
+
+
+def test_time_in_collectives_counted_once_per_rank_whatever_the_order_of_records():
+    """Records come in the order they completed; ranks without any keep 1.0. A long collective completing
+    after two short ones it spans counts once (3 s in flight of 4.5 s summed)."""
+    ranks = [[], [(1.0, 2.0), (1.5, 2.0), (0.0, 3.0)], [], [(5.0, 5.5), (6.0, 7.0)]]
+    ps = [RankPattern(job="j", rank=r, world_size=4, pid=r, host="h", window_start=0.0, window_end=10.0,
+                      collectives=[CollectiveRecord("gloo_allreduce", 1, e, d) for e, d in recs])
+          for r, recs in enumerate(ranks)]
+    assert Collectives.of(ps).busy_share.tolist() == pytest.approx([1.0, 3.0 / 4.5, 1.0, 1.0])
 
 
 def test_a_rank_late_in_some_steps_by_little_is_no_straggler_but_may_wait_for_a_cpu():
