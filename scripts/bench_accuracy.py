@@ -18,13 +18,14 @@ Per case: the job's own step time (median), runs, fresh jobs, right verdicts (th
 finding), false findings (any other finding), step-time error (the document's step time against the job's own
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
 1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a hog, on the
-same pinned job before the hog starts), and, for agent cases, time to the finding.
+same pinned job before the hog starts), the extra time per step the finding reports for its rank against the
+delay injected (compute and in-process loader faults), and, for agent cases, time to the finding.
 A wrong diagnose verdict, a false finding, a step time off by more than 10% or a cost off by more than 30% keeps
 its evidence in --misses: the patterns observed (diagnose --save-patterns), the document and diagnose's log (an
 agent case: every window's document and patterns, and the agent's log), to analyze offline with
 rankscope.analyzer; --keep-all keeps every run's, right or wrong (a corpus to try a rule change on), and
---replay diagnoses such a corpus again with the current analyzer and prints its table (diagnose windows; the
-truth stays the one measured when the window was kept).
+--replay diagnoses such a corpus again with the current analyzer and prints its table (an agent's run window
+after window; the truth stays the one measured when the window was kept).
 """
 from __future__ import annotations
 
@@ -158,9 +159,18 @@ class Run:
     # of the faulty step. The what-if above is stricter: on a host the job oversubscribes, the others' waiting
     # lends the straggler CPU and the job loses less than that.
     injected_cost: float | None = None
+    # The finding's "N ms longer per step than its peers" (its first rank's excess_s), and the delay injected
+    # a step: the number a user reads first, checked against the job's truth.
+    extra_s: float | None = None
+    injected_s: float | None = None
     to_finding_s: float | None = None
     error: str = ""
     job: str = ""  # the job's run id: runs of one job are its consecutive diagnose windows
+
+    @classmethod
+    def of(cls, saved: dict[str, Any]) -> Run:
+        """A run as save() or Evidence wrote it (less the derived errors)."""
+        return cls(**{k: v for k, v in saved.items() if k not in DERIVED})
 
     @property
     def step_err(self) -> float | None:
@@ -179,6 +189,15 @@ class Run:
         if self.cost is None or not self.injected_cost:
             return None
         return self.cost / self.injected_cost - 1
+
+    @property
+    def extra_err(self) -> float | None:
+        if self.extra_s is None or not self.injected_s:
+            return None
+        return self.extra_s / self.injected_s - 1
+
+
+DERIVED = ("step_err", "cost_err", "injected_err", "extra_err")  # Run's properties, saved beside its fields
 
 
 @dataclass(frozen=True)
@@ -210,16 +229,32 @@ def added_s(healthy_step: float, fault: str = "compute") -> float:
     return min(max(0.02, 0.5 * healthy_step), 0.3)
 
 
-def injected_share(shape: Shape, fault: str, healthy_step: float, step: float) -> float | None:
-    """The issue's own measure of a cost, where the fault is a known delay each step: that delay's share of the
-    faulty step (None where it is not one: a slower GPU, a loader behind worker processes, a GC storm)."""
+def injected_s(shape: Shape, fault: str, healthy_step: float) -> float | None:
+    """Where the fault is a known delay each step, that delay (None where it is not one: a slower GPU, a loader
+    behind worker processes, a GC storm)."""
     if fault in ("compute", "compute-small") and not shape.sim:
-        delay = added_s(healthy_step, fault)  # the rank spins that long before optimizer.step
-    elif fault == "loader" and not shape.workers:
-        delay = added_s(healthy_step) * (1 if shape.sim else shape.fetches)  # slept in each batch's fetch
-    else:
-        return None
-    return min(delay / step, 1.0)
+        return added_s(healthy_step, fault)  # the rank spins that long before optimizer.step
+    if fault == "loader" and not shape.workers:
+        return added_s(healthy_step) * (1 if shape.sim else shape.fetches)  # slept in each batch's fetch
+    return None
+
+
+def injected_share(shape: Shape, fault: str, healthy_step: float, step: float) -> float | None:
+    """The issue's own measure of a cost: the injected delay's share of the faulty step."""
+    delay = injected_s(shape, fault, healthy_step)
+    return None if delay is None else min(delay / step, 1.0)
+
+
+def score_figures(run: Run, shape: Shape, doc: dict, healthy_step: float) -> None:
+    """A right verdict's cost against the what-if (the job's step against `healthy_step`) and the injected
+    delay's share, and its extra time per step against that delay."""
+    finding = doc["findings"][0]
+    run.cost = finding["cost"]
+    run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
+    run.injected_cost = injected_share(shape, run.fault, healthy_step, run.truth_step_s)
+    run.injected_s = injected_s(shape, run.fault, healthy_step)
+    per_rank = finding["evidence"].get("per_rank")
+    run.extra_s = per_rank[0]["excess_s"] if run.injected_s and per_rank else None
 
 
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
@@ -227,7 +262,8 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     v = shape.target(fault.name)
     extra = added_s(healthy_step, fault.name)
     if shape.sim:  # GPU-side equivalents: a slower GPU, input stall, a slower link
-        return {"compute": f"slow-gpu:{v}:1.5", "compute-small": f"slow-gpu:{v}:1.15", "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
+        return {"compute": f"slow-gpu:{v}:1.5", "compute-small": f"slow-gpu:{v}:1.15",
+                "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
                 "slowlink": f"slow-link:{v}:4"}.get(fault.name, "")
     spec = {
         "compute": f"compute:{v}:{extra:.4f}",
@@ -316,9 +352,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         job.wait_written(w["end"])
         run.truth_step_s = job.step_time(w["start"], w["end"])
         if doc["findings"] and right and fault.expect and healthy_step and run.truth_step_s:
-            run.cost = doc["findings"][0]["cost"]
-            run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
-            run.injected_cost = injected_share(shape, fault.name, healthy_step, run.truth_step_s)
+            score_figures(run, shape, doc, healthy_step)
     if misses.wanted(run):
         name = f"{shape.name}-{fault.name}-{job.run_id}-{window}"
         shutil.copyfile(saved, misses.path(f"{name}.msgpack"))
@@ -434,6 +468,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         step = [abs(r.step_err) for r in rs if r.step_err is not None]
         cost = [r.cost_err for r in rs if r.cost_err is not None]
         injected = [r.injected_err for r in rs if r.injected_err is not None]
+        extra = [r.extra_err for r in rs if r.extra_err is not None]
         ttf = [r.to_finding_s for r in rs if r.to_finding_s is not None]
         truth = [r.truth_step_s for r in rs if r.truth_step_s]
         rows.append({"shape": key[0], "fault": key[1], "runs": len(rs), "jobs": len({r.job for r in rs}),
@@ -441,6 +476,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                      "right": sum(r.right for r in rs), "step_err_worst": max(step) if step else None,
                      "false": sum(len(r.false) for r in rs), "errors": sum(bool(r.error) for r in rs),
                      "step_err": med(step), "cost_err": med(cost), "injected_err": med(injected),
+                     "extra_err": med(extra),
                      "to_finding_s": med(ttf),
                      "seen": sorted({", ".join(r.findings) or "-" for r in rs})})
     return rows
@@ -457,7 +493,7 @@ def replay(dirs: list[Path]) -> list[Run]:
         shape, fault = shapes.get(kept["run"]["shape"]), faults.get(kept["run"]["fault"])
         if shape is None or fault is None:
             continue
-        run = Run(**{k: v for k, v in kept["run"].items() if k not in ("step_err", "cost_err", "injected_err")})
+        run = Run.of(kept["run"])
         if fault.mode == "agent":
             windows = sorted(path.parent.glob(f"{path.stem}-*.msgpack"), key=lambda w: int(w.stem.rsplit("-", 1)[1]))
             if windows:
@@ -466,14 +502,15 @@ def replay(dirs: list[Path]) -> list[Run]:
         saved = path.with_suffix(".msgpack")
         if not saved.exists():
             continue
-        if run.truth_cost is not None and run.truth_step_s:
-            healthy = (1 - run.truth_cost) * run.truth_step_s  # the reference the kept run was scored against
-            run.injected_cost = injected_share(shape, run.fault, healthy, run.truth_step_s)
+        # The reference the kept run was scored against, where it had one (a right verdict then).
+        healthy = (1 - run.truth_cost) * run.truth_step_s if run.truth_cost is not None and run.truth_step_s else None
+        run.cost = run.injected_cost = run.extra_s = run.injected_s = None
         timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
         doc = next(iter(diagnose(decode_patterns(saved.read_bytes()), timeout).values()))
         run.right, run.false = score(shape, fault, doc["findings"])
         run.findings, run.step_s = [label(f) for f in doc["findings"]], doc["step_time_s"]
-        run.cost = doc["findings"][0]["cost"] if run.right and run.truth_cost is not None and doc["findings"] else None
+        if doc["findings"] and run.right and healthy:
+            score_figures(run, shape, doc, healthy)
         runs.append(run)
     return runs
 
@@ -501,7 +538,7 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path]) -> R
 def table(rows: list[dict[str, Any]]) -> str:
     pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
     lines = ["| shape | fault | step | right | jobs | false findings | step-time error (worst) | cost error | "
-             "time to finding | seen |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "extra time vs injected | time to finding | seen |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ttf = "-" if r["to_finding_s"] is None else f"{r['to_finding_s']:.1f} s"
         step = "-" if r["step_err"] is None else f"{r['step_err']:.0%} ({r['step_err_worst']:.0%})"
@@ -509,7 +546,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         cost = pct(r["cost_err"]) + (f" ({pct(r['injected_err'])} of injected)" if r.get("injected_err") is not None
                                      else "")
         lines.append(f"| {r['shape']} | {r['fault']} | {truth} | {r['right']}/{r['runs']} | {r['jobs']} | "
-                     f"{r['false']} | {step} | {cost} | {ttf} | {'; '.join(r['seen'])[:80]} |")
+                     f"{r['false']} | {step} | {cost} | {pct(r.get('extra_err'))} | {ttf} | "
+                     f"{'; '.join(r['seen'])[:80]} |")
     return "\n".join(lines)
 
 
@@ -529,8 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a loaded machine: N busy processes beside the jobs, on and off at random (see neighbours)")
     args = ap.parse_args(argv)
     if args.table:
-        runs = [Run(**{k: v for k, v in r.items() if k not in ("step_err", "cost_err", "injected_err")})
-                for f in args.table for r in json.loads(Path(f).read_text())["runs"]]
+        runs = [Run.of(r) for f in args.table for r in json.loads(Path(f).read_text())["runs"]]
         print(table(summarize(runs)))
         return 0
     if args.replay:
@@ -576,8 +613,7 @@ def main(argv: list[str] | None = None) -> int:
 def save(path: Path, shapes: list[Shape], runs: list[Run]) -> None:
     """The results so far (rewritten after every case: a matrix cut short keeps what it measured)."""
     path.write_text(json.dumps({"shapes": [asdict(s) for s in shapes], "rows": summarize(runs),
-                                "runs": [asdict(r) | {"step_err": r.step_err, "cost_err": r.cost_err,
-                                                      "injected_err": r.injected_err} for r in runs]}, indent=1))
+                                "runs": [asdict(r) | {k: getattr(r, k) for k in DERIVED} for r in runs]}, indent=1))
 
 
 if __name__ == "__main__":

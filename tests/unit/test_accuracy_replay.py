@@ -5,6 +5,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
 from test_analyzer import simulate
 
 from rankscope.schema.wire import encode_patterns
@@ -36,6 +37,9 @@ def test_replay_scores_kept_windows_with_the_current_analyzer(tmp_path):
     assert runs["compute"].right and runs["compute"].findings == ["compute_straggler[3]"]
     assert runs["compute"].cost is not None and runs["compute"].cost_err is not None
     assert runs["compute"].injected_cost == min(bench.added_s(0.75 * 0.064) / 0.064, 1.0)
+    # the finding's "N ms longer per step" (the simulated rank's 16 ms) against the delay the matrix injects
+    assert runs["compute"].extra_s == pytest.approx(0.016, abs=0.002)
+    assert runs["compute"].injected_s == bench.added_s(0.75 * 0.064)
     assert runs["healthy"].right and runs["healthy"].false == []
     table = bench.table(bench.summarize(list(runs.values())))
     assert "| mlp-4 | compute |" in table and "of injected" in table
