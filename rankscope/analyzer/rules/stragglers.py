@@ -26,11 +26,6 @@ LATE_RATIO = 5.0  # host every rank is late in some steps, a straggler in most: 
 # in some windows), and on one loaded 5 deep in 0.70, 4.4x (4.0 named it; 5 changes nothing else in 300
 # kept windows). A peer the straggler holds up in a rooted collective (a broadcast's root waits for every
 # receiver) arrives late at the next collective too (0.88-0.93), so the ratio alone is not the rule.
-LATE_SOME_BY = 0.1  # late in only some steps is weaker evidence: then by at least this share of the step to be
-# named a straggler. A healthy 2-rank LM's rank was late by 8% of the step in 0.70 of one window's steps, 14x
-# its peer (1 window of 30; nothing injected, no outside task in its run queue). Waiting for a CPU is evidence
-# of its own (the scheduler says why): cpu_contention keeps STRAGGLER_MIN_EXCESS, and so sees a rank that
-# waits for its own job's processes (cnn-3: late by 7.8% in 0.72 of the steps), whose links are then not slow.
 ALWAYS_LATE = 0.95  # a rank late in this share of the steps, by ALWAYS_LATE_BY of the step, while its peers
 ALWAYS_LATE_BY = 0.2  # are late in at most PEERS_RARELY, is the one the others wait for whatever its step -
 PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.70 against 0.16; 174 faulty
@@ -57,7 +52,7 @@ def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
     return valid if ok else None
 
 
-def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None, some_by: float = LATE_SOME_BY
+def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float] | None:
     """Rows whose own work per step (step - COMM) is a robust outlier while they wait less in collectives
     than their peers: (rows, z, excess, work, comm median). With `a` (the collectives lined up), the rank must
@@ -77,7 +72,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     with np.errstate(invalid="ignore"):
         flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & (t.comm_s < comm_med)
         if a is not None:
-            last, always, late_by = _arrives_last(a, valid, step, some_by)
+            last, always, late_by = _arrives_last(a, valid, step)
             # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings by
             # 100 ms between the others (cnn-3: -97 and -10 ms, z 1.4-2.6 for a rank late in 99% of the steps
             # by 75-100 ms): the instants decide, when the rank also waits in collectives for less than its
@@ -88,13 +83,12 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     return np.flatnonzero(flagged), z, excess, work, comm_med
 
 
-def _arrives_last(a: Alignment, valid: np.ndarray, step: float, some_by: float
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _arrives_last(a: Alignment, valid: np.ndarray, step: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row: whether it arrives at the collectives later than its peers (their median) by at least
-    STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps, or in many, far more often than
-    its peers and by `some_by` of the step (LATE_STEPS; LATE_SOME, LATE_RATIO: a rank of a busy CPU is late
-    in some; False where not compared); whether it does so in nearly every step while its peers rarely are
-    (ALWAYS_LATE); and how much later than its peers it arrives per step (0 where not compared)."""
+    STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps, or in many and far more often than
+    its peers (LATE_STEPS; LATE_SOME, LATE_RATIO: a rank of a busy CPU is late in some; False where not
+    compared); whether it does so in nearly every step while its peers rarely are (ALWAYS_LATE); and how much
+    later than its peers it arrives per step (0 where not compared)."""
     late = np.where(valid, a.arrival_late_s, np.nan)
     with np.errstate(invalid="ignore"):
         late_by = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0)
@@ -102,8 +96,7 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float, some_by: float
         share = np.where(valid, a.late_share, np.nan)
         peers_share = share - peer_deviation(share, 0.0)[1]
         share = np.nan_to_num(share, nan=0.0)
-        often = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share))
-                                         & (late_by >= some_by * step))
+        often = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share)))
         always = (share >= ALWAYS_LATE) & (np.nan_to_num(peers_share, nan=1.0) <= PEERS_RARELY)
         return later & often, (late_by >= ALWAYS_LATE_BY * step) & always, late_by
 
@@ -273,7 +266,7 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
     """Straggling ranks whose extra time is waiting for a CPU (runnable, not running): the scheduler gave
     their CPU to other tasks, named from the kernel's view of who ran while they waited. Also the ranks that
     waited for their own job's processes: no finding, but late for that reason (not their link's)."""
-    found = straggling(t, PAIR_RANKS, a, some_by=STRAGGLER_MIN_EXCESS)
+    found = straggling(t, PAIR_RANKS, a)
     if found is None:
         return [], set()
     rows, z, excess, _work, _comm_med = found
