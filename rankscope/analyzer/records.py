@@ -87,9 +87,9 @@ class Collectives:
         share = np.ones(self.counts.size)
         if self.enter.size < 2:
             return share
-        # Records come in the order they completed: a rank's overlap where one entered before the one before
-        # it completed. Most ranks' never do (NCCL's host calls return at once; 100,000 ranks: ~10 ms to
-        # tell), and only the others are summed exactly.
+        # Records come in the order they completed: a rank's collectives overlap where one entered before the
+        # one before it completed. Most ranks' never do (NCCL's host calls return at once; 100,000 ranks:
+        # ~3 ms to tell), and only the others are summed exactly.
         overlap = self.enter[1:] < self.done[:-1]
         starts = self.offsets[1:]
         overlap[starts[starts > 0] - 1] = False  # a rank's first record after the last rank's last one
