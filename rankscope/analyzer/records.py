@@ -91,8 +91,8 @@ class Collectives:
         # one before it completed. Most ranks' never do (NCCL's host calls return at once; 100,000 ranks:
         # ~3 ms to tell), and only the others are summed exactly.
         overlap = self.enter[1:] < self.done[:-1]
-        starts = self.offsets[1:]
-        overlap[starts[starts > 0] - 1] = False  # a rank's first record after the last rank's last one
+        starts = self.offsets[1:]  # a rank's first record after the last rank's last one (none: past the end)
+        overlap[starts[(starts > 0) & (starts < self.enter.size)] - 1] = False
         if not overlap.any():
             return share
         rows = np.unique(np.searchsorted(self.offsets, np.flatnonzero(overlap) + 1, side="right") - 1)
