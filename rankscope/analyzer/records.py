@@ -85,18 +85,14 @@ class Collectives:
         at once on gloo's worker threads (lm-2-long: two of ~320 ms each, entered 16 ms apart), whose summed
         time exceeds the wall time the rank spent waiting in them."""
         share = np.ones(self.counts.size)
-        if self.enter.size < 2:
-            return share
         # Records come in the order they completed: a rank's collectives overlap where one entered before the
-        # one before it completed. Most ranks' never do (NCCL's host calls return at once; 100,000 ranks:
-        # ~3 ms to tell), and only the others are summed exactly.
-        overlap = self.enter[1:] < self.done[:-1]
-        starts = self.offsets[1:]  # a rank's first record after the last rank's last one (none: past the end)
-        overlap[starts[(starts > 0) & (starts < self.enter.size)] - 1] = False
-        if not overlap.any():
-            return share
-        rows = np.unique(np.searchsorted(self.offsets, np.flatnonzero(overlap) + 1, side="right") - 1)
-        share[rows] = self.take(rows)._union_share()
+        # one before it (the same rank's) completed. Most ranks' never do (NCCL's host calls return at once;
+        # 100,000 ranks: a few ms to tell), and only the others are summed exactly.
+        row = self.row
+        overlap = (self.enter[1:] < self.done[:-1]) & (row[1:] == row[:-1])
+        if overlap.any():
+            rows = np.unique(row[1:][overlap])
+            share[rows] = self.take(rows)._union_share()
         return share
 
     def _union_share(self) -> np.ndarray:

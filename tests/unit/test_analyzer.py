@@ -395,8 +395,8 @@ def test_collectives_in_flight_at_once_count_once_in_a_ranks_time_in_collectives
 
 def test_time_in_collectives_counted_once_per_rank_whatever_the_order_of_records():
     """Records come in the order they completed; ranks without any keep 1.0 (a SIGSTOPped last rank of the
-    simulated job crashed diagnose). A long collective completing
-    after two short ones it spans counts once (3 s in flight of 4.5 s summed)."""
+    simulated job crashed diagnose). A long collective completing after two short ones it spans counts once
+    (3 s in flight of 4.5 s summed)."""
     ranks = [[], [(1.0, 2.0), (1.5, 2.0), (0.0, 3.0)], [], [(5.0, 5.5), (6.0, 7.0)], []]  # the last: stopped
     ps = [RankPattern(job="j", rank=r, world_size=4, pid=r, host="h", window_start=0.0, window_end=10.0,
                       collectives=[CollectiveRecord("gloo_allreduce", 1, e, d) for e, d in recs])
