@@ -155,7 +155,7 @@ class Run:
     truth_step_s: float | None = None  # the job's own
     cost: float | None = None
     truth_cost: float | None = None
-    # The issue's own measure, where the fault is one known delay a step (injected_share): that delay's share
+    # The issue's own measure, where the fault is one known delay a step (injected_s): that delay's share
     # of the faulty step. The what-if above is stricter: on a host the job oversubscribes, the others' waiting
     # lends the straggler CPU and the job loses less than that.
     injected_cost: float | None = None
@@ -239,20 +239,15 @@ def injected_s(shape: Shape, fault: str, healthy_step: float) -> float | None:
     return None
 
 
-def injected_share(shape: Shape, fault: str, healthy_step: float, step: float) -> float | None:
-    """The issue's own measure of a cost: the injected delay's share of the faulty step."""
-    delay = injected_s(shape, fault, healthy_step)
-    return None if delay is None else min(delay / step, 1.0)
-
-
 def score_figures(run: Run, shape: Shape, doc: dict, healthy_step: float) -> None:
-    """A right verdict's cost against the what-if (the job's step against `healthy_step`) and the injected
-    delay's share, and its extra time per step against that delay."""
+    """A right verdict's cost against the what-if (the job's step against `healthy_step`) and against the
+    injected delay's share of the faulty step (the issue's own measure), and its extra time per step against
+    that delay."""
     finding = doc["findings"][0]
     run.cost = finding["cost"]
     run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
-    run.injected_cost = injected_share(shape, run.fault, healthy_step, run.truth_step_s)
     run.injected_s = injected_s(shape, run.fault, healthy_step)
+    run.injected_cost = None if run.injected_s is None else min(run.injected_s / run.truth_step_s, 1.0)
     per_rank = finding["evidence"].get("per_rank")
     run.extra_s = per_rank[0]["excess_s"] if run.injected_s and per_rank else None
 
@@ -319,6 +314,16 @@ def score(shape: Shape, fault: Fault, findings: list[dict]) -> tuple[bool, list[
     hits = [f for f in findings if expect and f["kind"] == expect[0] and (expect[1] is None or f["ranks"] == expect[1])]
     right = (not findings) if expect is None else bool(findings) and findings[0] in hits
     return right, [label(f) for f in findings if f not in hits]
+
+
+def score_agent(shape: Shape, fault: Fault, findings: list[dict], found: dict | None) -> tuple[bool, list[str]]:
+    """An agent run's verdict over every finding its windows reported: on a healthy job, none; with a fault,
+    `found` (the first finding of the fault's kind after its onset) names it, and every finding of another kind
+    is false."""
+    if fault.expect is None:
+        return score(shape, fault, findings)
+    right, false = score(shape, fault, [found] if found else [])
+    return right, false + [label(f) for f in findings if f is not found and f["kind"] != fault.expect]
 
 
 def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun,
@@ -397,7 +402,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             next_window()
         findings = [f for d in docs for f in d["findings"]]
         if fault.expect is None:
-            right, false = score(shape, fault, findings)
+            right, false = score_agent(shape, fault, findings, None)
             steps = [d["step_time_s"] for d in docs if d["step_time_s"]]
             start, end = docs[0]["window"]["start"], docs[-1]["window"]["end"]
             job.wait_written(end)
@@ -411,8 +416,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
                 doc = next_window()
                 findings += doc["findings"]
                 found = next((f for f in doc["findings"] if f["kind"] == "regression"), None)
-            right, false = score(shape, fault, [found] if found else [])
-            false += [label(f) for f in findings if f is not found and f["kind"] != "regression"]
+            right, false = score_agent(shape, fault, findings, found)
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
                       to_finding_s=time.time() - onset if found else None, job=job.run_id)
         if misses.wanted(run):
@@ -525,12 +529,8 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path]) -> R
         docs = diagnose(decode_patterns(w.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines)
         confirmer.confirm(docs)
         findings += [f for doc in docs.values() for f in doc["findings"]]
-    if fault.expect is None:
-        run.right, run.false = score(shape, fault, findings)
-    else:
-        found = next((f for f in findings if f["kind"] == fault.expect), None)
-        run.right, run.false = score(shape, fault, [found] if found else [])
-        run.false += [label(f) for f in findings if f is not found and f["kind"] != fault.expect]
+    found = next((f for f in findings if f["kind"] == fault.expect), None)
+    run.right, run.false = score_agent(shape, fault, findings, found)
     run.findings = [label(f) for f in findings]
     return run
 
