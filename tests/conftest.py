@@ -112,10 +112,52 @@ def procs() -> Iterator[list[subprocess.Popen]]:
             p.wait()
 
 
+# The contention tests' ranks and hog, by scheduler weight. The kernel shares a CPU first between autogroups
+# (one per session: this pytest, each torchrun job, the hog), then between the tasks of a group by nice. Other
+# load on the machine (its own autogroups, at nice 0: weight 1024) moves to whichever CPU the hog leaves, and
+# at equal weights two strangers starved the victim's peers as much as the victim: the tests found nothing.
+# So the hog has a session of its own at HOG_NICE and the ranks' session runs at RANK_NICE: rank 2 gets ~10%
+# of its CPU, its peers keep theirs against ten strangers. Both are also set per task, for kernels without
+# autogroups.
+RANK_NICE = -10  # weight 9548
+HOG_NICE = -15  # weight 29154
+
+
+def _set_autogroup_nice(pid: int, nice: int) -> None:
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+    except FileNotFoundError:  # a kernel without CONFIG_SCHED_AUTOGROUP: per-task nice is all there is
+        pass
+
+
+@pytest.fixture
+def above_other_load() -> Iterator[Callable[[int, int], None]]:
+    """pin(pid, cpu): every thread of `pid` on `cpu`, at RANK_NICE, its session's autogroup too. This pytest's
+    own autogroup (the simulated job's ranks share it) gets its nice back after the test."""
+    def own_group() -> str:
+        with open("/proc/self/autogroup") as f:
+            return f.read()
+
+    before = own_group() if os.path.exists("/proc/self/autogroup") else None
+
+    def pin(pid: int, cpu: int) -> None:
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            os.sched_setaffinity(tid, {cpu})
+            os.setpriority(os.PRIO_PROCESS, tid, RANK_NICE)  # per thread on Linux
+        _set_autogroup_nice(pid, RANK_NICE)
+
+    yield pin
+    if before is not None:  # "/autogroup-N nice K"
+        _set_autogroup_nice(os.getpid(), int(before.split()[-1]))
+
+
 @pytest.fixture
 def hog() -> Iterator[subprocess.Popen]:
-    """A busy loop on CPU 1 at a higher weight than a rank (nice -5): it takes most of that CPU."""
-    proc = subprocess.Popen(["taskset", "-c", "1", "nice", "-n", "-5", "sh", "-c", "while :; do :; done"])
+    """A busy loop on CPU 1, in a session of its own at HOG_NICE: it takes ~90% of that CPU from a rank."""
+    proc = subprocess.Popen(["taskset", "-c", "1", "nice", "-n", str(HOG_NICE), "sh", "-c", "while :; do :; done"],
+                            start_new_session=True)
+    _set_autogroup_nice(proc.pid, HOG_NICE)
     yield proc
     proc.kill()
     proc.wait()

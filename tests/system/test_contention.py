@@ -1,8 +1,8 @@
 """The scheduler's view on the simulated job (real sched tracepoints): waiting for a CPU vs computing.
 
 Ranks 0 and 1 share CPU 0; rank 2 has CPU 1 to itself, unless a CPU hog (conftest's `hog`) is pinned there.
+The ranks run above the machine's other load (conftest's `above_other_load`), so that only the hog decides who waits.
 """
-import os
 
 from conftest import diagnose_json
 
@@ -10,18 +10,18 @@ HOST_CPU_S = 0.004  # CPU work per step of every rank, so that losing the CPU co
 OBSERVE_S = 4.0
 
 
-def _pin(pids: list[int]) -> None:
+def _pin(pin, pids: list[int]) -> None:
     for rank, pid in enumerate(pids):
-        os.sched_setaffinity(pid, {0} if rank < 2 else {1})
+        pin(pid, 0 if rank < 2 else 1)
 
 
 def _kinds(doc: dict) -> list[tuple[str, list[int]]]:
     return [(f["kind"], f["ranks"]) for f in doc["findings"]]
 
 
-def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(sim_job, hog):
+def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(sim_job, hog, above_other_load):
     job = sim_job(3, host_cpu_s=HOST_CPU_S)
-    _pin(job.pids)
+    _pin(above_other_load, job.pids)
     doc = diagnose_json(job.pids, OBSERVE_S)
     assert _kinds(doc) == [("cpu_contention", [2])], doc["findings"]
     f = doc["findings"][0]
@@ -32,15 +32,15 @@ def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(sim_job, hog):
     assert f["evidence"]["runq_s"] > f["evidence"]["peers_runq_s"]
 
 
-def test_computing_longer_on_its_own_cpu_is_a_compute_straggler(sim_job):
+def test_computing_longer_on_its_own_cpu_is_a_compute_straggler(sim_job, above_other_load):
     job = sim_job(3, faults=("slow-cpu:2:5",), host_cpu_s=HOST_CPU_S)
-    _pin(job.pids)
+    _pin(above_other_load, job.pids)
     doc = diagnose_json(job.pids, OBSERVE_S)
     assert _kinds(doc) == [("compute_straggler", [2])], doc["findings"]
     assert doc["findings"][0]["component"] == "cpu"
 
 
-def test_pinned_without_a_hog_is_healthy(sim_job):
+def test_pinned_without_a_hog_is_healthy(sim_job, above_other_load):
     job = sim_job(3, host_cpu_s=HOST_CPU_S)
-    _pin(job.pids)
+    _pin(above_other_load, job.pids)
     assert diagnose_json(job.pids, OBSERVE_S)["findings"] == []

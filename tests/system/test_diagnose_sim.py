@@ -112,7 +112,8 @@ def test_rank_that_never_reaches_the_collective_is_a_noncomm_hang(sim_job):
     wait_until(lambda: _in_sleep(job.pids[1]) and all(_in_futex(p) for p in job.pids if p != job.pids[1]),
                30, "rank 1 to stop in wait_forever and the others to wait for it")
     doc = diagnose_json(job.pids, 2.5, "--hang-timeout", "2")
-    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], doc["findings"]
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], \
+        [(f["kind"], f["ranks"], f["evidence"].get("per_rank")) for f in doc["findings"]]
     f = doc["findings"][0]
     assert f["cost"] == 1.0 and "rank 1: in rank.py:wait_forever, clock_nanosleep" in f["summary"]
     assert f["function"] == "rank.py:wait_forever"

@@ -164,22 +164,21 @@ def test_rank_that_stops_before_its_collective_is_a_noncomm_hang(torch_job):
     assert "rank 1: in torch_ddp_train.py:hang_before_collective" in hung["summary"]
 
 
-def _pin_all_threads(job: TorchJob) -> None:
-    """The last rank has CPU 1, the others share CPU 0; every thread of each."""
+def _pin_all_threads(job: TorchJob, pin: Callable[[int, int], None]) -> None:
+    """The last rank has CPU 1, the others share CPU 0; every thread of each, above the machine's other load."""
     for rank in range(job.ranks):
-        subprocess.run(["taskset", "-a", "-p", "-c", "1" if rank == job.ranks - 1 else "0",
-                        str(job.report(rank)["pid"])], check=True, capture_output=True)
+        pin(job.report(rank)["pid"], 1 if rank == job.ranks - 1 else 0)
 
 
 BUSY_EVERY_RANK = ("--busy-before-forward", "*:0.004")  # 4 ms of CPU per step: losing the CPU costs time
 
 
-def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(torch_job, hog):
+def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(torch_job, hog, above_other_load):
     """Two ranks, one per CPU, each computing 4 ms a step; the hog on rank 1's CPU: rank 1 waits for its CPU,
     and rank 0 waits for rank 1 in the all-reduce. (A rank that mostly sleeps gets its CPU back at once on
     waking: the scheduler owes it; three ranks on two CPUs would contend with each other.)"""
     job = torch_job(*BUSY_EVERY_RANK, ranks=2)
-    _pin_all_threads(job)
+    _pin_all_threads(job, above_other_load)
     doc = diagnose_json(job.pids, OBSERVE_S)
     assert [(f["kind"], f["ranks"], f["component"]) for f in doc["findings"]] == [
         ("cpu_contention", [1], "cpu")], doc["findings"]
@@ -190,15 +189,15 @@ def test_a_hog_on_a_ranks_cpu_is_cpu_contention_naming_it(torch_job, hog):
     assert f["evidence"]["runq_s"] > 2 * f["evidence"]["peers_runq_s"], f
 
 
-def test_two_ranks_on_their_own_cpus_are_healthy(torch_job):
+def test_two_ranks_on_their_own_cpus_are_healthy(torch_job, above_other_load):
     job = torch_job(*BUSY_EVERY_RANK, ranks=2)
-    _pin_all_threads(job)
+    _pin_all_threads(job, above_other_load)
     assert diagnose_json(job.pids, OBSERVE_S)["findings"] == []
 
 
-def test_computing_longer_on_its_own_cpu_is_a_compute_straggler_not_contention(torch_job):
+def test_computing_longer_on_its_own_cpu_is_a_compute_straggler_not_contention(torch_job, above_other_load):
     job = torch_job("--busy-before-forward", "2:0.02")
-    _pin_all_threads(job)
+    _pin_all_threads(job, above_other_load)
     doc = diagnose_json(job.pids, OBSERVE_S)
     assert [(f["kind"], f["ranks"], f["component"]) for f in doc["findings"]] == [
         ("compute_straggler", [2], "cpu")], doc["findings"]

@@ -3,7 +3,7 @@ import subprocess
 import sys
 import time
 
-from rankscope.agent.host.thread_state import where
+from rankscope.agent.host.thread_state import settled, where
 
 
 def test_each_process_gets_its_own_state_and_a_gone_one_is_unknown():
@@ -28,3 +28,24 @@ def test_each_process_gets_its_own_state_and_a_gone_one_is_unknown():
         for p in (sleeper, reader):
             p.kill()
             p.wait()
+
+
+def test_a_spinning_thread_is_running():
+    spinner = subprocess.Popen([sys.executable, "-c", "print(flush=True)\nwhile True: pass"], stdout=subprocess.PIPE)
+    try:
+        spinner.stdout.readline()
+        assert where([spinner.pid], samples=5, interval_s=0.002)[spinner.pid] == "running"
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_running_counts_only_for_a_thread_that_used_the_cpu():
+    polled = ["running", "futex (futex_do_wait)", "running", "running", "futex (futex_do_wait)"]
+    # A waiter that polls, found runnable (waiting for a CPU) in most samples: it waits in futex.
+    assert settled(polled, busy=False) == "futex (futex_do_wait)"
+    # The same samples of a thread that computed meanwhile: running, with a GIL hand-off now and then.
+    assert settled(polled, busy=True) == "running"
+    # Never seen blocked: running however little CPU it got.
+    assert settled(["running"] * 5, busy=False) == "running"
+    assert settled(["", ""], busy=False) == ""

@@ -27,20 +27,52 @@ def _read(path: str) -> str:
         return ""
 
 
+# A thread that used less of the CPU than this while it was sampled is not computing, whatever the samples say.
+BUSY_CPU_SHARE = 0.05
+
+
 def where(pids: Iterable[int], samples: int = 1, interval_s: float = 0.01) -> dict[int, str]:
     """pid -> e.g. "futex (futex_wait_queue)", "clock_nanosleep (hrtimer_nanosleep)", "running"; "" if unknown.
 
-    With several samples, the most frequent answer: a thread polling in a wait loop is briefly running. Every
-    process is read in each round, so a window with many stalled processes waits `samples` intervals, not
-    that many per process (64 processes one after another held each window 2.6 s).
+    With several samples, the most frequent answer (see `settled`): a thread polling in a wait loop is briefly
+    running. Every process is read in each round, so a window with many stalled processes waits `samples`
+    intervals, not that many per process (64 processes one after another held each window 2.6 s).
     """
     seen: dict[int, list[str]] = {pid: [] for pid in pids}
-    for i in range(samples if seen else 0):
+    if not seen:
+        return {}
+    cpu_before = {pid: _cpu_s(pid) for pid in seen}
+    start = time.monotonic()
+    for i in range(samples):
         if i:
             time.sleep(interval_s)
         for pid, states in seen.items():
             states.append(_where_now(pid))
-    return {pid: Counter(states).most_common(1)[0][0] for pid, states in seen.items()}
+    span = time.monotonic() - start
+    out = {}
+    for pid, states in seen.items():
+        used = _cpu_s(pid) - cpu_before[pid]
+        out[pid] = settled(states, busy=samples < 2 or span <= 0 or used >= BUSY_CPU_SHARE * span)
+    return out
+
+
+def settled(states: list[str], busy: bool) -> str:
+    """The most frequent of a thread's sampled states. "running" counts only if the thread was `busy` (used
+    the CPU meanwhile): /proc says "running" for a thread that is runnable but waits for a CPU, and a waiter
+    that polls (a futex wait with a timeout, then a look at shared memory) is mostly that on a starved host,
+    where it looked like a rank that never reached the collective."""
+    counts = Counter(states)
+    if not busy:
+        blocked = [state for state, _ in counts.most_common() if state not in ("running", "")]
+        if blocked:
+            return blocked[0]
+    return counts.most_common(1)[0][0]
+
+
+def _cpu_s(pid: int) -> float:
+    """The main thread's time on a CPU so far (/proc/PID/schedstat: ns on CPU, ns waiting for one, slices)."""
+    fields = _read(f"/proc/{pid}/schedstat").split()
+    return int(fields[0]) / 1e9 if fields else 0.0
 
 
 def _where_now(pid: int) -> str:
