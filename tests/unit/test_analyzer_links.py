@@ -305,6 +305,26 @@ def test_tcp_links_with_a_few_ticks_of_wire_time_are_not_judged():
     assert not link_matrix(ps).judged.any() and link_findings(ps) == []
 
 
+def test_a_tcp_link_too_fast_to_time_still_sets_the_pace():
+    # The accuracy test's ring of three, rank 2 behind 100 Mbit/s: 70 MB each way through it took ~5.8 s, and
+    # the third link moved the same 70 MB in 44 ms, too little to time. It is the pace, at 70 MB / 0.1 s.
+    ps = job(3)
+    for src, dst, mbps in ((0, 2, 11.8), (2, 1, 12.2), (1, 0, 1590.0)):
+        connect(ps, src, dst, mbps, sent=70_000_000)
+    m = link_matrix(ps)
+    assert m.judged.tolist() == [True, False, True] and m.pacing.all()
+    f, = link_findings(ps)
+    assert f.ranks == [2] and f.evidence["peers_bandwidth_Bps"] == pytest.approx(700e6)
+
+
+def test_a_tcp_link_too_fast_to_time_is_never_the_slow_one():
+    # 2 MB in 40 ms: its floor (2 MB / 0.1 s) is under half its peers' 40 MB/s, but it was not slow.
+    ps = job(3)
+    for src, dst, mbps, sent in ((0, 1, 50.0, 2_000_000), (1, 2, 40.0, SENT), (2, 0, 40.0, SENT)):
+        connect(ps, src, dst, mbps, sent=sent)
+    assert link_matrix(ps).judged.tolist() == [False, True, True] and link_findings(ps) == []
+
+
 def test_tcp_links_of_small_sends_are_not_judged():
     # A small model's gradients, 1.4 KB a send: round trips and CPU starvation, not bandwidth, set the pace.
     ps = tcp_ring(job(3), slow_rank=2)

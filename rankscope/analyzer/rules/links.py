@@ -61,6 +61,12 @@ MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (no
 # TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
 # send, over which a transfer's rounding to whole ticks averages out.
 MIN_TCP_WIRE_S = 0.05
+# A TCP link with less time than that moved its bytes faster than the ticks can time (70 MB in 44 ms between
+# two ranks on loopback). It is never judged slow, but it still sets the pace its role's links are compared
+# with, at no more than its bytes over FAST_TCP_WIRE_S: a floor on its speed that a tick count off by half
+# still clears. Without it, a ring of three with one rate-limited rank kept only that rank's two links and
+# found nothing (1 window of 8).
+FAST_TCP_WIRE_S = 2 * MIN_TCP_WIRE_S
 # ...and on bulk transfers: sends of a few KB (a small model's gradients, 1.4 KB a send) are bound by round
 # trips and by when each end gets a CPU, not by bandwidth. Three ranks on two cores moving 1.4 KB a send
 # showed 2-7 MB/s on loopback; gloo moves ~48 KB a send for a 450 KB gradient.
@@ -87,14 +93,27 @@ class LinkMatrix:
 
     @property
     def bandwidth_Bps(self) -> np.ndarray:
+        """Bytes over wire time; a floor for TCP links too fast to time (see FAST_TCP_WIRE_S)."""
+        wire = np.where(self.tcp & (self.wire_s < MIN_TCP_WIRE_S), FAST_TCP_WIRE_S, self.wire_s)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(self.wire_s > 0, self.bytes / self.wire_s, np.nan)
+            return np.where(wire > 0, self.bytes / wire, np.nan)
 
     @property
     def judged(self) -> np.ndarray:
         """Links with enough traffic in the window to judge their throughput."""
-        small = (self.wire_s < MIN_TCP_WIRE_S) | (self.bytes < MIN_TCP_SEND_BYTES * self.steps)
-        return (self.steps >= MIN_STEPS) & (self.bytes >= MIN_BYTES) & (self.wire_s > 0) & ~(self.tcp & small)
+        return self._bulk & (self.wire_s > 0) & ~(self.tcp & (self.wire_s < MIN_TCP_WIRE_S))
+
+    @property
+    def pacing(self) -> np.ndarray:
+        """Links that set the pace a role's links are compared with: the judged ones, and TCP links that moved
+        as much too fast to time."""
+        return self.judged | (self._bulk & self.tcp & (self.wire_s < MIN_TCP_WIRE_S))
+
+    @property
+    def _bulk(self) -> np.ndarray:
+        """Enough steps and bytes, in sends large enough to be bound by bandwidth (TCP)."""
+        return (self.steps >= MIN_STEPS) & (self.bytes >= MIN_BYTES) & \
+            ~(self.tcp & (self.bytes < MIN_TCP_SEND_BYTES * self.steps))
 
     def row(self, i: int) -> dict[str, Any]:
         """One link as evidence shows it."""
@@ -210,13 +229,13 @@ class LinkRoles:
                    np.fromiter((gs if gs == gd else -1 for gs, gd in ends), np.intp, len(ends)))
 
 
-def _role_medians(judged: np.ndarray, role: np.ndarray, bw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per link: the median throughput of its role's judged links (NaN: none), and how many there are."""
+def _role_medians(pacing: np.ndarray, role: np.ndarray, bw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per link: the median throughput of its role's pacing links (NaN: none), and how many there are."""
     median, count = np.full(role.size, np.nan), np.zeros(role.size, np.int64)
-    for r in np.unique(role[judged]):
+    for r in np.unique(role[pacing]):
         of_role = role == r
-        median[of_role] = np.median(bw[judged & of_role])
-        count[of_role] = np.count_nonzero(judged & of_role)
+        median[of_role] = np.median(bw[pacing & of_role])
+        count[of_role] = np.count_nonzero(pacing & of_role)
     return median, count
 
 
@@ -224,9 +243,10 @@ def _slow_factor(m: LinkMatrix) -> np.ndarray:
     return np.where(m.tcp, TCP_SLOW_FACTOR, SLOW_FACTOR)
 
 
-def _slow_nodes(m: LinkMatrix, judged: np.ndarray, roles: LinkRoles, bw: np.ndarray) -> dict[int, float]:
+def _slow_nodes(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray
+                ) -> dict[int, float]:
     """rank -> the throughput its links fell short of, for each rank with MIN_NODE_LINKS judged links or more,
-    every one slower than its slow factor below the median of its role's links that do not touch the rank:
+    every one slower than its slow factor below the median of its role's pacing links that do not touch the rank:
     those of its own peer group where there are any (TCP_SLOW_FACTOR_IN_GROUP), else the role's others.
 
     Leaving the rank's own links out matters in small jobs: in a ring of three, two of the three links touch
@@ -237,9 +257,9 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, roles: LinkRoles, bw: np.ndar
     and TCP over loopback runs at the pace its ends get a CPU: mlp-4's rank 0 had 12 MB/s to the slow rank 3
     and 46 MB/s from rank 1, against 174 MB/s, and was a second suspect beside rank 3 (12-13 MB/s)."""
     found: dict[int, float] = {}
-    judged = judged.copy()
+    judged, pacing = judged.copy(), pacing.copy()
     while True:
-        suspects = _slow_node_pass(m, judged, roles, bw)
+        suspects = _slow_node_pass(m, judged, pacing, roles, bw)
         if not suspects:
             return found
         surer = {r: (share, r) for r, (_, share) in suspects.items()}  # ties by rank: the surest always stays
@@ -247,24 +267,26 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, roles: LinkRoles, bw: np.ndar
                  for src, dst in zip(m.src[judged], m.dst[judged]) if src in suspects and dst in suspects}
         kept = [r for r in suspects if r not in waits]
         found.update((r, suspects[r][0]) for r in kept)
-        judged &= ~(np.isin(m.src, kept) | np.isin(m.dst, kept))
+        gone = np.isin(m.src, kept) | np.isin(m.dst, kept)
+        judged &= ~gone
+        pacing &= ~gone
 
 
-def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, roles: LinkRoles, bw: np.ndarray
+def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray
                     ) -> dict[int, tuple[float, float]]:
     """One pass of _slow_nodes: rank -> (the throughput its links fell short of, the median share of it
     they reached: the lower, the surer). A link between pipeline stages moves at the reading stage's pace, so
     it only clears a rank (at or above its reference), never accuses one: the stage a slow rank holds up
     reads slowly from every sender (pipe-4: 1 -> 3 at 5.6 MB/s, 0 -> 2 at 10 MB/s)."""
     role = roles.id
-    median, count = _role_medians(judged, role, bw)
+    median, count = _role_medians(pacing, role, bw)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
     link = np.tile(np.arange(len(m)), 2)
     reference = median[link]
     factor = _slow_factor(m)[link]
     for k in np.flatnonzero(judged[link] & (count[link] <= EXACT_ROLE_LINKS)):
         r, g = end_rank[k], roles.group[link[k]]
-        others = judged & (role == role[link[k]]) & (m.src != r) & (m.dst != r)
+        others = pacing & (role == role[link[k]]) & (m.src != r) & (m.dst != r)
         in_group = others & (roles.group == g) if g >= 0 else np.zeros_like(others)
         if in_group.any():  # the rank's own group's other links: the same collectives, the same pace
             reference[k] = np.median(bw[in_group])
@@ -275,7 +297,7 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, roles: LinkRoles, bw: np.
     within = judged[link] & ~roles.between[link]
     with np.errstate(invalid="ignore"):
         slow = within & (bw[link] < reference / factor)  # no reference: not slow
-        clears = judged[link] & roles.between[link] & (bw[link] >= reference)
+        clears = pacing[link] & roles.between[link] & (bw[link] >= reference)
     ends, at = np.unique(end_rank, return_inverse=True)
     n_within = np.bincount(at, weights=within, minlength=ends.size)
     n_slow = np.bincount(at, weights=slow, minlength=ends.size)
@@ -322,13 +344,14 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
     moves bytes at the pace the ends' CPUs allow (a GC storm on rank 2 of three on two cores left rank 0's
     loopback links 5-7x slower than the third link)."""
     m = link_matrix(patterns)
-    judged = m.judged & ~(m.tcp & (np.isin(m.src, list(stragglers)) | np.isin(m.dst, list(stragglers))))
-    if np.count_nonzero(judged) < MIN_LINKS:
+    unjudged = m.tcp & (np.isin(m.src, list(stragglers)) | np.isin(m.dst, list(stragglers)))
+    judged, pacing = m.judged & ~unjudged, m.pacing & ~unjudged
+    if np.count_nonzero(pacing) < MIN_LINKS:
         return []
     bw = m.bandwidth_Bps
     roles = LinkRoles.of(m, patterns)
-    nodes = _slow_nodes(m, judged, roles, bw)
-    median, count = _role_medians(judged, roles.id, bw)
+    nodes = _slow_nodes(m, judged, pacing, roles, bw)
+    median, count = _role_medians(pacing, roles.id, bw)
     with np.errstate(invalid="ignore"):
         slow = judged & (count >= MIN_LINKS) & (bw < median / _slow_factor(m))
     if not slow.any() and not nodes:
