@@ -273,7 +273,9 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
 
 
 def hog_on(cpu: int) -> subprocess.Popen:
-    """A busy process pinned to `cpu` at a higher priority than the job (nice -5): a noisy neighbour."""
+    """A busy process pinned to `cpu`, in a session of its own: a noisy neighbour. The kernel shares a CPU
+    between sessions' autogroups first, so it weighs as much as the job's torchrun session on that CPU; its
+    nice -5 orders it only within its own session (sched_autogroup_enabled=1 here, as on most distributions)."""
     return subprocess.Popen(["taskset", "-c", str(cpu), "nice", "-n", "-5", sys.executable, "-c", "while True: pass"],
                             start_new_session=True)
 
