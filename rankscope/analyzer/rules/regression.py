@@ -28,11 +28,13 @@ CPU_RAN_SHARE = 0.2  # ...and their extra time on CPU under this share (a job co
 def regression(t: RankTable, ref: Reference | None, threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
     """The job is `threshold` slower than its baseline and the growth is on (nearly) every rank.
 
-    The caller asks only when no rank differs from its peers: a straggler slows the whole job too, but the
-    straggler is the cause, not a change of the job.
+    A straggler slows the whole job too, but only its own time grows: its peers' grows in the collectives, where
+    they wait for it, and the caller leaves a regression in the collectives out beside other findings.
     """
+    if ref is None:
+        return []
     now = StepProfile.of(t)
-    if ref is None or now is None:
+    if now is None:
         return []
     base = ref.profile
     grown = now.step_s - base.step_s
