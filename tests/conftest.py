@@ -135,11 +135,11 @@ def _set_autogroup_nice(pid: int, nice: int) -> None:
 def above_other_load() -> Iterator[Callable[[int, int], None]]:
     """pin(pid, cpu): every thread of `pid` on `cpu`, at RANK_NICE, its session's autogroup too. This pytest's
     own autogroup (the simulated job's ranks share it) gets its nice back after the test."""
-    def own_group() -> str:
+    try:
         with open("/proc/self/autogroup") as f:
-            return f.read()
-
-    before = own_group() if os.path.exists("/proc/self/autogroup") else None
+            before = int(f.read().split()[-1])  # "/autogroup-N nice K"
+    except FileNotFoundError:
+        before = None
 
     def pin(pid: int, cpu: int) -> None:
         for tid in map(int, os.listdir(f"/proc/{pid}/task")):
@@ -148,8 +148,8 @@ def above_other_load() -> Iterator[Callable[[int, int], None]]:
         _set_autogroup_nice(pid, RANK_NICE)
 
     yield pin
-    if before is not None:  # "/autogroup-N nice K"
-        _set_autogroup_nice(os.getpid(), int(before.split()[-1]))
+    if before is not None:
+        _set_autogroup_nice(os.getpid(), before)
 
 
 @pytest.fixture

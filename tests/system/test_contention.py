@@ -4,13 +4,15 @@ Ranks 0 and 1 share CPU 0; rank 2 has CPU 1 to itself, unless a CPU hog (conftes
 The ranks run above the machine's other load (conftest's `above_other_load`), so that only the hog decides who waits.
 """
 
+from collections.abc import Callable
+
 from conftest import diagnose_json
 
 HOST_CPU_S = 0.004  # CPU work per step of every rank, so that losing the CPU costs time
 OBSERVE_S = 4.0
 
 
-def _pin(pin, pids: list[int]) -> None:
+def _pin(pin: Callable[[int, int], None], pids: list[int]) -> None:
     for rank, pid in enumerate(pids):
         pin(pid, 0 if rank < 2 else 1)
 

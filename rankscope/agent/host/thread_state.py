@@ -41,7 +41,8 @@ def where(pids: Iterable[int], samples: int = 1, interval_s: float = 0.01) -> di
     seen: dict[int, list[str]] = {pid: [] for pid in pids}
     if not seen:
         return {}
-    cpu_before = {pid: _cpu_s(pid) for pid in seen}
+    timed = samples > 1  # one sample has nothing to settle
+    cpu_before = {pid: _cpu_s(pid) for pid in seen} if timed else {}
     start = time.monotonic()
     for i in range(samples):
         if i:
@@ -49,11 +50,8 @@ def where(pids: Iterable[int], samples: int = 1, interval_s: float = 0.01) -> di
         for pid, states in seen.items():
             states.append(_where_now(pid))
     span = time.monotonic() - start
-    out = {}
-    for pid, states in seen.items():
-        used = _cpu_s(pid) - cpu_before[pid]
-        out[pid] = settled(states, busy=samples < 2 or span <= 0 or used >= BUSY_CPU_SHARE * span)
-    return out
+    return {pid: settled(states, busy=not timed or _cpu_s(pid) - cpu_before[pid] >= BUSY_CPU_SHARE * span)
+            for pid, states in seen.items()}
 
 
 def settled(states: list[str], busy: bool) -> str:

@@ -94,20 +94,25 @@ class LinkMatrix:
     @property
     def bandwidth_Bps(self) -> np.ndarray:
         """Bytes over wire time; a floor for TCP links too fast to time (see FAST_TCP_WIRE_S)."""
-        wire = np.where(self.tcp & (self.wire_s < MIN_TCP_WIRE_S), FAST_TCP_WIRE_S, self.wire_s)
+        wire = np.where(self._too_fast_to_time, FAST_TCP_WIRE_S, self.wire_s)
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(wire > 0, self.bytes / wire, np.nan)
 
     @property
     def judged(self) -> np.ndarray:
         """Links with enough traffic in the window to judge their throughput."""
-        return self._bulk & (self.wire_s > 0) & ~(self.tcp & (self.wire_s < MIN_TCP_WIRE_S))
+        return self._bulk & (self.wire_s > 0) & ~self._too_fast_to_time
 
     @property
     def pacing(self) -> np.ndarray:
         """Links that set the pace a role's links are compared with: the judged ones, and TCP links that moved
         as much too fast to time."""
-        return self.judged | (self._bulk & self.tcp & (self.wire_s < MIN_TCP_WIRE_S))
+        return self._bulk & ((self.wire_s > 0) | self._too_fast_to_time)
+
+    @property
+    def _too_fast_to_time(self) -> np.ndarray:
+        """TCP links with less wire time than the kernel's ticks time well (MIN_TCP_WIRE_S)."""
+        return self.tcp & (self.wire_s < MIN_TCP_WIRE_S)
 
     @property
     def _bulk(self) -> np.ndarray:

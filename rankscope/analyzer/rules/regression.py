@@ -26,15 +26,14 @@ CPU_RAN_SHARE = 0.2  # ...and their extra time on CPU under this share (a job co
 NAMING_SHARE = 0.25  # a part of the step that grew by less than this share of the step's growth names nothing
 
 
-def regression(t: RankTable, ref: Reference | None, threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
-    """The job is `threshold` slower than its baseline and the growth is on (nearly) every rank.
+def regression(t: RankTable, ref: Reference, now: StepProfile | None,
+               threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
+    """The job is `threshold` slower than its baseline and the growth is on (nearly) every rank. `now`: the
+    window's profile (StepProfile.of(t)).
 
     A straggler slows the whole job too, but only its own time grows: its peers' grows in the collectives, where
     they wait for it, and the caller leaves a regression in the collectives out beside other findings.
     """
-    if ref is None:
-        return []
-    now = StepProfile.of(t)
     if now is None:
         return []
     base = ref.profile
