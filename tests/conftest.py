@@ -123,23 +123,29 @@ RANK_NICE = -10  # weight 9548
 HOG_NICE = -15  # weight 29154
 
 
-def _set_autogroup_nice(pid: int, nice: int) -> None:
+def _autogroup_nice(pid: int) -> int | None:
+    """The nice of `pid`'s autogroup ("/autogroup-N nice K"); None where autogroups do not apply: a kernel without
+    them, or a process in the root autogroup (its ancestors never called setsid, as in CI's container: the file
+    reads empty, and writing it fails with EINVAL)."""
     try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            fields = f.read().split()
+    except FileNotFoundError:
+        return None
+    return int(fields[-1]) if fields else None
+
+
+def _set_autogroup_nice(pid: int, nice: int) -> None:
+    if _autogroup_nice(pid) is not None:  # otherwise per-task nice is all there is
         with open(f"/proc/{pid}/autogroup", "w") as f:
             f.write(str(nice))
-    except FileNotFoundError:  # a kernel without CONFIG_SCHED_AUTOGROUP: per-task nice is all there is
-        pass
 
 
 @pytest.fixture
 def above_other_load() -> Iterator[Callable[[int, int], None]]:
     """pin(pid, cpu): every thread of `pid` on `cpu`, at RANK_NICE, its session's autogroup too. This pytest's
     own autogroup (the simulated job's ranks share it) gets its nice back after the test."""
-    try:
-        with open("/proc/self/autogroup") as f:
-            before = int(f.read().split()[-1])  # "/autogroup-N nice K"
-    except FileNotFoundError:
-        before = None
+    before = _autogroup_nice(os.getpid())
 
     def pin(pid: int, cpu: int) -> None:
         for tid in map(int, os.listdir(f"/proc/{pid}/task")):
