@@ -66,6 +66,7 @@ AGENT_WINDOW_S = 2.0  # the agent's window in the matrix (its default is 5 s)...
 AGENT_WINDOW_STEPS = 15  # ...or long enough for this many of the shape's healthy steps (lm-2-long: 4.5 s)
 AGENT_HEALTHY_WINDOWS = 10
 REGRESSION_TIMEOUT_S = 40.0
+GUESSED_STEP_S = 0.05  # a shape's step where no healthy run measured it first: it scales the faults
 STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does...
 COST_KEPT = 0.30  # ...and so does a cost this far from the what-if truth (the issue's bar: within +-30%)
 
@@ -236,6 +237,8 @@ def injected_s(shape: Shape, fault: str, healthy_step: float) -> float | None:
         return added_s(healthy_step, fault)  # the rank spins that long before optimizer.step
     if fault == "loader" and not shape.workers:
         return added_s(healthy_step) * (1 if shape.sim else shape.fetches)  # slept in each batch's fetch
+    if fault == "regression":
+        return added_s(healthy_step)  # every rank spins that long a step after the onset
     return None
 
 
@@ -250,6 +253,27 @@ def score_figures(run: Run, shape: Shape, doc: dict, healthy_step: float) -> Non
     run.injected_cost = None if run.injected_s is None else min(run.injected_s / run.truth_step_s, 1.0)
     per_rank = finding["evidence"].get("per_rank")
     run.extra_s = per_rank[0]["excess_s"] if run.injected_s and per_rank else None
+
+
+def regression_truth(job: launch.TorchrunJob | launch.SimRun, docs: list[dict], onset: float) -> dict[str, Any]:
+    """The job's own step before the onset (from the first window's start), and in each window: what a
+    regression's figures are checked against, kept beside an agent run's documents for --replay."""
+    job.wait_written(docs[-1]["window"]["end"])
+    return {"before_s": job.step_time(docs[0]["window"]["start"], onset),
+            "windows_s": [job.step_time(d["window"]["start"], d["window"]["end"]) for d in docs]}
+
+
+def score_regression(run: Run, found: dict, window: int, truth: dict[str, Any]) -> None:
+    """A regression named in window `window` of the run: its step time against the job's in that window, its
+    cost against the what-if 1 - step before the onset / step in that window, and its growth per step against
+    the delay injected (run.injected_s)."""
+    before, after = truth["before_s"], truth["windows_s"][window]
+    if not before or not after:
+        return
+    run.step_s, run.truth_step_s = found["evidence"]["step_time_s"], after
+    run.cost, run.truth_cost = found["cost"], max(1 - before / after, 0.0)
+    run.injected_cost = None if run.injected_s is None else min(run.injected_s / after, 1.0)
+    run.extra_s = found["evidence"]["grown_s"]
 
 
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
@@ -403,6 +427,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
         for _ in range(AGENT_HEALTHY_WINDOWS if fault.expect is None else 4):
             next_window()
         findings = [f for d in docs for f in d["findings"]]
+        truth: dict[str, Any] | None = None  # a regression's (regression_truth)
         if fault.expect is None:
             right, false = score_agent(shape, fault, findings, None)
             steps = [d["step_time_s"] for d in docs if d["step_time_s"]]
@@ -420,12 +445,17 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
                 found = next((f for f in doc["findings"] if f["kind"] == "regression"), None)
             right, false = score_agent(shape, fault, findings, found)
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
-                      to_finding_s=time.time() - onset if found else None, job=job.run_id)
+                      to_finding_s=time.time() - onset if found else None, job=job.run_id,
+                      injected_s=injected_s(shape, fault.name, healthy_step or GUESSED_STEP_S))
+            truth = regression_truth(job, docs, onset)
+            if found:
+                score_regression(run, found, len(docs) - 1, truth)
         if misses.wanted(run):
             name = f"{shape.name}-{fault.name}-{job.run_id}"
             for i, raw in enumerate(patterns):
                 misses.path(f"{name}-{i}.msgpack").write_bytes(raw)
-            misses.path(f"{name}.json").write_text(json.dumps({"run": asdict(run), "documents": docs}, indent=1))
+            misses.path(f"{name}.json").write_text(json.dumps({"run": asdict(run), "documents": docs, "truth": truth},
+                                                              indent=1))
             shutil.copyfile(tmp / f"agent-{job.run_id}.log", misses.path(f"{name}.log"))
         return run
     finally:
@@ -441,7 +471,7 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
              windows: int = 1) -> list[Run]:
     """One fresh job of the shape with the fault: its agent run, or `windows` diagnose runs in a row (a hang
     ends the job's steps: diagnosed once)."""
-    spec = fault_spec(shape, fault, healthy_step or 0.05)
+    spec = fault_spec(shape, fault, healthy_step or GUESSED_STEP_S)
     if shape.sim:
         job = launch.start_sim(shape.ranks, spec.split(",") if spec else [], tmp)
     else:
@@ -490,12 +520,19 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 
 def replay(dirs: list[Path]) -> list[Run]:
     """The windows kept in `dirs` (--misses, --keep-all), diagnosed again by the current analyzer: a rule change
-    tried on real jobs' windows before it lands. A cost is scored where the kept run had its truth (a right
-    verdict then). An agent's run is replayed window after window, as the agent analyzes them."""
+    tried on real jobs' windows before it lands. A cost is scored against the reference the kept run was scored
+    against, else the shape's healthy step in the corpus. An agent's run is replayed window after window, as
+    the agent analyzes them."""
     shapes, faults = {s.name: s for s in SHAPES}, {f.name: f for f in FAULTS}
+    corpus = [(path, json.loads(path.read_text())) for path in sorted(p for d in dirs for p in d.glob("*.json"))]
+    # A kept run scored without a reference (its batch ran no healthy case first: slow links, say) gets the
+    # shape's healthy step: the median of the corpus's healthy diagnose windows.
+    healthy_steps: dict[str, list[float]] = {}
+    for _, kept in corpus:
+        if kept["run"]["fault"] == "healthy" and kept["run"]["truth_step_s"]:
+            healthy_steps.setdefault(kept["run"]["shape"], []).append(kept["run"]["truth_step_s"])
     runs = []
-    for path in sorted(p for d in dirs for p in d.glob("*.json")):
-        kept = json.loads(path.read_text())
+    for path, kept in corpus:
         shape, fault = shapes.get(kept["run"]["shape"]), faults.get(kept["run"]["fault"])
         if shape is None or fault is None:
             continue
@@ -503,37 +540,47 @@ def replay(dirs: list[Path]) -> list[Run]:
         if fault.mode == "agent":
             windows = sorted(path.parent.glob(f"{path.stem}-*.msgpack"), key=lambda w: int(w.stem.rsplit("-", 1)[1]))
             if windows:
-                runs.append(replay_agent(shape, fault, run, windows))
+                runs.append(replay_agent(shape, fault, run, windows, kept.get("truth")))
             continue
         saved = path.with_suffix(".msgpack")
         if not saved.exists():
             continue
         # The reference the kept run was scored against, where it had one (a right verdict then).
         healthy = (1 - run.truth_cost) * run.truth_step_s if run.truth_cost is not None and run.truth_step_s else None
+        if healthy is None and not fault.pinned and shape.name in healthy_steps:  # a hog's is its own job's
+            healthy = statistics.median(healthy_steps[shape.name])
         run.cost = run.injected_cost = run.extra_s = run.injected_s = None
         timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
         doc = next(iter(diagnose(decode_patterns(saved.read_bytes()), timeout).values()))
         run.right, run.false = score(shape, fault, doc["findings"])
         run.findings, run.step_s = [label(f) for f in doc["findings"]], doc["step_time_s"]
-        if doc["findings"] and run.right and healthy:
+        if doc["findings"] and run.right and healthy and run.truth_step_s:
             score_figures(run, shape, doc, healthy)
         runs.append(run)
     return runs
 
 
-def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path]) -> Run:
+def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], truth: dict[str, Any] | None) -> Run:
     """An agent's kept run diagnosed again: its windows in order, each against the job's baseline so far, each
-    finding reported once it held (as rankscope.agent.daemon does), scored as agent_case scores it."""
+    finding reported once it held (as rankscope.agent.daemon does), scored as agent_case scores it; a
+    regression's figures too where the run kept its truth (regression_truth)."""
     baselines: dict[str, Baseline] = {}
     confirmer = Confirmer()
     findings: list[dict] = []
-    for w in windows:
+    found, found_in = None, -1
+    for i, w in enumerate(windows):
         docs = diagnose(decode_patterns(w.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines)
         confirmer.confirm(docs)
         findings += [f for doc in docs.values() for f in doc["findings"]]
-    found = next((f for f in findings if f["kind"] == fault.expect), None)
+        if found is None:
+            found = next((f for f in findings if f["kind"] == fault.expect), None)
+            found_in = i
     run.right, run.false = score_agent(shape, fault, findings, found)
     run.findings = [label(f) for f in findings]
+    if fault.expect == "regression":
+        run.step_s = run.truth_step_s = run.cost = run.truth_cost = run.injected_cost = run.extra_s = None
+        if found and truth and found_in < len(truth["windows_s"]):
+            score_regression(run, found, found_in, truth)
     return run
 
 

@@ -45,12 +45,43 @@ def test_replay_scores_kept_windows_with_the_current_analyzer(tmp_path):
     assert "| mlp-4 | compute |" in table and "of injected" in table
 
 
-def keep_agent_run(bench, folder: Path, name: str, windows) -> None:
-    """An agent's run as the matrix keeps it: each window's patterns in order, and the run."""
-    run = bench.Run("mlp-4", "healthy-agent", right=True, false=[], findings=[], job=name)
+def test_a_kept_window_without_a_reference_is_scored_against_the_shapes_healthy_step(tmp_path):
+    """A batch of one fault (slow links, say) ran no healthy case first: its windows' costs are scored against
+    the healthy windows of the same shape in the corpus (their median step)."""
+    bench = bench_accuracy()
+    keep(bench, tmp_path, "mlp-4-slowlink-a-0", "slowlink", simulate(4, link_extra={3: 0.016}), [], 0.064)
+    for i, step in enumerate((0.047, 0.048, 0.052)):
+        keep(bench, tmp_path, f"mlp-4-healthy-b-{i}", "healthy", simulate(4, seed=i), [], step)
+    slow = next(r for r in bench.replay([tmp_path]) if r.fault == "slowlink")
+    assert slow.right and slow.findings == ["slow_link[3]"]
+    assert slow.truth_cost == pytest.approx(1 - 0.048 / 0.064) and slow.cost is not None
+
+
+def keep_agent_run(bench, folder: Path, name: str, windows, fault: str = "healthy-agent", truth=None,
+                   injected_s: float | None = None) -> None:
+    """An agent's run as the matrix keeps it: each window's patterns in order, the run, and a regression's
+    truth (the job's step before the onset and in each window)."""
+    run = bench.Run("mlp-4", fault, right=True, false=[], findings=[], job=name, injected_s=injected_s)
     for i, patterns in enumerate(windows):
-        (folder / f"{name}-{i}.msgpack").write_bytes(encode_patterns(patterns))
-    (folder / f"{name}.json").write_text(json.dumps({"run": asdict(run), "documents": []}))
+        (folder / f"{name}-{i}.msgpack").write_bytes(encode_patterns(patterns) if isinstance(patterns, list)
+                                                     else patterns)
+    (folder / f"{name}.json").write_text(json.dumps({"run": asdict(run), "documents": [], "truth": truth}))
+
+
+def test_a_replayed_regression_is_scored_against_the_jobs_steps_before_and_after_the_onset(tmp_path):
+    """cnn-3's agent windows (tests/data/agent-windows): every rank 23 ms slower a step from window 4 on; the
+    agent reports the regression once it held, in window 5, whose truth is the job's 120 ms step."""
+    bench = bench_accuracy()
+    windows = [(ROOT / "tests" / "data" / "agent-windows" / f"cnn-3-regression-{i}.msgpack").read_bytes()
+               for i in range(6)]
+    truth = {"before_s": 0.060, "windows_s": [0.059, 0.061, 0.060, 0.062, 0.088, 0.120]}
+    keep_agent_run(bench, tmp_path, "cnn-3-regression-a", windows, "regression", truth, injected_s=0.023)
+    run = bench.replay([tmp_path])[0]
+    assert run.right and run.findings[0] == "regression[0, 1, 2]"
+    assert run.truth_step_s == 0.120 and run.truth_cost == pytest.approx(0.5)
+    assert run.injected_cost == pytest.approx(0.023 / 0.120)
+    assert 0 < run.cost < 1 and run.cost_err is not None and run.step_err is not None
+    assert run.extra_s > 0 and run.extra_err is not None  # the finding's growth a step against the 23 ms injected
 
 
 def test_replay_runs_an_agent_window_after_window_reporting_what_held(tmp_path):
