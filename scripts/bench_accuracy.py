@@ -265,15 +265,15 @@ def regression_truth(job: launch.TorchrunJob | launch.SimRun, docs: list[dict], 
 
 def score_regression(run: Run, found: dict, window: int, truth: dict[str, Any]) -> None:
     """A regression named in window `window` of the run: its step time against the job's in that window, its
-    cost against the what-if 1 - step before the onset / step in that window, and its growth per step against
-    the delay injected (run.injected_s)."""
+    cost against the what-if 1 - step before the onset / step in that window, and the growth per step of the
+    part it names ("... grew by N ms per step") against the delay injected on every rank (run.injected_s)."""
     before, after = truth["before_s"], truth["windows_s"][window]
     if not before or not after:
         return
     run.step_s, run.truth_step_s = found["evidence"]["step_time_s"], after
     run.cost, run.truth_cost = found["cost"], max(1 - before / after, 0.0)
     run.injected_cost = None if run.injected_s is None else min(run.injected_s / after, 1.0)
-    run.extra_s = found["evidence"]["grown_s"]
+    run.extra_s = found["evidence"]["function_growth_s"]
 
 
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
