@@ -26,6 +26,9 @@ LATE_RATIO = 5.0  # host every rank is late in some steps, a straggler in most: 
 # in some windows), and on one loaded 5 deep in 0.70, 4.4x (4.0 named it; 5 changes nothing else in 300
 # kept windows). A peer the straggler holds up in a rooted collective (a broadcast's root waits for every
 # receiver) arrives late at the next collective too (0.88-0.93), so the ratio alone is not the rule.
+FAR_LATE_BY = 0.25  # ...or in LATE_SOME of the steps by this share of the step while its peers are late in at
+# most PEERS_RARELY: a hog's victim of two ranks on an idle host, late by 38-42% of an 8 ms step in 0.67-0.77 of
+# the steps against its peer's 0.16-0.25 (2.7-4.8x: under LATE_RATIO, 3 windows of 50 unnamed).
 ALWAYS_LATE = 0.95  # a rank late in this share of the steps, by ALWAYS_LATE_BY of the step, while its peers
 ALWAYS_LATE_BY = 0.2  # are late in at most PEERS_RARELY, is the one the others wait for whatever its step -
 PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.70 against 0.16; 174 faulty
@@ -96,8 +99,10 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float) -> tuple[np.ndar
         share = np.where(valid, a.late_share, np.nan)
         peers_share = share - peer_deviation(share, 0.0)[1]
         share = np.nan_to_num(share, nan=0.0)
+        rarely = np.nan_to_num(peers_share, nan=1.0) <= PEERS_RARELY
         often = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share)))
-        always = (share >= ALWAYS_LATE) & (np.nan_to_num(peers_share, nan=1.0) <= PEERS_RARELY)
+        often |= (share >= LATE_SOME) & (late_by >= FAR_LATE_BY * step) & rarely
+        always = (share >= ALWAYS_LATE) & rarely
         return later & often, (late_by >= ALWAYS_LATE_BY * step) & always, late_by
 
 
