@@ -18,8 +18,10 @@ Per case: the job's own step time (median), runs, fresh jobs, right verdicts (th
 finding), false findings (any other finding), step-time error (the document's step time against the job's own
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
 1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a hog, on the
-same pinned job before the hog starts), the extra time per step the finding reports for its rank against the
-delay injected (compute and in-process loader faults), and, for agent cases, time to the finding.
+same pinned job before the hog starts; for a regression, the job's step before the onset against its step in
+the window that names it), the extra time per step the finding reports for its rank against the delay injected
+(compute and in-process loader faults; a regression's growth against the delay on every rank), and, for
+agent cases, time to the finding.
 A wrong diagnose verdict, a false finding, a step time off by more than 10% or a cost off by more than 30% keeps
 its evidence in --misses: the patterns observed (diagnose --save-patterns), the document and diagnose's log (an
 agent case: every window's document and patterns, and the agent's log), to analyze offline with
