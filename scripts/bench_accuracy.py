@@ -529,10 +529,11 @@ def replay(dirs: list[Path]) -> list[Run]:
     corpus = [(path, json.loads(path.read_text())) for path in sorted(p for d in dirs for p in d.glob("*.json"))]
     # A kept run scored without a reference (its batch ran no healthy case first: slow links, say) gets the
     # shape's healthy step: the median of the corpus's healthy diagnose windows.
-    healthy_steps: dict[str, list[float]] = {}
+    healthy_runs: dict[str, list[float]] = {}
     for _, kept in corpus:
         if kept["run"]["fault"] == "healthy" and kept["run"]["truth_step_s"]:
-            healthy_steps.setdefault(kept["run"]["shape"], []).append(kept["run"]["truth_step_s"])
+            healthy_runs.setdefault(kept["run"]["shape"], []).append(kept["run"]["truth_step_s"])
+    healthy_step = {shape: statistics.median(steps) for shape, steps in healthy_runs.items()}
     runs = []
     for path, kept in corpus:
         shape, fault = shapes.get(kept["run"]["shape"]), faults.get(kept["run"]["fault"])
@@ -549,8 +550,8 @@ def replay(dirs: list[Path]) -> list[Run]:
             continue
         # The reference the kept run was scored against, where it had one (a right verdict then).
         healthy = (1 - run.truth_cost) * run.truth_step_s if run.truth_cost is not None and run.truth_step_s else None
-        if healthy is None and not fault.pinned and shape.name in healthy_steps:  # a hog's is its own job's
-            healthy = statistics.median(healthy_steps[shape.name])
+        if healthy is None and not fault.pinned:  # a hog's reference is its own job's, pinned before the hog
+            healthy = healthy_step.get(shape.name)
         run.cost = run.injected_cost = run.extra_s = run.injected_s = None
         timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
         doc = next(iter(diagnose(decode_patterns(saved.read_bytes()), timeout).values()))
@@ -569,14 +570,14 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], trut
     baselines: dict[str, Baseline] = {}
     confirmer = Confirmer()
     findings: list[dict] = []
-    found, found_in = None, -1
+    found, found_in = None, -1  # the first finding of the fault's kind, and the window that reported it
     for i, w in enumerate(windows):
         docs = diagnose(decode_patterns(w.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines)
         confirmer.confirm(docs)
-        findings += [f for doc in docs.values() for f in doc["findings"]]
+        reported = [f for doc in docs.values() for f in doc["findings"]]
+        findings += reported
         if found is None:
-            found = next((f for f in findings if f["kind"] == fault.expect), None)
-            found_in = i
+            found, found_in = next((f for f in reported if f["kind"] == fault.expect), None), i
     run.right, run.false = score_agent(shape, fault, findings, found)
     run.findings = [label(f) for f in findings]
     if fault.expect == "regression":
