@@ -546,6 +546,10 @@ def overhead(kit: Kit) -> dict:
         try:
             job.wait_phase("run", 120)
             row["shim_ms"], row["shim_steps"] = _ms(_phase(job, 4))
+            try:  # what light mode's launch probes cost by themselves: the rest of its cost is the agent's
+                row["launch_uprobes_ms"], row["launch_uprobes_steps"] = _ms(_launch_uprobes_phase(job))
+            except (OSError, tracefs.TracefsError) as e:
+                row["launch_uprobes"] = f"failed: {e}"
             for detail in ("light", "deep"):
                 if kit.no_bcc:
                     row[f"agent_{detail}"] = f"skipped: {kit.no_bcc[:120]}"
@@ -561,7 +565,7 @@ def overhead(kit: Kit) -> dict:
         finally:
             job.stop()
         base = row["neither_ms"]
-        for key in ("shim_ms", "agent_light_ms", "agent_deep_ms"):
+        for key in ("shim_ms", "launch_uprobes_ms", "agent_light_ms", "agent_deep_ms"):
             if isinstance(row.get(key), float):
                 row[key.replace("_ms", "_slowdown")] = round(row[key] / base - 1, 4)
         figures[variant] = row
@@ -569,6 +573,19 @@ def overhead(kit: Kit) -> dict:
     if broken:
         raise Failed(f"agent phases failed ({', '.join(broken)}); see jobs.log", figures)
     return figures
+
+
+def _launch_uprobes_phase(job: GpuJob) -> tuple[float, int]:
+    """The job's median step with a bare uprobe (tracefs, no program) on each launch function light mode probes,
+    libcudart's cudaLaunchKernel and libcuda's cuLaunchKernel: two traps per launch, the floor of its cost."""
+    with tracefs.Uprobes(buffer_kb=1024) as u:
+        for fragment, symbol in (("libcudart.so", "cudaLaunchKernel"), ("libcuda.so", "cuLaunchKernel")):
+            path = library_path(job.pids[0], fragment)
+            vaddr = exported_functions(path).get(symbol) if path else None
+            if vaddr is None:
+                raise OSError(f"{symbol} not found in the job's {fragment}")
+            u.function(symbol, path, vaddr)
+        return _phase(job, 4)
 
 
 def _ms(median: tuple[float, int]) -> tuple[float, int]:
