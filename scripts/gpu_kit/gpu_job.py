@@ -3,7 +3,7 @@ products per step (GPU work the heavier rank gets more of), with its step times 
 
     python gpu_job.py --report R.json [--steps N] [--seconds S] [--matmuls K] [--matrix N] [--width W] [--batch B]
                       [--heavy-rank R --heavy-matmuls K2]
-                      [--collective none|nccl|gloo] [--host-per-rank] [--profile-steps N]
+                      [--collective none|nccl|gloo] [--host-per-rank] [--profile-steps N] [--device cuda|cpu]
 
 The ranks of the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) share the one GPU.
 --collective nccl: the gradients all-reduced by NCCL every step and sent to the next rank (a ring of
@@ -15,6 +15,7 @@ the host and all-reduced by gloo, so a rank with more GPU work is a straggler th
 between two marker kernels (torch.cuda._sleep: 'spin_kernel') for the CUPTI shim, then the same N steps under
 torch.profiler, whose kernels go to the report: the kit compares the two (--go-file: the measured steps wait
 for the kit's reader).
+--device cpu: the same job without a GPU (no profiling): the kit's own tests time it where there is none.
 The report is rewritten every half second: {"pid", "steps": [[unix start, seconds], ...] (the last KEEP_STEPS),
 "phase", ...}.
 """
@@ -86,12 +87,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--profile-steps", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--go-file", help="with --profile-steps: wait for this file before the measured steps")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = ap.parse_args(argv)
+    if args.profile_steps and args.device != "cuda":
+        ap.error("--profile-steps compares CUDA kernels: it needs --device cuda")
 
     report = Report(args.report)
     torch.manual_seed(0)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rank, world = 0, 1
     if args.host_per_rank:  # read by NCCL at the communicator's set-up
         os.environ["NCCL_HOSTID"] = f"rankscope-kit-{os.environ.get('RANK', '0')}"
@@ -105,7 +112,7 @@ def main(argv: list[str]) -> int:
     a = torch.randn(args.matrix, args.matrix, device=device)
     b = torch.randn(args.matrix, args.matrix, device=device)
     matmuls = args.heavy_matmuls if rank == args.heavy_rank else args.matmuls
-    report.set(rank=rank, matmuls=matmuls, device=torch.cuda.get_device_name(0))
+    report.set(rank=rank, matmuls=matmuls, device=torch.cuda.get_device_name(0) if cuda else "cpu")
 
     def step() -> None:
         loss = model(x).square().mean()
@@ -127,7 +134,7 @@ def main(argv: list[str]) -> int:
             flat = torch.cat([g.reshape(-1) for g in grads]).cpu()  # waits for this rank's GPU work
             dist.all_reduce(flat)
         optimizer.step()
-        torch.cuda.synchronize()
+        sync()
 
     def run(steps: int, seconds: float) -> None:
         end = time.time() + seconds if seconds else float("inf")

@@ -45,10 +45,31 @@ class GpuJob:
     def wait_phase(self, phase: str, timeout: float) -> None:
         wait_until(lambda: self.in_phase(phase), timeout, f"every rank in phase {phase!r}", interval=0.2)
 
+    def step_times(self, rank: int, start: float, end: float) -> list[float]:
+        """The rank's step times (s) of the steps within [start, end] (unix s), as its report holds them."""
+        return [d for s, d in self.report(rank).get("steps", []) if start <= s and s + d <= end]
+
     def median_step_s(self, rank: int, start: float, end: float) -> tuple[float, int]:
         """The rank's median step time over its steps within [start, end] (unix s), and how many."""
-        steps = [d for s, d in self.report(rank).get("steps", []) if start <= s and s + d <= end]
+        steps = self.step_times(rank, start, end)
         return (statistics.median(steps) if steps else float("nan")), len(steps)
+
+    def reported_past(self, t: float) -> bool:
+        """Rank 0's report holds a step that started after `t` (it is written every half second)."""
+        steps = self.report(0).get("steps", [])
+        return bool(steps) and steps[-1][0] > t
+
+    def pause(self) -> None:
+        """SIGSTOP: the ranks take no CPU and queue no GPU work until resume()."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, sig)
 
     def stop(self) -> None:
         for proc in self.procs:

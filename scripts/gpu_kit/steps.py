@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -526,9 +527,52 @@ def _phase(job: GpuJob, seconds: float) -> tuple[float, int]:
     return job.median_step_s(0, start, time.time())
 
 
+ROUNDS = 3  # of each paired comparison of `overhead`
+ROUND_S = 2.0  # each side's turn in a round
+SETTLE_S = 0.2  # the steps of a turn's first moments are left out (caches, the GPU switching contexts)
+
+
+def paired(a: tuple[GpuJob, Callable[[], None]], b: tuple[GpuJob, Callable[[], None]], rounds: int = ROUNDS,
+           seconds: float = ROUND_S) -> dict:
+    """Two sides' median steps measured in turns, a b a b ...: each side is a job and the switch that makes it
+    the one measured (runs the job alone, or toggles something in it). Drift of the machine between turns
+    (clocks, other load) falls on both sides alike, which one-off phases of seconds apart did not resolve
+    (their medians moved by up to 18% between two runs). Returns both medians (ms), how many steps, b's
+    slowdown against a (a fraction) and each round's."""
+    turns: list[list[tuple[GpuJob, float, float]]] = [[], []]
+    for _ in range(rounds):
+        for side, (job, switch) in enumerate((a, b)):
+            switch()
+            begin = time.time() + SETTLE_S
+            time.sleep(SETTLE_S + seconds)
+            turns[side].append((job, begin, time.time()))
+    for job, _, end in (turns[0][-1], turns[1][-1]):  # a paused job's last steps are written once it resumes
+        job.resume()
+        wait_until(lambda job=job, end=end: job.reported_past(end), 30, "the job's report to hold its last turn")
+    steps = [[job.step_times(0, begin, end) for job, begin, end in side] for side in turns]
+    if not all(steps[0]) or not all(steps[1]):
+        raise RuntimeError(f"a turn without a step: {[list(map(len, side)) for side in steps]}")
+    a_s = statistics.median(x for turn in steps[0] for x in turn)
+    b_s = statistics.median(x for turn in steps[1] for x in turn)
+    return {"a_ms": round(a_s * 1e3, 4), "b_ms": round(b_s * 1e3, 4),
+            "a_steps": sum(map(len, steps[0])), "b_steps": sum(map(len, steps[1])),
+            "slowdown": round(b_s / a_s - 1, 4),
+            "rounds": [round(statistics.median(y) / statistics.median(x) - 1, 4) for x, y in zip(*steps)]}
+
+
+def alone(job: GpuJob, other: GpuJob) -> Callable[[], None]:
+    """The switch that runs `job` while `other` is paused (SIGSTOP: no CPU taken, no GPU work queued)."""
+    def switch() -> None:
+        other.pause()
+        job.resume()
+    return switch
+
+
 def overhead(kit: Kit) -> dict:
-    """The job's step time without the shim, with it alone, and with the agent attached (light, then deep),
-    for a matmul-heavy step and a launch-bound one (many tiny kernels: where CUPTI costs most)."""
+    """The job's slowdown with the shim alone, with the agent attached (light, then deep), and with a bare uprobe
+    on each launch (deep mode's launch probe, at its floor), for a matmul-heavy step and a launch-bound one (many
+    tiny kernels: where CUPTI costs most). Two processes of the same job, one without the shim (the reference)
+    and one with it (the agent attaches to it alone), are measured in turns (`paired`)."""
     kit.need_gpu()
     variants = {"matmul": ("--matmuls", "8"), "launch_bound": ("--matmuls", "0", "--width", "64", "--batch", "32")}
     wanted = os.environ.get("RANKSCOPE_KIT_OVERHEAD")  # e.g. launch_bound: one variant (a rerun's device time)
@@ -536,60 +580,51 @@ def overhead(kit: Kit) -> dict:
     figures: dict = {}
     for variant, args in variants.items():
         row: dict = {}
-        job = kit.job(env=kit.job_env(), args=("--seconds", "40", *args))
+        neither = kit.job(env=kit.job_env(), args=("--seconds", "300", *args))
+        shim = kit.job(env=kit.job_env(shim=True), args=("--seconds", "300", *args))
         try:
-            job.wait_phase("run", 120)
-            row["neither_ms"], row["neither_steps"] = _ms(_phase(job, 4))
-        finally:
-            job.stop()
-        job = kit.job(env=kit.job_env(shim=True), args=("--seconds", "120", *args))
-        try:
-            job.wait_phase("run", 120)
-            row["shim_ms"], row["shim_steps"] = _ms(_phase(job, 4))
-            try:  # what light mode's launch probes cost by themselves: the rest of its cost is the agent's
-                row["launch_uprobes_ms"], row["launch_uprobes_steps"] = _ms(_launch_uprobes_phase(job))
-            except (OSError, tracefs.TracefsError) as e:
-                row["launch_uprobes"] = f"failed: {e}"
+            neither.wait_phase("run", 120)
+            shim.wait_phase("run", 120)
+            against_neither = (neither, alone(neither, shim))
+            row["shim"] = paired(against_neither, (shim, alone(shim, neither)))
+            try:
+                row["launch_uprobe"] = _launch_uprobe(shim, neither)
+            except (OSError, RuntimeError, TimeoutError) as e:
+                row["launch_uprobe"] = f"failed: {e}"
             for detail in ("light", "deep"):
                 if kit.no_bcc:
                     row[f"agent_{detail}"] = f"skipped: {kit.no_bcc[:120]}"
                     continue
-                agent = start_agent(kit.python, kit.agent_env(), job.pids, detail, kit.log)
+                alone(shim, neither)()  # the agent starts beside the shim's job alone
+                agent = start_agent(kit.python, kit.agent_env(), shim.pids, detail, kit.log)
                 try:  # a phase that fails is recorded in the row; the others are still measured
-                    wait_until(lambda: _watching(agent.url, job.pids[0]), 90, f"the {detail} agent to read the shim")
-                    row[f"agent_{detail}_ms"], row[f"agent_{detail}_steps"] = _ms(_phase(job, 4))
-                except (TimeoutError, OSError) as e:
+                    wait_until(lambda: _watching(agent.url, shim.pids[0]), 90, f"the {detail} agent to read the shim")
+                    row[f"agent_{detail}"] = paired(against_neither, (shim, alone(shim, neither)))
+                except (TimeoutError, OSError, RuntimeError) as e:
                     row[f"agent_{detail}"] = f"failed: {e}"
                 finally:
                     agent.stop()
         finally:
-            job.stop()
-        base = row["neither_ms"]
-        for key in ("shim_ms", "launch_uprobes_ms", "agent_light_ms", "agent_deep_ms"):
-            if isinstance(row.get(key), float):
-                row[key.replace("_ms", "_slowdown")] = round(row[key] / base - 1, 4)
+            neither.stop()
+            shim.stop()
         figures[variant] = row
     broken = [f"{v}: {k}" for v, row in figures.items() for k, x in row.items() if str(x).startswith("failed")]
     if broken:
-        raise Failed(f"agent phases failed ({', '.join(broken)}); see jobs.log", figures)
+        raise Failed(f"overhead phases failed ({', '.join(broken)}); see jobs.log", figures)
     return figures
 
 
-def _launch_uprobes_phase(job: GpuJob) -> tuple[float, int]:
-    """The job's median step with a bare uprobe (tracefs, no program) on each launch function light mode probes,
-    libcudart's cudaLaunchKernel and libcuda's cuLaunchKernel: two traps per launch, the floor of its cost."""
+def _launch_uprobe(job: GpuJob, other: GpuJob) -> dict:
+    """`job` with and without a bare uprobe (tracefs, no program) on libcuda's cuLaunchKernel, in turns (`other`
+    paused): one trap per launch, what deep mode's launch probe costs at the least (light mode has none)."""
+    path = library_path(job.pids[0], "libcuda.so")
+    vaddr = exported_functions(path).get("cuLaunchKernel") if path else None
+    if vaddr is None:
+        raise OSError("cuLaunchKernel not found in the job's libcuda")
+    alone(job, other)()
     with tracefs.Uprobes(buffer_kb=1024) as u:
-        for fragment, symbol in (("libcudart.so", "cudaLaunchKernel"), ("libcuda.so", "cuLaunchKernel")):
-            path = library_path(job.pids[0], fragment)
-            vaddr = exported_functions(path).get(symbol) if path else None
-            if vaddr is None:
-                raise OSError(f"{symbol} not found in the job's {fragment}")
-            u.function(symbol, path, vaddr)
-        return _phase(job, 4)
-
-
-def _ms(median: tuple[float, int]) -> tuple[float, int]:
-    return round(median[0] * 1e3, 4), median[1]
+        u.function("cuLaunchKernel", path, vaddr)
+        return paired((job, lambda: u.enable(False)), (job, lambda: u.enable(True)))
 
 
 def _watching(url: str, pid: int) -> bool:

@@ -142,6 +142,12 @@ class Uprobes:
             location += f"({file_offset(path, site.semaphore):#x})"
         return self._define(name, location, args)
 
+    def enable(self, on: bool) -> None:
+        """Registers (on) or unregisters every event's uprobe: off, the traced code runs without a trap and a
+        USDT semaphore is down again, while the definitions stay for the next `enable(True)`."""
+        for name in self.events:
+            (self.instance / "events" / self.group / name / "enable").write_text("1" if on else "0")
+
     def stop(self) -> None:
         """Stops recording (the events stay defined, their semaphores up, until close)."""
         (self.instance / "tracing_on").write_text("0")

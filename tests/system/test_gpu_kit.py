@@ -14,7 +14,7 @@ from test_cupti_shim import KERNEL, driver_binary, line, start_driver  # noqa: F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_kit import bundle, steps, tracefs  # noqa: E402
+from gpu_kit import bundle, jobs, steps, tracefs  # noqa: E402
 from rankscope.cupti_shim.build import build_shim  # noqa: E402
 
 GPU_STEPS = ("shim_vs_profiler", "nccl_spans", "late_attach", "overhead")
@@ -31,6 +31,9 @@ def test_tracefs_reads_the_shims_records_and_arms_its_semaphore(line, start_driv
         for i, site in enumerate(sites):
             u.usdt(f"activity{i}", shim, site, steps.ACTIVITY_FIELDS, strings=("name",))
         assert tracefs.semaphore(driver.pid, shim, sites[0].semaphore) == 3  # one count per site's event
+        u.enable(False)  # the uprobes unregistered (overhead's turns without them): the semaphore down
+        assert tracefs.semaphore(driver.pid, shim, sites[0].semaphore) == 0
+        u.enable(True)
         assert driver.emit(1)[:2] == (3, 0)  # the kernel raised the semaphore: the shim hands records over
         u.stop()
         records = [e.fields for e in u.read() if e.pid == driver.pid]
@@ -76,3 +79,27 @@ def test_kit_runs_against_the_stand_ins(tmp_path):
     assert (out / "patterns.msgpack").stat().st_size > 0
     rows = (out / "table.txt").read_text().splitlines()
     assert [r.split()[0] for r in rows[1:]] == list(by_name)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_paired_turns_resolve_a_known_slowdown_with_the_other_job_paused(tmp_path):
+    """overhead's measurement on two CPU runs of the kit's job, the second with 4 matrix products a step more
+    (~4x its step here): every round sees it slower, and a job out of its turn is stopped."""
+    common = ("--device", "cpu", "--seconds", "120", "--width", "64", "--batch", "32", "--matrix", "256")
+    light = jobs.start_gpu_job(sys.executable, tmp_path, tmp_path / "log", args=(*common, "--matmuls", "0"))
+    heavy = jobs.start_gpu_job(sys.executable, tmp_path, tmp_path / "log", args=(*common, "--matmuls", "4"))
+    try:
+        light.wait_phase("run", 120)
+        heavy.wait_phase("run", 120)
+        result = steps.paired((light, steps.alone(light, heavy)), (heavy, steps.alone(heavy, light)), seconds=0.5)
+        assert result["slowdown"] > 1.0, result
+        assert len(result["rounds"]) == steps.ROUNDS and min(result["rounds"]) > 0.5, result
+        assert result["a_steps"] > result["b_steps"] > 0
+        steps.alone(light, heavy)()
+        assert (_state(heavy.pids[0]), _state(light.pids[0])) in {("T", "R"), ("T", "S")}
+    finally:
+        light.stop()
+        heavy.stop()
