@@ -71,6 +71,9 @@ REGRESSION_TIMEOUT_S = 40.0
 GUESSED_STEP_S = 0.05  # a shape's step where no healthy run measured it first: it scales the faults
 STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does...
 COST_KEPT = 0.30  # ...and so does a cost this far from the what-if truth (the issue's bar: within +-30%)
+# A healthy job whose own step in a window is this much slower than the median of its earlier windows did slow
+# down (something outside it: the machine's other work); a regression named there is its truth, not false.
+SLOWED_BY = 0.10
 
 
 @dataclass(frozen=True)
@@ -257,12 +260,42 @@ def score_figures(run: Run, shape: Shape, doc: dict, healthy_step: float) -> Non
     run.extra_s = per_rank[0]["excess_s"] if run.injected_s and per_rank else None
 
 
-def regression_truth(job: launch.TorchrunJob | launch.SimRun, docs: list[dict], onset: float) -> dict[str, Any]:
-    """The job's own step before the onset (from the first window's start), and in each window: what a
-    regression's figures are checked against, kept beside an agent run's documents for --replay."""
+def agent_truth(job: launch.TorchrunJob | launch.SimRun, docs: list[dict], onset: float | None) -> dict[str, Any]:
+    """The job's own step in each window of an agent run and, with a regression's `onset`, before it (from the
+    first window's start): what a regression's figures and a healthy run's findings are checked against, kept
+    beside the run's documents for --replay."""
     job.wait_written(docs[-1]["window"]["end"])
-    return {"before_s": job.step_time(docs[0]["window"]["start"], onset),
-            "windows_s": [job.step_time(d["window"]["start"], d["window"]["end"]) for d in docs]}
+    truth: dict[str, Any] = {"windows_s": [job.step_time(d["window"]["start"], d["window"]["end"]) for d in docs]}
+    if onset is not None:
+        truth["before_s"] = job.step_time(docs[0]["window"]["start"], onset)
+    return truth
+
+
+def slowed_windows(truth: dict[str, Any] | None) -> set[int]:
+    """The windows of an agent run in which the job, by its own step log, ran SLOWED_BY slower than the median
+    of its earlier windows."""
+    steps = (truth or {}).get("windows_s", [])
+    out = set()
+    for i in range(1, len(steps)):
+        earlier = [x for x in steps[:i] if x]
+        if steps[i] and earlier and steps[i] / statistics.median(earlier) - 1 >= SLOWED_BY:
+            out.add(i)
+    return out
+
+
+def borne_out(by_window: list[list[dict]], truth: dict[str, Any] | None) -> tuple[list[dict], list[str]]:
+    """A healthy agent run's findings less the regressions its job's own log bears out (slowed_windows): what
+    is left to score, and those as labels ("regression[0, 1] (the job's log: +25%)")."""
+    slowed, steps = slowed_windows(truth), (truth or {}).get("windows_s", [])
+    left, shown = [], []
+    for i, findings in enumerate(by_window):
+        for f in findings:
+            if f["kind"] == "regression" and i in slowed:
+                base = statistics.median(x for x in steps[:i] if x)
+                shown.append(f"{label(f)} (the job's log: {steps[i] / base - 1:+.0%})")
+            else:
+                left.append(f)
+    return left, shown
 
 
 def score_regression(run: Run, found: dict, window: int, truth: dict[str, Any]) -> None:
@@ -429,13 +462,14 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
         for _ in range(AGENT_HEALTHY_WINDOWS if fault.expect is None else 4):
             next_window()
         findings = [f for d in docs for f in d["findings"]]
-        truth: dict[str, Any] | None = None  # a regression's (regression_truth)
+        truth: dict[str, Any] | None = None  # the job's own steps (agent_truth)
         if fault.expect is None:
-            right, false = score_agent(shape, fault, findings, None)
+            truth = agent_truth(job, docs, None)
+            left, shown = borne_out([d["findings"] for d in docs], truth)
+            right, false = score_agent(shape, fault, left, None)
             steps = [d["step_time_s"] for d in docs if d["step_time_s"]]
             start, end = docs[0]["window"]["start"], docs[-1]["window"]["end"]
-            job.wait_written(end)
-            run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
+            run = Run(shape.name, fault.name, right, false, [label(f) for f in left] + shown,
                       step_s=statistics.fmean(steps) if steps else None, truth_step_s=job.step_time(start, end),
                       job=job.run_id)
         else:
@@ -449,7 +483,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
                       to_finding_s=time.time() - onset if found else None, job=job.run_id,
                       injected_s=injected_s(shape, fault.name, healthy_step or GUESSED_STEP_S))
-            truth = regression_truth(job, docs, onset)
+            truth = agent_truth(job, docs, onset)
             if found:
                 score_regression(run, found, len(docs) - 1, truth)
         if misses.wanted(run):
@@ -566,20 +600,22 @@ def replay(dirs: list[Path]) -> list[Run]:
 def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], truth: dict[str, Any] | None) -> Run:
     """An agent's kept run diagnosed again: its windows in order, each against the job's baseline so far, each
     finding reported once it held (as rankscope.agent.daemon does), scored as agent_case scores it; a
-    regression's figures too where the run kept its truth (regression_truth)."""
+    regression's figures too where the run kept its truth (agent_truth), and a healthy run's regressions against it
+    (borne_out)."""
     baselines: dict[str, Baseline] = {}
     confirmer = Confirmer()
-    findings: list[dict] = []
+    by_window: list[list[dict]] = []
     found, found_in = None, -1  # the first finding of the fault's kind, and the window that reported it
     for i, w in enumerate(windows):
         docs = diagnose(decode_patterns(w.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines)
         confirmer.confirm(docs)
-        reported = [f for doc in docs.values() for f in doc["findings"]]
-        findings += reported
+        by_window.append([f for doc in docs.values() for f in doc["findings"]])
         if found is None:
-            found, found_in = next((f for f in reported if f["kind"] == fault.expect), None), i
+            found, found_in = next((f for f in by_window[-1] if f["kind"] == fault.expect), None), i
+    findings, shown = borne_out(by_window, truth) if fault.expect is None else \
+        ([f for fs in by_window for f in fs], [])
     run.right, run.false = score_agent(shape, fault, findings, found)
-    run.findings = [label(f) for f in findings]
+    run.findings = [label(f) for f in findings] + shown
     if fault.expect == "regression":
         run.step_s = run.truth_step_s = run.cost = run.truth_cost = run.injected_cost = run.extra_s = None
         if found and truth and found_in < len(truth["windows_s"]):

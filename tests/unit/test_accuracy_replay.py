@@ -96,3 +96,19 @@ def test_replay_runs_an_agent_window_after_window_reporting_what_held(tmp_path):
     assert runs["mlp-4-healthy-agent-once"].right and runs["mlp-4-healthy-agent-once"].findings == []
     assert not runs["mlp-4-healthy-agent-twice"].right
     assert runs["mlp-4-healthy-agent-twice"].false == ["compute_straggler[3]"]
+
+
+def test_a_healthy_runs_regression_counts_only_where_the_jobs_own_log_slowed():
+    """Something outside a healthy job can slow it (the machine's other work): a regression the agent names
+    in a window where the job's own steps grew by SLOWED_BY or more is right; elsewhere it is false."""
+    bench = bench_accuracy()
+    shape = next(s for s in bench.SHAPES if s.name == "mlp-2")
+    fault = next(f for f in bench.FAULTS if f.name == "healthy-agent")
+    regression = {"kind": "regression", "ranks": [0, 1]}
+    truth = {"windows_s": [0.0045, 0.0047, 0.0046, 0.0058, 0.0049]}  # window 3: +26% over the median before it
+    assert bench.slowed_windows(truth) == {3}
+    left, shown = bench.borne_out([[], [], [], [regression], [regression]], truth)
+    assert left == [regression] and shown == ["regression[0, 1] (the job's log: +26%)"]
+    assert bench.score_agent(shape, fault, left, None) == (False, ["regression[0, 1]"])
+    assert bench.borne_out([[], [], [], [regression], []], truth)[0] == []
+    assert bench.borne_out([[], [regression]], None) == ([regression], [])  # no truth kept: counted as before
