@@ -260,17 +260,6 @@ def score_figures(run: Run, shape: Shape, doc: dict, healthy_step: float) -> Non
     run.extra_s = per_rank[0]["excess_s"] if run.injected_s and per_rank else None
 
 
-def agent_truth(job: launch.TorchrunJob | launch.SimRun, docs: list[dict], onset: float | None) -> dict[str, Any]:
-    """The job's own step in each window of an agent run and, with a regression's `onset`, before it (from the
-    first window's start): what a regression's figures and a healthy run's findings are checked against, kept
-    beside the run's documents for --replay."""
-    job.wait_written(docs[-1]["window"]["end"])
-    truth: dict[str, Any] = {"windows_s": [job.step_time(d["window"]["start"], d["window"]["end"]) for d in docs]}
-    if onset is not None:
-        truth["before_s"] = job.step_time(docs[0]["window"]["start"], onset)
-    return truth
-
-
 def slowed_windows(truth: dict[str, Any] | None) -> set[int]:
     """The windows of an agent run in which the job, by its own step log, ran SLOWED_BY slower than the median
     of its earlier windows."""
@@ -285,11 +274,14 @@ def slowed_windows(truth: dict[str, Any] | None) -> set[int]:
 
 def borne_out(by_window: list[list[dict]], truth: dict[str, Any] | None) -> tuple[list[dict], list[str]]:
     """A healthy agent run's findings less the regressions its job's own log bears out (slowed_windows): what
-    is left to score, and those as labels ("regression[0, 1] (the job's log: +25%)")."""
+    is left to score, and those as labels ("regression[0, 1] (the job's log: +25%)"). A regression held
+    through the deep windows it raised ("held") is the earlier window's finding again, scored there."""
     slowed, steps = slowed_windows(truth), (truth or {}).get("windows_s", [])
     left, shown = [], []
     for i, findings in enumerate(by_window):
         for f in findings:
+            if f.get("held"):
+                continue
             if f["kind"] == "regression" and i in slowed:
                 base = statistics.median(x for x in steps[:i] if x)
                 shown.append(f"{label(f)} (the job's log: {steps[i] / base - 1:+.0%})")
@@ -450,6 +442,9 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
         doc = wait_until(window, 30, "the agent's next window", interval=0.2)
         seen.append(doc["window"]["end"])
         docs.append(doc)
+        # The job's own step in the window, read now: its log keeps only its last steps (4,096: 16 s of mlp-2's)
+        job.wait_written(doc["window"]["end"])
+        truth["windows_s"].append(job.step_time(doc["window"]["start"], doc["window"]["end"]))
         request = urllib.request.Request(f"{url}/patterns", headers={"Accept": "application/msgpack"})
         with urllib.request.urlopen(request, timeout=5) as r:  # the window's (or, rarely, the next one's)
             patterns.append(r.read())
@@ -458,22 +453,26 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
     seen = [0.0]
     docs: list[dict] = []
     patterns: list[bytes] = []
+    # The job's own steps: in each window and, for a regression, before the onset from the first window's
+    # start. What a regression's figures and a healthy run's findings are checked against, kept beside the
+    # run's documents for --replay.
+    truth: dict[str, Any] = {"windows_s": []}
     try:
         for _ in range(AGENT_HEALTHY_WINDOWS if fault.expect is None else 4):
             next_window()
         findings = [f for d in docs for f in d["findings"]]
-        truth: dict[str, Any] | None = None  # the job's own steps (agent_truth)
         if fault.expect is None:
-            truth = agent_truth(job, docs, None)
             left, shown = borne_out([d["findings"] for d in docs], truth)
             right, false = score_agent(shape, fault, left, None)
             steps = [d["step_time_s"] for d in docs if d["step_time_s"]]
-            start, end = docs[0]["window"]["start"], docs[-1]["window"]["end"]
+            own = [s for s in truth["windows_s"] if s]
             run = Run(shape.name, fault.name, right, false, [label(f) for f in left] + shown,
-                      step_s=statistics.fmean(steps) if steps else None, truth_step_s=job.step_time(start, end),
-                      job=job.run_id)
+                      step_s=statistics.fmean(steps) if steps else None,
+                      truth_step_s=statistics.fmean(own) if own else None, job=job.run_id)
         else:
             onset = job.go()
+            job.wait_written(onset)
+            truth["before_s"] = job.step_time(docs[0]["window"]["start"], onset)
             found = None
             while time.time() - onset < REGRESSION_TIMEOUT_S and found is None:
                 doc = next_window()
@@ -483,7 +482,6 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
                       to_finding_s=time.time() - onset if found else None, job=job.run_id,
                       injected_s=injected_s(shape, fault.name, healthy_step or GUESSED_STEP_S))
-            truth = agent_truth(job, docs, onset)
             if found:
                 score_regression(run, found, len(docs) - 1, truth)
         if misses.wanted(run):
@@ -600,8 +598,8 @@ def replay(dirs: list[Path]) -> list[Run]:
 def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], truth: dict[str, Any] | None) -> Run:
     """An agent's kept run diagnosed again: its windows in order, each against the job's baseline so far, each
     finding reported once it held (as rankscope.agent.daemon does), scored as agent_case scores it; a
-    regression's figures too where the run kept its truth (agent_truth), and a healthy run's regressions against it
-    (borne_out)."""
+    regression's figures too where the run kept its truth (the job's own steps), and a healthy run's
+    regressions against it (borne_out)."""
     baselines: dict[str, Baseline] = {}
     confirmer = Confirmer()
     by_window: list[list[dict]] = []

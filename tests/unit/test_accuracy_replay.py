@@ -111,4 +111,6 @@ def test_a_healthy_runs_regression_counts_only_where_the_jobs_own_log_slowed():
     assert left == [regression] and shown == ["regression[0, 1] (the job's log: +26%)"]
     assert bench.score_agent(shape, fault, left, None) == (False, ["regression[0, 1]"])
     assert bench.borne_out([[], [], [], [regression], []], truth)[0] == []
+    held = {**regression, "held": True}  # repeated through the deep windows it raised: window 3's finding again
+    assert bench.borne_out([[], [], [], [regression], [held]], truth) == ([], shown)
     assert bench.borne_out([[], [regression]], None) == ([regression], [])  # no truth kept: counted as before
