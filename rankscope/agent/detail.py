@@ -14,7 +14,7 @@ from typing import Any
 
 from rankscope.agent.sources.python_sampler import DEFAULT_FREQUENCY
 from rankscope.analyzer.baseline import Comparison
-from rankscope.analyzer.stability import CONFIRM_WINDOWS
+from rankscope.analyzer.stability import REGRESSION_WINDOWS
 
 DEEP_SECONDS = 60.0
 COOLDOWN = 4  # x deep_s in light mode after each deep episode: deep mode costs at most 1/5 of the time
@@ -81,7 +81,7 @@ class SlowdownTrigger:
     def update(self, compared: Mapping[str, Comparison | None], now: float) -> Detail:
         """The detail for the next window, from this window's step time of each job against its baseline
         (job -> Baseline.compared: None without a baseline yet). Deep
-        detail is raised once a job is slower than its baseline in CONFIRM_WINDOWS light windows in a row,
+        detail is raised once a job is slower than its baseline in REGRESSION_WINDOWS light windows in a row,
         as a regression is confirmed: raised on one noisy window, its own cost kept the job slower."""
         if self.fixed:
             return self.fixed
@@ -93,7 +93,7 @@ class SlowdownTrigger:
             self._slower = {job: self._slower.get(job, 0) + 1 for job, c in compared.items() if c and c.slower}
         if self.trigger is None and now >= self._rest_until:
             for job, c in sorted(compared.items()):
-                if c and self._slower.get(job, 0) >= CONFIRM_WINDOWS:
+                if c and self._slower.get(job, 0) >= REGRESSION_WINDOWS:
                     self.trigger = Trigger(job, now, now + self.deep_s, c.step_s, c.baseline_step_s)
                     break
         return DEEP if self.trigger else LIGHT

@@ -20,33 +20,36 @@ def test_light_until_a_step_exceeds_the_baseline_by_the_threshold():
     assert t.update({"j": doc(0.060, 0.050, noise=0.004)}, 5) == LIGHT  # 20% slower, but within the noise
     assert t.mode() == {"level": "light"}
     assert t.update({"j": doc(0.060, 0.050)}, 10) == LIGHT  # one window slower: maybe noise
-    assert t.update({"j": doc(0.060, 0.050)}, 15) == DEEP  # two in a row, as a regression is confirmed
+    assert t.update({"j": doc(0.060, 0.050)}, 15) == LIGHT  # two: a healthy job wanders that far
+    assert t.update({"j": doc(0.060, 0.050)}, 20) == DEEP  # three in a row, as a regression is confirmed
     mode = t.mode()
-    assert (mode["level"], mode["job"], mode["since"], mode["until"]) == ("deep", "j", 15, 75)
+    assert (mode["level"], mode["job"], mode["since"], mode["until"]) == ("deep", "j", 20, 80)
     assert mode["reason"] == "step time 60.0 ms is 20% above the job's baseline 50.0 ms"
 
 
 def test_deep_mode_is_bounded_then_rests_before_it_can_trigger_again():
     t = SlowdownTrigger(deep_s=60)
     slow = {"j": doc(0.060, 0.050)}
+    assert t.update(slow, -2) == LIGHT
     assert t.update(slow, -1) == LIGHT
     assert t.update(slow, 0) == DEEP
     assert t.update(slow, 59) == DEEP
     assert t.update(slow, 60) == LIGHT  # the slowdown lasts, deep mode does not
+    assert t.update(slow, 60 + COOLDOWN * 60 - 2) == LIGHT
     assert t.update(slow, 60 + COOLDOWN * 60 - 1) == LIGHT
     assert t.update(slow, 60 + COOLDOWN * 60) == DEEP  # slower in the light windows of its rest already
 
 
 def test_any_slow_job_triggers_and_is_named():
     t = SlowdownTrigger()
-    for now, level in ((0, LIGHT), (1, DEEP)):
+    for now, level in ((0, LIGHT), (1, LIGHT), (2, DEEP)):
         assert t.update({"a": doc(0.05, 0.05), "b": doc(0.2, 0.1)}, now) == level
     assert t.mode()["job"] == "b"
 
 
 def test_a_slowdown_broken_by_a_normal_window_starts_over():
     t = SlowdownTrigger()
-    for now, step in enumerate((0.06, 0.05, 0.06)):
+    for now, step in enumerate((0.06, 0.06, 0.05, 0.06, 0.06)):
         assert t.update({"j": doc(step, 0.05)}, now) == LIGHT
 
 
