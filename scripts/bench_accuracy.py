@@ -21,7 +21,9 @@ median over the same window: median and worst), cost error (the finding's cost a
 same pinned job before the hog starts; for a regression, the job's step before the onset against its step in
 the window that names it), the extra time per step the finding reports for its rank against the delay injected
 (compute and in-process loader faults; a regression's growth against the delay on every rank), and, for
-agent cases, time to the finding.
+agent cases, time to the finding. A healthy job watched by the agent can still slow down (the machine's other
+work): a regression named in a window where the job's own log shows it 10% slower than the median of its
+earlier windows is the job's truth, listed with that figure, not a false finding.
 A wrong diagnose verdict, a false finding, a step time off by more than 10% or a cost off by more than 30% keeps
 its evidence in --misses: the patterns observed (diagnose --save-patterns), the document and diagnose's log (an
 agent case: every window's document and patterns, and the agent's log), to analyze offline with
