@@ -133,7 +133,11 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     if baseline is not None:
         baseline.compared = compared
     if baseline is not None and comparable:
-        if not any(f.kind in NOT_BASELINE for f in findings):
+        # A window the threshold above the baseline but within its noise is no regression yet, nor the job's
+        # normal: left out, so that a slowdown cannot creep into the baseline and widen its noise (lm-2, its
+        # windows swinging +-25% before the onset: +60-90% after it was never named once they had joined).
+        above = compared is not None and compared.step_s >= (1 + slowdown_threshold) * compared.baseline_step_s
+        if not above and not any(f.kind in NOT_BASELINE for f in findings):
             baseline.add(profile)
         baseline.regression = next((f for f in listed if f["kind"] == "regression"), None)
     elif baseline is not None and baseline.regression and not hung:
