@@ -60,8 +60,10 @@ class GpuJob:
         return bool(steps) and steps[-1][0] > t
 
     def pause(self) -> None:
-        """SIGSTOP: the ranks take no CPU and queue no GPU work until resume()."""
+        """SIGSTOP: the ranks take no CPU and queue no GPU work until resume(). Returns once they are stopped
+        (a signal is delivered when its target next runs, not when kill returns)."""
         self._signal(signal.SIGSTOP)
+        wait_until(lambda: all(_stopped(p) for p in self.procs), 10, "the ranks to stop", interval=0.001)
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
@@ -74,6 +76,15 @@ class GpuJob:
     def stop(self) -> None:
         for proc in self.procs:
             kill_session(proc)
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    """The process is stopped by a signal, or gone."""
+    try:
+        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("T", "Z", "X") or proc.poll() is not None
 
 
 def tail(log: Path, chars: int = 600) -> str:
