@@ -104,7 +104,11 @@ def test_sampled_python_stacks_name_the_training_loop(traced):
         pid = doc["rankscope"]["pid"]
         main = [e["args"]["stack"].split(";") for e in doc["traceEvents"]
                 if e.get("cat") == "python_sample" and e["tid"] == pid]
-        assert main and all(stack[0] == "mlp_regression.py:<module>" for stack in main)
+        # A sample reads the frame chain while the interpreter runs (never stopped, as py-spy --nonblocking):
+        # one can catch a frame mid-push. Seen once in a full suite run (one stack of ~550 not rooted in the
+        # script); in 1,700 samples of three reruns, none.
+        rooted = sum(stack[0] == "mlp_regression.py:<module>" for stack in main)
+        assert main and rooted >= 0.99 * len(main), (rooted, len(main))
         assert any("mlp_regression.py:main" in stack for stack in main)
 
 
