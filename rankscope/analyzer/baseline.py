@@ -65,11 +65,14 @@ class Reference:
     windows: int  # how many recent windows it was chosen from
     spread_s: float  # robust spread of their step times: how much a step time moves by itself
 
+    def above(self, step_s: float, threshold: float = SLOWDOWN_THRESHOLD) -> bool:
+        """A step time `threshold` of the baseline or more above it."""
+        return step_s - self.profile.step_s >= threshold * self.profile.step_s
+
     def slower(self, step_s: float, threshold: float = SLOWDOWN_THRESHOLD) -> bool:
         """A step time clearly above the baseline: by `threshold` of it, and beyond the windows' own noise
         (Z_MIN robust spreads), so that a job whose step time wanders is not called slower for it."""
-        grown = step_s - self.profile.step_s
-        return grown >= threshold * self.profile.step_s and grown >= Z_MIN * self.noise_s
+        return self.above(step_s, threshold) and step_s - self.profile.step_s >= Z_MIN * self.noise_s
 
     @property
     def noise_s(self) -> float:

@@ -136,7 +136,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         # A window the threshold above the baseline but within its noise is no regression yet, nor the job's
         # normal: left out, so that a slowdown cannot creep into the baseline and widen its noise (lm-2, its
         # windows swinging +-25% before the onset: +60-90% after it was never named once they had joined).
-        above = compared is not None and compared.step_s >= (1 + slowdown_threshold) * compared.baseline_step_s
+        above = reference is not None and profile is not None and reference.above(profile.step_s, slowdown_threshold)
         if not above and not any(f.kind in NOT_BASELINE for f in findings):
             baseline.add(profile)
         baseline.regression = next((f for f in listed if f["kind"] == "regression"), None)

@@ -80,9 +80,11 @@ class GpuJob:
 
 def _stopped(proc: subprocess.Popen) -> bool:
     """The process is stopped by a signal, or gone."""
+    from rankscope.agent.host.targets import _stat_fields  # the project's one parser of /proc/PID/stat
+
     try:
-        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        state = _stat_fields(proc.pid)[0]
+    except (OSError, ValueError, IndexError):
         return True
     return state in ("T", "Z", "X") or proc.poll() is not None
 
