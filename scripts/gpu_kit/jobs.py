@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rankscope.agent.host.targets import stat_fields
 from rankscope.sim.harness import wait_until
 
 JOB_SCRIPT = Path(__file__).resolve().parent / "gpu_job.py"
@@ -63,7 +64,7 @@ class GpuJob:
         """SIGSTOP: the ranks take no CPU and queue no GPU work until resume(). Returns once they are stopped
         (a signal is delivered when its target next runs, not when kill returns)."""
         self._signal(signal.SIGSTOP)
-        wait_until(lambda: all(_stopped(p) for p in self.procs), 10, "the ranks to stop", interval=0.001)
+        wait_until(lambda: all(stopped(p) for p in self.procs), 10, "the ranks to stop", interval=0.001)
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
@@ -78,12 +79,10 @@ class GpuJob:
             kill_session(proc)
 
 
-def _stopped(proc: subprocess.Popen) -> bool:
+def stopped(proc: subprocess.Popen) -> bool:
     """The process is stopped by a signal, or gone."""
-    from rankscope.agent.host.targets import _stat_fields  # the project's one parser of /proc/PID/stat
-
     try:
-        state = _stat_fields(proc.pid)[0]
+        state = stat_fields(proc.pid)[0]
     except (OSError, ValueError, IndexError):
         return True
     return state in ("T", "Z", "X") or proc.poll() is not None

@@ -99,7 +99,7 @@ def test_paired_turns_resolve_a_known_slowdown_with_the_other_job_paused(tmp_pat
         assert len(result["rounds"]) == steps.ROUNDS and min(result["rounds"]) > 0.5, result
         assert result["a_steps"] > result["b_steps"] > 0
         steps.alone(light, heavy)()  # returns once heavy is stopped
-        assert jobs._stopped(heavy.procs[0]) and not jobs._stopped(light.procs[0])
+        assert jobs.stopped(heavy.procs[0]) and not jobs.stopped(light.procs[0])
     finally:
         light.stop()
         heavy.stop()

@@ -51,7 +51,7 @@ class Target:
         return start == self.start_time and state not in "ZX"  # a zombie has exited, unreaped
 
 
-def _stat_fields(pid: int) -> list[str]:
+def stat_fields(pid: int) -> list[str]:
     """/proc/PID/stat from the state field on (the name before it may hold spaces and parentheses)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read().decode(errors="replace")
@@ -60,14 +60,14 @@ def _stat_fields(pid: int) -> list[str]:
 
 def _stat(pid: int) -> tuple[str, int]:
     """(state letter, start time)."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return fields[0], int(fields[19])
 
 
 def major_faults(pid: int) -> int:
     """Major page faults so far (0 once the process is gone): page-ins that stalled the process on I/O."""
     try:
-        return int(_stat_fields(pid)[9])
+        return int(stat_fields(pid)[9])
     except OSError:
         return 0
 
@@ -121,7 +121,7 @@ def _int(env: dict[str, str], key: str) -> int | None:
 
 def parent_pid(pid: int) -> int:
     try:
-        return int(_stat_fields(pid)[1])
+        return int(stat_fields(pid)[1])
     except FileNotFoundError:
         raise TargetError(f"no such process: {pid}") from None
     except (OSError, IndexError, ValueError):
