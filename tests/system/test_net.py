@@ -33,8 +33,13 @@ def read():
         if slow:
             time.sleep(0.01)  # ~6 MB/s
     conn.sendall(b"k")
+    # The agent reads a socket's acknowledged bytes when the process sends or receives on it. "k"'s
+    # acknowledgement may come late (a delayed ACK, softirqs deferred on a busy host); "d" carries it, so
+    # once "d" is read the agent's last sight of this socket has "k" acknowledged.
+    conn.recv(1)
 
-threading.Thread(target=read, daemon=True).start()
+reader = threading.Thread(target=read, daemon=True)
+reader.start()
 sock = socket.create_connection(server.getsockname())
 print("ready", flush=True)
 sys.stdin.readline()
@@ -42,7 +47,10 @@ sock.sendall(b"h")  # the agent first sees the connection here
 start = time.monotonic()
 sock.sendall(b"x" * (total - 1))
 sock.recv(1)  # everything arrived
-print(time.monotonic() - start, flush=True)
+elapsed = time.monotonic() - start
+sock.sendall(b"d")
+reader.join()  # both ends' last calls returned, so their tracepoints fired before the agent reads
+print(elapsed, flush=True)
 sys.stdin.readline()
 """
 
@@ -78,7 +86,8 @@ def fast() -> Iterator[tuple[float, TcpFlow, TcpFlow]]:
 def test_bytes_each_way_are_the_transfer(fast):
     _, sender, receiver = fast
     total = 256 << 20
-    assert total - 2 <= sender.sent <= total, sender  # the first byte is the agent's first sight
+    # The first byte is the agent's first sight; "d" may or may not be acknowledged when the sender last sends.
+    assert total - 2 <= sender.sent <= total + 1, sender
     assert total - 2 <= receiver.received <= total, receiver
     assert receiver.sent == 1 and sender.sends >= 2
 

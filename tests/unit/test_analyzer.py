@@ -201,6 +201,20 @@ def test_steps_that_alternate_in_length_are_still_one_step_each():
     assert step_time(_pattern(recs)) == pytest.approx(float(np.mean(np.diff(starts[:12]))), rel=0.01)
 
 
+def test_a_pipeline_stage_cut_mid_step_keeps_its_period():
+    # A middle stage of a 1F1B pipeline: per 100 ms step, 4 micro-batch receives and 2 sends among 8 all-reduces
+    # of 4 sizes, 3 of them one bucket's. The 64 shipped end 8 collectives into a step, so that bucket shows 12
+    # calls where its share of 64 is 13.7: a tolerance of 1.5 calls dropped the true period, and names alone
+    # chose 13 collectives (7 all-reduces), a step 11% short.
+    big, small = 1 << 20, 2048
+    p2p = [("gloo_recv", 0), ("gloo_recv", 0), ("gloo_send", 0)] * 2
+    buckets = [("gloo_allreduce", big), ("gloo_allreduce", small)] * 2 + [("gloo_allreduce", big)]
+    step = [("gloo_allreduce", small), ("gloo_allreduce", 20480), ("gloo_allreduce", 40)] + p2p + buckets
+    recs = [CollectiveRecord(op, size, T0 + 0.1 * i + 0.006 * j, T0 + 0.1 * i + 0.006 * j + 0.002)
+            for i in range(5) for j, (op, size) in enumerate(step)][:64]
+    assert step_time(_pattern(recs)) == pytest.approx(0.1, rel=0.01)
+
+
 def test_ranks_of_one_job_agree_on_the_step():
     good = _bursts(6, [1_000_000] * 4, [0.02, 0.003, 0.003, 0.003], 0.04)
     ps = [_pattern(good), _pattern(good[:5]), _pattern(good[3:])]  # one saw too few to repeat its step
