@@ -118,3 +118,12 @@ def test_a_healthy_runs_regression_counts_only_where_the_jobs_own_log_slowed():
     held = {**regression, "held": True}  # repeated through the deep windows it raised: window 3's finding again
     assert bench.borne_out([[], [], [], [regression], [held]], truth) == ([], shown)
     assert bench.borne_out([[], [regression]], None) == ([regression], [])  # no truth kept: counted as before
+
+
+def test_a_held_regression_is_scored_in_the_window_it_was_measured_in():
+    bench = bench_accuracy()
+    regression = {"kind": "regression", "ranks": [0, 1], "cost": 0.4}
+    held = {**regression, "held": True}
+    # Named in window 3, held through the deep windows 4 and 5 it raised: measured in window 3.
+    assert bench.measured_in(held, 5, [[], [], [], [regression], [held], [held]]) == 3
+    assert bench.measured_in(regression, 3, [[], [], [], [regression]]) == 3
