@@ -17,9 +17,9 @@ injected fault.
 Per case: the job's own step time (median), runs, fresh jobs, right verdicts (the top finding's kind and ranks; for a healthy job, no
 finding), false findings (any other finding), step-time error (the document's step time against the job's own
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
-1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a hog, on the
-same pinned job before the hog starts; for a regression, the job's step before the onset against its step in
-the window that names it), the extra time per step the finding reports for its rank against the delay injected
+1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a compute
+straggler, on the same job before the fault is switched on; for a hog, on the same pinned job before the hog
+starts; for a regression, the job's step before the onset against its step in the window that names it), the extra time per step the finding reports for its rank against the delay injected
 (compute and in-process loader faults; a regression's growth against the delay on every rank), and, for
 agent cases, time to the finding. A healthy job watched by the agent can still slow down (the machine's other
 work): a regression named in a window where the job's own log shows it 10% slower than the median of its
@@ -63,7 +63,8 @@ from rankscope.sim.harness import free_port, wait_until  # noqa: E402
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
 WARMUP_S = 8.0
 VICTIM_CPU = 1  # pinned cases: the victim's CPU, the hog's too
-PINNED_REFERENCE_S = 6.0  # pinned cases: the job's own step before the hog starts, the cost's reference
+OWN_REFERENCE_S = 6.0  # pinned and onset cases: the job's own step before the hog or the fault, the what-if
+ONSET_SETTLE_S = 1.0  # onset cases: from switching the fault on to the diagnose window (steps of 0.4 s at most)
 DURATION_S = 10.0
 HANG_TIMEOUT_S = 4.0
 AGENT_WINDOW_S = 2.0  # the agent's window in the matrix (its default is 5 s)...
@@ -128,15 +129,20 @@ class Fault:
     expect: str | None  # the finding kind that names it (None: healthy, no finding)
     mode: str = "diagnose"  # or "agent"
     pinned: bool = False  # the victim pinned alone to CPU 1, the other ranks to CPU 0 (a hog needs a CPU to take)
+    # Switched on in the running job ($RANKSCOPE_FAULT's @go) after OWN_REFERENCE_S of its own steps, the cost's
+    # what-if: one shape's jobs ran further apart than a small fault adds (lm-2: healthy jobs 103-142 ms, with a
+    # tenth of the step spun 108-153 ms), so another job's step is no reference. Torch jobs only (the simulated
+    # job's faults have no go).
+    onset: bool = False
     max_ranks: int = 64
     min_ranks: int = 2
 
 
 FAULTS = [
     Fault("healthy", None),
-    Fault("compute", "compute_straggler"),
+    Fault("compute", "compute_straggler", onset=True),
     # A tenth of the step: the smallest straggler the rules must still name (a 1,000-rank job loses it whole).
-    Fault("compute-small", "compute_straggler"),
+    Fault("compute-small", "compute_straggler", onset=True),
     Fault("loader", "input_straggler"),
     Fault("gc", "python_gc"),
     Fault("hang", "noncomm_hang"),
@@ -249,14 +255,14 @@ def injected_s(shape: Shape, fault: str, healthy_step: float) -> float | None:
     return None
 
 
-def score_figures(run: Run, shape: Shape, doc: dict, healthy_step: float) -> None:
+def score_figures(run: Run, doc: dict, healthy_step: float, injected: float | None) -> None:
     """A right verdict's cost against the what-if (the job's step against `healthy_step`) and against the
-    injected delay's share of the faulty step (the issue's own measure), and its extra time per step against
+    `injected` delay's share of the faulty step (the issue's own measure), and its extra time per step against
     that delay."""
     finding = doc["findings"][0]
     run.cost = finding["cost"]
     run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
-    run.injected_s = injected_s(shape, run.fault, healthy_step)
+    run.injected_s = injected
     run.injected_cost = None if run.injected_s is None else min(run.injected_s / run.truth_step_s, 1.0)
     per_rank = finding["evidence"].get("per_rank")
     run.extra_s = per_rank[0]["excess_s"] if run.injected_s and per_rank else None
@@ -324,9 +330,10 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
         return {"compute": f"slow-gpu:{v}:1.5", "compute-small": f"slow-gpu:{v}:1.15",
                 "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
                 "slowlink": f"slow-link:{v}:4"}.get(fault.name, "")
+    onset = "@go" if fault.onset else ""
     spec = {
-        "compute": f"compute:{v}:{extra:.4f}",
-        "compute-small": f"compute:{v}:{extra:.4f}",
+        "compute": f"compute:{v}:{extra:.4f}{onset}",
+        "compute-small": f"compute:{v}:{extra:.4f}{onset}",
         # A batch fetch must outlast every worker's share of the step to make the rank wait for it.
         "loader": f"loader:{v}:{extra + shape.workers * (healthy_step + extra):.4f}",
         "gc": f"gc:{v}:0.3",
@@ -393,7 +400,7 @@ def score_agent(shape: Shape, fault: Fault, findings: list[dict], found: dict | 
 
 
 def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun,
-                  healthy_step: float | None, misses: Evidence, window: int = 0) -> Run:
+                  healthy_step: float | None, injected: float | None, misses: Evidence, window: int = 0) -> Run:
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     hog = hog_on(VICTIM_CPU) if fault.name == "hog" else None
     saved = job.truth.parent / f"{job.run_id}-{window}.msgpack"
@@ -423,7 +430,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         job.wait_written(w["end"])
         run.truth_step_s = job.step_time(w["start"], w["end"])
         if doc["findings"] and right and fault.expect and healthy_step and run.truth_step_s:
-            score_figures(run, shape, doc, healthy_step)
+            score_figures(run, doc, healthy_step, injected)
     if misses.wanted(run):
         name = f"{shape.name}-{fault.name}-{job.run_id}-{window}"
         shutil.copyfile(saved, misses.path(f"{name}.msgpack"))
@@ -519,7 +526,8 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
              windows: int = 1) -> list[Run]:
     """One fresh job of the shape with the fault: its agent run, or `windows` diagnose runs in a row (a hang
     ends the job's steps: diagnosed once)."""
-    spec = fault_spec(shape, fault, healthy_step or GUESSED_STEP_S)
+    scale = healthy_step or GUESSED_STEP_S  # the step the fault's delay is scaled to
+    spec = fault_spec(shape, fault, scale)
     if shape.sim:
         job = launch.start_sim(shape.ranks, spec.split(",") if spec else [], tmp)
     else:
@@ -529,17 +537,24 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
         if fault.pinned:
             launch.pin(job, {r: VICTIM_CPU if r == shape.victim_rank else 0 for r in range(shape.ranks)})
         launch.settle(job, WARMUP_S)
-        if fault.pinned:  # the what-if of a hog is this job pinned as it is, without the hog: measured before it
-            # (an unpinned healthy job is slower: lm-2-long's ranks on a core each ran 0.24 s steps, unpinned 0.31)
+        onset = fault.onset and not shape.sim
+        if fault.pinned or onset:  # the what-if: this job as it is, without the fault, measured before it (a
+            # hog's pinned: an unpinned healthy job is slower, lm-2-long's ranks on a core each ran 0.24 s
+            # steps, unpinned 0.31)
             start = time.time()
-            launch.settle(job, PINNED_REFERENCE_S)
+            launch.settle(job, OWN_REFERENCE_S)
             end = time.time()
             job.wait_written(end)
             healthy_step = job.step_time(start, end) or healthy_step
+        if onset:
+            job.go()
+            launch.settle(job, ONSET_SETTLE_S)
         if fault.mode == "agent":
             return [agent_case(shape, fault, job, tmp, misses, healthy_step)]
         once = fault.expect == "noncomm_hang"
-        return [diagnose_case(shape, fault, job, healthy_step, misses, w) for w in range(1 if once else windows)]
+        injected = injected_s(shape, fault.name, scale)
+        return [diagnose_case(shape, fault, job, healthy_step, injected, misses, w)
+                for w in range(1 if once else windows)]
     finally:
         job.kill()
 
@@ -598,13 +613,16 @@ def replay(dirs: list[Path]) -> list[Run]:
         healthy = (1 - run.truth_cost) * run.truth_step_s if run.truth_cost is not None and run.truth_step_s else None
         if healthy is None and not fault.pinned:  # a hog's reference is its own job's, pinned before the hog
             healthy = healthy_step.get(shape.name)
+        # The delay the kept run had injected, where it was scored (scaled to its batch's healthy step).
+        injected = run.injected_s if run.injected_s is not None else \
+            injected_s(shape, fault.name, healthy) if healthy else None
         run.cost = run.injected_cost = run.extra_s = run.injected_s = None
         timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
         doc = next(iter(diagnose(decode_patterns(saved.read_bytes()), timeout).values()))
         run.right, run.false = score(shape, fault, doc["findings"])
         run.findings, run.step_s = [label(f) for f in doc["findings"]], doc["step_time_s"]
         if doc["findings"] and run.right and healthy and run.truth_step_s:
-            score_figures(run, shape, doc, healthy)
+            score_figures(run, doc, healthy, injected)
         runs.append(run)
     return runs
 

@@ -127,3 +127,13 @@ def test_a_held_regression_is_scored_in_the_window_it_was_measured_in():
     # Named in window 3, held through the deep windows 4 and 5 it raised: measured in window 3.
     assert bench.measured_in(held, 5, [[], [], [], [regression], [held], [held]]) == 3
     assert bench.measured_in(regression, 3, [[], [], [], [regression]]) == 3
+
+
+def test_a_compute_straggler_is_switched_on_in_its_running_job_after_the_reference():
+    # The cost's what-if is the job's own step before the onset (another job of the shape may run 30% apart).
+    bench = bench_accuracy()
+    shapes, faults = {s.name: s for s in bench.SHAPES}, {f.name: f for f in bench.FAULTS}
+    for name in ("compute", "compute-small"):
+        assert bench.fault_spec(shapes["mlp-2"], faults[name], 0.05).endswith("@go")
+        assert "@" not in bench.fault_spec(shapes["sim-4"], faults[name], 0.05)  # the simulated job has no go
+    assert "@" not in bench.fault_spec(shapes["mlp-2"], faults["loader"], 0.05)
