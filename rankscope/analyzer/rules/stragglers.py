@@ -243,13 +243,9 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     for (kind, component, function), per_rank in groups.items():
         per_rank.sort(key=lambda r: r["rank"])
         ranks = [r["rank"] for r in per_rank]
-        # What-if: without the straggler(s) the step shrinks by the time the others wait for the last one, but
-        # by no more than its extra work: the rest of the wait is the job's own (a peer's wake-up, whichever
-        # rank a step's noise makes last). 2-rank MLP, 0.7 ms spun in 7 ms steps: waited 1.3 ms a step, +80%
-        # of the injected share; capped, +16%. The summary's "N ms longer per step" then bounds its cost.
+        # What-if: without the straggler(s) the step shrinks by the time the others wait for the last one.
         rows_of = [row for row in flagged if int(t.rank[row]) in ranks]
-        waited = delay(a, rows_of, max(r["delay_s"] for r in per_rank))
-        cost = float(np.clip(min(waited, max(r["excess_s"] for r in per_rank)) / step, 0.0, 1.0))
+        cost = float(np.clip(delay(a, rows_of, max(r["delay_s"] for r in per_rank)) / step, 0.0, 1.0))
         caller = per_rank[0]["python_function"]
         where = {"gpu": f"GPU work, waits in {function}" + (f" called from {caller}" if caller else ""),
                  "cpu": f"host work in {function}" if function else "host work outside CUDA and NCCL calls",
