@@ -19,8 +19,9 @@ finding), false findings (any other finding), step-time error (the document's st
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
 1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a compute
 straggler, on the same job before the fault is switched on; for a hog, on the same pinned job before the hog
-starts; for a regression, the job's step before the onset against its step in the window that names it), the extra time per step the finding reports for its rank against the delay injected
-(compute and in-process loader faults; a regression's growth against the delay on every rank), and, for
+starts; for a regression, the job's step before the onset against its step in the window that names it), the
+extra time per step the finding reports for its rank against the delay injected (compute and in-process loader
+faults; a regression's growth against the delay on every rank), and, for
 agent cases, time to the finding. A healthy job watched by the agent can still slow down (the machine's other
 work): a regression named in a window where the job's own log shows it 10% slower than the median of its
 earlier windows is the job's truth, listed with that figure, not a false finding.
@@ -439,7 +440,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
 
 
 def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun, tmp: Path, misses: Evidence,
-               healthy_step: float | None) -> Run:
+               healthy_step: float | None, injected: float | None) -> Run:
     """The agent over the job, window after window; a wrong verdict keeps every window's document and patterns
     and the agent's log in `misses`."""
     port = free_port()
@@ -501,7 +502,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             right, false = score_agent(shape, fault, findings, found)
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
                       to_finding_s=time.time() - onset if found else None, job=job.run_id,
-                      injected_s=injected_s(shape, fault.name, healthy_step or GUESSED_STEP_S))
+                      injected_s=injected)
             if found:
                 window = measured_in(found, len(docs) - 1, [d["findings"] for d in docs])
                 score_regression(run, found, window, truth)
@@ -549,10 +550,10 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
         if onset:
             job.go()
             launch.settle(job, ONSET_SETTLE_S)
-        if fault.mode == "agent":
-            return [agent_case(shape, fault, job, tmp, misses, healthy_step)]
-        once = fault.expect == "noncomm_hang"
         injected = injected_s(shape, fault.name, scale)
+        if fault.mode == "agent":
+            return [agent_case(shape, fault, job, tmp, misses, healthy_step, injected)]
+        once = fault.expect == "noncomm_hang"
         return [diagnose_case(shape, fault, job, healthy_step, injected, misses, w)
                 for w in range(1 if once else windows)]
     finally:
@@ -614,8 +615,9 @@ def replay(dirs: list[Path]) -> list[Run]:
         if healthy is None and not fault.pinned:  # a hog's reference is its own job's, pinned before the hog
             healthy = healthy_step.get(shape.name)
         # The delay the kept run had injected, where it was scored (scaled to its batch's healthy step).
-        injected = run.injected_s if run.injected_s is not None else \
-            injected_s(shape, fault.name, healthy) if healthy else None
+        injected = run.injected_s
+        if injected is None and healthy:
+            injected = injected_s(shape, fault.name, healthy)
         run.cost = run.injected_cost = run.extra_s = run.injected_s = None
         timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
         doc = next(iter(diagnose(decode_patterns(saved.read_bytes()), timeout).values()))
