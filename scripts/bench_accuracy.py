@@ -10,7 +10,8 @@ outside the job's code by tests/jobs/inject/sitecustomize.py), or the simulated 
 GPU-side faults held to the same bar), warmed up, then diagnosed the way a user does:
 `rankscope diagnose --pid <ranks> --duration 10 --json` (K times in a row with --windows K, as a user runs
 it again: K runs from one fresh job, each a new window; a hang is diagnosed once), or watched by
-`rankscope agent` for the cases that need time (a whole-job regression, a healthy job over many windows).
+`rankscope agent` for the cases that need time (a whole-job regression, a small straggler that must hold several
+windows, a healthy job over many windows).
 Every figure is checked against the job's own truth: its step log (every optimizer step's end) and the
 injected fault.
 
@@ -19,7 +20,7 @@ finding), false findings (any other finding), step-time error (the document's st
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
 1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a compute
 straggler, on the same job before the fault is switched on; for a hog, on the same pinned job before the hog
-starts; for a regression, the job's step before the onset against its step in the window that names it), the
+starts; for an agent case, the job's step before the onset against its step in the window that names it), the
 extra time per step the finding reports for its rank against the delay injected (compute and in-process loader
 faults; a regression's growth against the delay on every rank), and, for
 agent cases, time to the finding. A healthy job watched by the agent can still slow down (the machine's other
@@ -71,7 +72,7 @@ HANG_TIMEOUT_S = 4.0
 AGENT_WINDOW_S = 2.0  # the agent's window in the matrix (its default is 5 s)...
 AGENT_WINDOW_STEPS = 15  # ...or long enough for this many of the shape's healthy steps (lm-2-long: 4.5 s)
 AGENT_HEALTHY_WINDOWS = 10
-REGRESSION_TIMEOUT_S = 40.0
+FINDING_TIMEOUT_S = 40.0  # an agent case: from the onset to the fault's finding
 GUESSED_STEP_S = 0.05  # a shape's step where no healthy run measured it first: it scales the faults
 STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does...
 COST_KEPT = 0.30  # ...and so does a cost this far from the what-if truth (the issue's bar: within +-30%)
@@ -135,8 +136,13 @@ class Fault:
     # tenth of the step spun 108-153 ms), so another job's step is no reference. Torch jobs only (the simulated
     # job's faults have no go).
     onset: bool = False
+    injects: str = ""  # the fault it injects where the name says more (an agent case: its mode); default: name
     max_ranks: int = 64
     min_ranks: int = 2
+
+    @property
+    def injection(self) -> str:
+        return self.injects or self.name
 
 
 FAULTS = [
@@ -156,6 +162,10 @@ FAULTS = [
     Fault("slowlink", "slow_link", min_ranks=3),
     Fault("healthy-agent", None, mode="agent"),
     Fault("regression", "regression", mode="agent"),
+    # The same small straggler switched on under the agent (after 4 windows): a single window misses many of
+    # them on a busy host, a rank late by as much now and then is healthy (rules/stragglers.py, LATE_PERSIST);
+    # the agent names it once it held PERSIST_WINDOWS windows.
+    Fault("compute-small-agent", "compute_straggler", mode="agent", injects="compute-small"),
 ]
 
 
@@ -310,28 +320,30 @@ def measured_in(found: dict, window: int, by_window: list[list[dict]]) -> int:
     return window
 
 
-def score_regression(run: Run, found: dict, window: int, truth: dict[str, Any]) -> None:
-    """A regression named in window `window` of the run: its step time against the job's in that window, its
-    cost against the what-if 1 - step before the onset / step in that window, and the growth per step of the
-    part it names ("... grew by N ms per step") against the delay injected on every rank (run.injected_s)."""
+def score_found(run: Run, found: dict, window: int, truth: dict[str, Any]) -> None:
+    """A fault an agent named in window `window` of the run: its step time against the job's in that window,
+    its cost against the what-if 1 - step before the onset / step in that window, and the delay it reports
+    against the delay injected (run.injected_s): a regression's growth per step of the part it names ("...
+    grew by N ms per step", injected on every rank), a straggler's extra time per step."""
     before, after = truth["before_s"], truth["windows_s"][window]
     if not before or not after:
         return
     run.step_s, run.truth_step_s = found["evidence"]["step_time_s"], after
     run.cost, run.truth_cost = found["cost"], max(1 - before / after, 0.0)
     run.injected_cost = None if run.injected_s is None else min(run.injected_s / after, 1.0)
-    run.extra_s = found["evidence"]["function_growth_s"]
+    per_rank = found["evidence"].get("per_rank")
+    run.extra_s = per_rank[0]["excess_s"] if per_rank else found["evidence"].get("function_growth_s")
 
 
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     """$RANKSCOPE_FAULT for the case: delays scaled to the shape's healthy step time."""
-    v = shape.target(fault.name)
-    extra = added_s(healthy_step, fault.name)
+    v = shape.target(fault.injection)
+    extra = added_s(healthy_step, fault.injection)
     if shape.sim:  # GPU-side equivalents: a slower GPU, input stall, a slower link
         return {"compute": f"slow-gpu:{v}:1.5", "compute-small": f"slow-gpu:{v}:1.15",
                 "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
-                "slowlink": f"slow-link:{v}:4"}.get(fault.name, "")
-    onset = "@go" if fault.onset else ""
+                "slowlink": f"slow-link:{v}:4"}.get(fault.injection, "")
+    onset = "@go" if fault.onset or fault.mode == "agent" else ""  # an agent case switches it on itself
     spec = {
         "compute": f"compute:{v}:{extra:.4f}{onset}",
         "compute-small": f"compute:{v}:{extra:.4f}{onset}",
@@ -340,7 +352,7 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
         "gc": f"gc:{v}:0.3",
         "hang": f"hang:{v}:0@go",
         "regression": f"compute:*:{extra:.4f}@go",
-    }.get(fault.name, "")
+    }.get(fault.injection, "")
     return ",".join(filter(None, [shape.base, spec]))
 
 
@@ -382,7 +394,7 @@ def label(f: dict) -> str:
 
 
 def score(shape: Shape, fault: Fault, findings: list[dict]) -> tuple[bool, list[str]]:
-    expect = None if fault.expect is None else (fault.expect, [shape.target(fault.name)])
+    expect = None if fault.expect is None else (fault.expect, [shape.target(fault.injection)])
     if fault.expect == "regression":
         expect = ("regression", None)
     hits = [f for f in findings if expect and f["kind"] == expect[0] and (expect[1] is None or f["ranks"] == expect[1])]
@@ -495,17 +507,17 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             job.wait_written(onset)
             truth["before_s"] = job.step_time(docs[0]["window"]["start"], onset)
             found = None
-            while time.time() - onset < REGRESSION_TIMEOUT_S and found is None:
+            while time.time() - onset < FINDING_TIMEOUT_S and found is None:
                 doc = next_window()
                 findings += doc["findings"]
-                found = next((f for f in doc["findings"] if f["kind"] == "regression"), None)
+                found = next((f for f in doc["findings"] if f["kind"] == fault.expect), None)
             right, false = score_agent(shape, fault, findings, found)
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings],
                       to_finding_s=time.time() - onset if found else None, job=job.run_id,
                       injected_s=injected)
             if found:
                 window = measured_in(found, len(docs) - 1, [d["findings"] for d in docs])
-                score_regression(run, found, window, truth)
+                score_found(run, found, window, truth)
         if misses.wanted(run):
             name = f"{shape.name}-{fault.name}-{job.run_id}"
             for i, raw in enumerate(patterns):
@@ -550,7 +562,7 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
         if onset:
             job.go()
             launch.settle(job, ONSET_SETTLE_S)
-        injected = injected_s(shape, fault.name, scale)
+        injected = injected_s(shape, fault.injection, scale)
         if fault.mode == "agent":
             return [agent_case(shape, fault, job, tmp, misses, healthy_step, injected)]
         once = fault.expect == "noncomm_hang"
@@ -617,7 +629,7 @@ def replay(dirs: list[Path]) -> list[Run]:
         # The delay the kept run had injected, where it was scored (scaled to its batch's healthy step).
         injected = run.injected_s
         if injected is None and healthy:
-            injected = injected_s(shape, fault.name, healthy)
+            injected = injected_s(shape, fault.injection, healthy)
         run.cost = run.injected_cost = run.extra_s = run.injected_s = None
         timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
         doc = next(iter(diagnose(decode_patterns(saved.read_bytes()), timeout).values()))
@@ -648,10 +660,10 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], trut
         ([f for fs in by_window for f in fs], [])
     run.right, run.false = score_agent(shape, fault, findings, found)
     run.findings = [label(f) for f in findings] + shown
-    if fault.expect == "regression":
+    if fault.expect is not None:
         run.step_s = run.truth_step_s = run.cost = run.truth_cost = run.injected_cost = run.extra_s = None
         if found and truth and found_in < len(truth["windows_s"]):
-            score_regression(run, found, measured_in(found, found_in, by_window), truth)
+            score_found(run, found, measured_in(found, found_in, by_window), truth)
     return run
 
 

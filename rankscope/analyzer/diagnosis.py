@@ -18,6 +18,7 @@ from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
 from rankscope.analyzer.rules.regression import regression
 from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
+from rankscope.analyzer.stability import confirm_windows
 from rankscope.schema.finding import Finding, plain
 from rankscope.schema.patterns import RankPattern
 
@@ -63,6 +64,9 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     timed: list[Finding] = []
     # Ranks that waited for a CPU their own job's processes held (no finding): late for that, not for a link.
     self_contended: set[int] = set()
+    # Small stragglers, reported once they held several windows: kept out of the other rules' reasoning (a rank
+    # named is no suspect of a slow link) until the end, where they add ranks nothing else named.
+    small: list[Finding] = []
     for rows in groups:  # ranks are compared with the ranks of their own role only (pipeline stages)
         peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows], table.job_step_s,
                                                           table.records.take(rows))
@@ -73,7 +77,9 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
         self_contended |= waited_for_job
         # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
         stragglers = [f for f in compute_straggler(peers, alignment)
-                      if not (f.component == "gpu" and set(f.ranks) <= explained)] + contended
+                      if not (f.component == "gpu" and set(f.ranks) <= explained)]
+        small += [f for f in stragglers if confirm_windows(f.evidence) > 1]
+        stragglers = [f for f in stragglers if confirm_windows(f.evidence) == 1] + contended
         found += stragglers + throttled + node_fault(peers, alignment)
         timed += slow_link(peers, alignment, {r for f in found for r in f.ranks} | self_contended)
     found += launch_bound(table)
@@ -93,6 +99,8 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
         now = profile if profile is not None else StepProfile.of(table)
         found += [f for f in regression(table, reference, now, slowdown_threshold)
                   if not found or f.component != "link"]
+    named = {r for f in found for r in f.ranks}
+    found += [f for f in small if not named & set(f.ranks)]
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 
 
@@ -142,6 +150,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         baseline.regression = next((f for f in listed if f["kind"] == "regression"), None)
     elif baseline is not None and baseline.regression and not hung:
         listed = sorted([*listed, {**baseline.regression, "held": True}], key=lambda f: -f["cost"])
+    # One look, no past (`diagnose`): what must hold several windows is seen once, so it is unconfirmed.
+    once = [] if baseline is not None else [f for f in listed if confirm_windows(f["evidence"]) > 1]
     return {
         "job": patterns[0].job,
         "window": plain({"start": min(map(attrgetter("window_start"), patterns)),
@@ -152,7 +162,9 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
                            "slower": bool(compared and compared.slower)})
         if reference else None,
         "ranks": _rank_entries(patterns, states, kept, values),
-        "findings": listed,
+        "findings": [f for f in listed if f not in once],
+        **({"unconfirmed": [{"kind": f["kind"], "ranks": f["ranks"], "windows": 1,
+                             "needs": confirm_windows(f["evidence"])} for f in once]} if once else {}),
     }
 
 

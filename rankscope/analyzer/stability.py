@@ -5,7 +5,8 @@ reported only when the same kind named the same ranks in the window before too (
 withheld while it has been seen once; the document lists it under `unconfirmed`, so nothing is hidden.
 Hangs and node loss are reported at once: they are decided over their own timeout, not over one window.
 A regression must hold longer (three windows): the baseline spans many windows, but one or two windows of a
-busy machine can be 10% slower than it.
+busy machine can be 10% slower than it. A finding may ask for more (`confirm_windows` in its evidence: a small
+straggler, within what a healthy rank does in a window or two).
 `rankscope diagnose` looks once, over a longer window, and reports what it saw.
 """
 from __future__ import annotations
@@ -21,6 +22,12 @@ REGRESSION_WINDOWS = 3  # ...and a regression. A healthy job wanders: a 2-rank 4
 # over its earlier windows' median); a lasting slowdown holds in the third window too.
 
 
+def confirm_windows(evidence: dict[str, Any]) -> int:
+    """The windows in a row a finding asks to hold in before it is reported, beyond the services' own rule
+    (a small straggler's: rules/stragglers.py, PERSIST_WINDOWS); 1 where it asks none."""
+    return int(evidence.get("confirm_windows", 1))
+
+
 def _key(f: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
     return f["kind"], tuple(f["ranks"])
 
@@ -34,7 +41,8 @@ class Confirmer:
         self._streak: dict[str, dict[tuple[str, tuple[int, ...]], int]] = {}  # job -> finding -> windows in a row
 
     def _needs(self, f: dict[str, Any]) -> int:
-        return max(self.windows, REGRESSION_WINDOWS) if f["kind"] == "regression" else self.windows
+        own = REGRESSION_WINDOWS if f["kind"] == "regression" else confirm_windows(f.get("evidence", {}))
+        return max(self.windows, own)
 
     def confirm(self, docs: dict[str, dict[str, Any]]) -> None:
         self._streak = {job: s for job, s in self._streak.items() if job in docs}  # jobs that ended

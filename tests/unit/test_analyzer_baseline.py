@@ -9,6 +9,7 @@ from test_analyzer_python import with_python
 from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline, StepProfile
 from rankscope.analyzer.diagnosis import diagnose, diagnose_job
 from rankscope.analyzer.metrics import rank_table
+from rankscope.analyzer.stability import confirm_windows
 from rankscope.schema.patterns import CollectiveColumns, FunctionColumns
 from rankscope.schema.wire import decode_patterns
 
@@ -256,7 +257,9 @@ def test_a_regression_is_named_by_the_part_that_grew_on_every_rank():
 def test_each_window_of_a_lasting_regression_names_what_grew():
     b = Baseline()
     docs = [diagnose_job(decode_patterns(w.read_bytes()), baseline=b) for w in REGRESSED]
-    assert [d["findings"] for d in docs[:4]] == [[]] * 4
+    # Healthy before the onset (a rank late by a tenth of the step in one window is a small straggler's
+    # suspect, that a healthy job does not hold for long: not reported until it held 4 windows)
+    assert [[f for f in d["findings"] if confirm_windows(f["evidence"]) == 1] for d in docs[:4]] == [[]] * 4
     # Each slow window names the injected spin, grown by 20-26 ms a step, on every rank (the agent reports it
     # once it held in three of them).
     for d in docs[4:]:

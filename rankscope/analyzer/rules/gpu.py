@@ -39,7 +39,7 @@ def gpu_throttle(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     found = straggling(t)
     if found is None:
         return []
-    rows, z, excess, _work, _comm_med = found
+    rows, z, excess = found.rows, found.z, found.excess
     ratio = np.array([h.sm_clock_mhz / h.max_sm_clock_mhz if h and h.max_sm_clock_mhz else np.nan for h in health])
     if np.count_nonzero(np.isfinite(ratio)) < MIN_RANKS:
         return []

@@ -33,7 +33,7 @@ def node_fault(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     found = straggling(t)
     if found is None:
         return []
-    rows, z, excess, work, _comm_med = found
+    rows, z, excess, work = found.rows, found.z, found.excess, found.work
     valid = decidable(t)
     hosts = np.array(list(map(attrgetter("host"), t.patterns)), dtype=object)
     slow_hosts = set(hosts[rows])

@@ -4,6 +4,7 @@ host work, a data-loading function, Python GC, or waiting for a CPU).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,14 @@ ALWAYS_LATE = 0.95  # a rank late in this share of the steps, by ALWAYS_LATE_BY 
 ALWAYS_LATE_BY = 0.2  # are late in at most PEERS_RARELY, is the one the others wait for whatever its step -
 PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.70 against 0.16; 174 faulty
 # ones did). By a fifth of the step: a GPU a few ms slower than its peers, persistently, is within their spread.
+LATE_PERSIST = 0.55  # Late in this share of the steps, PERSIST_RATIO times as often as its peers, by
+PERSIST_RATIO = 1.5  # STRAGGLER_MIN_EXCESS of the step, while on a CPU longer than its peers by PERSIST_RAN of
+PERSIST_RAN = 0.5  # that lateness (it works, it does not wait): a small straggler, a tenth of the step spun
+PERSIST_WINDOWS = 4  # (late in 0.56-0.88 of the steps by 7-19%, ran 3-13% of the step more; the rules above
+# named 8 of 34 such windows). A healthy rank does as much now and then (cnn-3's rank 0 doing a tenth more on a
+# loaded host, lm-2's 8% transients: 14 of 393 healthy agent windows), never in more than 2 windows in a row
+# in 44 healthy agent runs, so it is reported once it held PERSIST_WINDOWS windows (the agent) and a single
+# look (`diagnose`) lists it as unconfirmed.
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
 CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
 OTHER_WORK = 0.5  # ...and contention is other work's: at least this share of the rank's wait behind its top
@@ -55,10 +64,21 @@ def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
     return valid if ok else None
 
 
-def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float] | None:
+@dataclass(frozen=True)
+class Straggling:
+    """The ranks (rows) the others wait for, and what the rules weigh them by."""
+
+    rows: np.ndarray  # named from one window
+    persistent: np.ndarray  # a small straggler: named once it held PERSIST_WINDOWS windows (empty without `a`)
+    z: np.ndarray  # robust z of the own work per step (step - COMM) against the peers'
+    excess: np.ndarray  # own work per step beyond the peers' median
+    work: np.ndarray
+    comm_med: float
+
+
+def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None) -> Straggling | None:
     """Rows whose own work per step (step - COMM) is a robust outlier while they wait less in collectives
-    than their peers: (rows, z, excess, work, comm median). With `a` (the collectives lined up), the rank must
+    than their peers. With `a` (the collectives lined up), the rank must
     also arrive last, later than its peers by at least STRAGGLER_MIN_EXCESS of the step (C4's rule: the
     others wait for it). That decides two ranks, and it keeps collectives that overlap the rank's own work
     (DDP's buckets all-reduced on gloo's threads during backward: COMM then spans most of the step on every
@@ -72,26 +92,32 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     work = np.where(valid, t.work_s, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
+    persistent = np.zeros(valid.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
-        flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & (t.comm_s < comm_med)
+        waits_less = t.comm_s < comm_med
+        flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
         if a is not None:
-            last, always, late_by = _arrives_last(a, valid, step)
+            last, always, some, late_by = _arrives_last(a, valid, step)
             # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings by
             # 100 ms between the others (cnn-3: -97 and -10 ms, z 1.4-2.6 for a rank late in 99% of the steps
             # by 75-100 ms): the instants decide, when the rank also waits in collectives for less than its
             # peers by half its lateness or more (they wait for it: 106-120 ms less). A rank whose link is
             # slow arrives late too, after its collectives ended late: it waits in them as long as its peers.
-            waits_less = comm_med - t.comm_s >= 0.5 * late_by
-            flagged = (flagged & last) | (valid & always & (excess > 0) & waits_less)
-    return np.flatnonzero(flagged), z, excess, work, comm_med
+            far_less = comm_med - t.comm_s >= 0.5 * late_by
+            flagged = (flagged & last) | (valid & always & (excess > 0) & far_less)
+            ran = peer_deviation(t.oncpu_s, 0.0)[1]
+            persistent = valid & some & ~flagged & (ran >= PERSIST_RAN * late_by) & waits_less
+    return Straggling(np.flatnonzero(flagged), np.flatnonzero(persistent), z, excess, work, comm_med)
 
 
-def _arrives_last(a: Alignment, valid: np.ndarray, step: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _arrives_last(a: Alignment, valid: np.ndarray, step: float
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row: whether it arrives at the collectives later than its peers (their median) by at least
     STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps, or in many and far more often than
     its peers (LATE_STEPS; LATE_SOME, LATE_RATIO: a rank of a busy CPU is late in some; False where not
-    compared); whether it does so in nearly every step while its peers rarely are (ALWAYS_LATE); and how much
-    later than its peers it arrives per step (0 where not compared)."""
+    compared); whether it does so in nearly every step while its peers rarely are (ALWAYS_LATE); whether it
+    does so in more steps than its peers, a persistent straggler's lateness (LATE_PERSIST, PERSIST_RATIO); and
+    how much later than its peers it arrives per step (0 where not compared)."""
     late = np.where(valid, a.arrival_late_s, np.nan)
     with np.errstate(invalid="ignore"):
         late_by = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0)
@@ -103,7 +129,8 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float) -> tuple[np.ndar
         often = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share)))
         often |= (share >= LATE_SOME) & (late_by >= FAR_LATE_BY * step) & rarely
         always = (share >= ALWAYS_LATE) & rarely
-        return later & often, (late_by >= ALWAYS_LATE_BY * step) & always, late_by
+        some = later & (share >= LATE_PERSIST) & (share >= PERSIST_RATIO * np.nan_to_num(peers_share, nan=1.0))
+        return later & often, (late_by >= ALWAYS_LATE_BY * step) & always, some, late_by
 
 
 def _runq_excess(t: RankTable) -> np.ndarray:
@@ -187,14 +214,22 @@ def _gpu_busy_excess(t: RankTable) -> np.ndarray:
 
 def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
-    that only waits longer for a CPU is cpu_contention's)."""
+    that only waits longer for a CPU is cpu_contention's); the persistent small ones among them are marked in
+    their evidence with the windows they must hold (`confirm_windows`, see stability.py)."""
     found = straggling(t, a=a)
     if found is None:
         return []
-    rows, z, excess, work, comm_med = found
-    flagged = np.setdiff1d(rows, _contended(t, rows, excess))
+    small = _findings(t, a, found, np.setdiff1d(found.persistent, _contended(t, found.persistent, found.excess)))
+    for f in small:
+        f.evidence["confirm_windows"] = PERSIST_WINDOWS
+    return _findings(t, a, found, np.setdiff1d(found.rows, _contended(t, found.rows, found.excess))) + small
+
+
+def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.ndarray) -> list[Finding]:
+    """The findings for the `flagged` rows: one per kind, component and function their extra time lies in."""
     if flagged.size == 0:
         return []
+    z, excess, work, comm_med = found.z, found.excess, found.work, found.comm_med
     step = t.job_step_s
     valid = np.isfinite(t.step_s)
 
@@ -274,12 +309,12 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
     found = straggling(t, PAIR_RANKS, a)
     if found is None:
         return [], set()
-    rows, z, excess, _work, _comm_med = found
+    z, excess = found.z, found.excess
     step = t.job_step_s
     runq_excess = _runq_excess(t)
     out = []
     own: set[int] = set()
-    for i in _contended(t, rows, excess):
+    for i in _contended(t, found.rows, excess):
         p = t.patterns[i]
         if _other_work(p) < OTHER_WORK:
             own.add(int(t.rank[i]))
