@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rankscope.analyzer.stability import SPAN
+
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
@@ -21,15 +23,28 @@ def render(doc: dict[str, Any]) -> str:
         )
     lines.append("")
     findings = doc.get("findings", [])
+    # Seen in this window, but as small as what a healthy rank does now and then (a small straggler):
+    # the agent reports it once seen often enough (unconfirmed entries with "needs", of diagnose's one look)
+    suspects = [u for u in doc.get("unconfirmed", []) if "needs" in u]
     if not findings:
-        lines.append("healthy: no rank or link differs from its peers")
+        lines.append("no finding held: see the suspects below" if suspects else
+                     "healthy: no rank or link differs from its peers")
     for i, f in enumerate(findings, 1):
         where = ", ".join(
             f"{k} {v}" for k, v in (("component", f.get("component")), ("function", f.get("function"))) if v
         )
         lines.append(
-            f"{i}. {f['kind']}: rank{'s' if len(f['ranks']) != 1 else ''} "
-            f"{', '.join(map(str, f['ranks']))} ({where}); cost {f['cost']:.0%} of step time, score {f['score']:.1f}"
+            f"{i}. {f['kind']}: {_ranks(f['ranks'])} ({where}); cost {f['cost']:.0%} of step time, "
+            f"score {f['score']:.1f}"
         )
         lines.append(f"   {f['summary']}")
+    for u in suspects:
+        lines.append(f"suspect: {u['kind']} of {_ranks(u['ranks'])}, seen in this window; a difference this small "
+                     f"shows now and then on a healthy job too: `rankscope agent` reports it once seen in "
+                     f"{u['needs']} of {SPAN * u['needs']} windows")
+        lines.append(f"   {u['summary']}")
     return "\n".join(lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"

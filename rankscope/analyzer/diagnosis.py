@@ -152,6 +152,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         listed = sorted([*listed, {**baseline.regression, "held": True}], key=lambda f: -f["cost"])
     # One look, no past (`diagnose`): what must hold several windows is seen once, so it is unconfirmed.
     once = [] if baseline is not None else [f for f in listed if confirm_windows(f["evidence"]) > 1]
+    suspects = [{"kind": f["kind"], "ranks": f["ranks"], "windows": 1, "needs": confirm_windows(f["evidence"]),
+                 "summary": f["summary"]} for f in once]
     return {
         "job": patterns[0].job,
         "window": plain({"start": min(map(attrgetter("window_start"), patterns)),
@@ -163,8 +165,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         if reference else None,
         "ranks": _rank_entries(patterns, states, kept, values),
         "findings": [f for f in listed if f not in once],
-        **({"unconfirmed": [{"kind": f["kind"], "ranks": f["ranks"], "windows": 1,
-                             "needs": confirm_windows(f["evidence"])} for f in once]} if once else {}),
+        **({"unconfirmed": suspects} if suspects else {}),
     }
 
 

@@ -5,12 +5,14 @@ reported only when the same kind named the same ranks in the window before too (
 withheld while it has been seen once; the document lists it under `unconfirmed`, so nothing is hidden.
 Hangs and node loss are reported at once: they are decided over their own timeout, not over one window.
 A regression must hold longer (three windows): the baseline spans many windows, but one or two windows of a
-busy machine can be 10% slower than it. A finding may ask for more (`confirm_windows` in its evidence: a small
-straggler, within what a healthy rank does in a window or two).
+busy machine can be 10% slower than it. A finding seen often but not in a row (4 of the last 8 windows) is
+reported too, and a finding may ask for that alone (`confirm_windows` in its evidence: a small straggler, as
+large as what a healthy rank does in a window or two).
 `rankscope diagnose` looks once, over a longer window, and reports what it saw.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from rankscope.analyzer.rules.hangs import HANGS
@@ -20,15 +22,23 @@ CONFIRM_WINDOWS = 2  # consecutive windows a finding must hold in before it is r
 REGRESSION_WINDOWS = 3  # ...and a regression. A healthy job wanders: a 2-rank 4 ms MLP on 2 vCPUs ran 11-16%
 # slower than its best windows for two 2 s windows, then recovered, in 2 of 20 agent runs (its own log: +7-8%
 # over its earlier windows' median); a lasting slowdown holds in the third window too.
+OFTEN = 4  # ...or seen in this many of the last SPAN * OFTEN windows, not all in a row: a straggler a little
+SPAN = 2  # above the bar is named in some windows only (pipe-4's 2 s windows: in every other one), a healthy
+# rank in at most 2 of 10 (40 agent runs kept by the matrix, healthy or regressed). A small straggler's
+# finding asks for this alone (`confirm_windows`).
+HISTORY = 64  # windows kept per job: SPAN * K for any K a finding asks (a few sets of keys, a few kB a job)
 
 
 def confirm_windows(evidence: dict[str, Any]) -> int:
-    """The windows in a row a finding asks to hold in before it is reported, beyond the services' own rule
-    (a small straggler's: rules/stragglers.py, PERSIST_WINDOWS); 1 where it asks none."""
+    """The windows a finding asks to be seen in, of the last SPAN times as many, before it is reported (a
+    small straggler's: rules/stragglers.py, SMALL_WINDOWS); 1 where it asks none (the services' own rule)."""
     return int(evidence.get("confirm_windows", 1))
 
 
-def _key(f: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
+Key = tuple[str, tuple[int, ...]]
+
+
+def _key(f: dict[str, Any]) -> Key:
     return f["kind"], tuple(f["ranks"])
 
 
@@ -38,19 +48,29 @@ class Confirmer:
 
     def __init__(self, windows: int = CONFIRM_WINDOWS):
         self.windows = windows
-        self._streak: dict[str, dict[tuple[str, tuple[int, ...]], int]] = {}  # job -> finding -> windows in a row
+        self._seen: dict[str, deque[set[Key]]] = {}  # job -> the findings of each of its last HISTORY windows
 
-    def _needs(self, f: dict[str, Any]) -> int:
-        own = REGRESSION_WINDOWS if f["kind"] == "regression" else confirm_windows(f.get("evidence", {}))
-        return max(self.windows, own)
+    def _held(self, f: dict[str, Any], seen: deque[set[Key]]) -> tuple[bool, int]:
+        """Whether `f` held long enough: in a row (unless it asks for more), or often (OFTEN of the last
+        SPAN * OFTEN windows, or as many as it asks); and in how many windows it was seen (in a row, or of
+        that span where it asks for more)."""
+        key, asks = _key(f), confirm_windows(f.get("evidence", {}))
+        often = max(asks, OFTEN)
+        times = sum(key in window for window in list(seen)[-SPAN * often:])
+        in_row = next((i for i, window in enumerate(reversed(seen)) if key not in window), len(seen))
+        row = max(self.windows, REGRESSION_WINDOWS if f["kind"] == "regression" else 1)
+        return times >= often or (asks == 1 and in_row >= row), times if asks > 1 else in_row
 
     def confirm(self, docs: dict[str, dict[str, Any]]) -> None:
-        self._streak = {job: s for job, s in self._streak.items() if job in docs}  # jobs that ended
+        self._seen = {job: s for job, s in self._seen.items() if job in docs}  # jobs that ended
         for job, doc in docs.items():
-            before = self._streak.get(job, {})
-            now = {_key(f): before.get(_key(f), 0) + 1 for f in doc["findings"]}
-            self._streak[job] = now
-            held = [f for f in doc["findings"] if f["kind"] in AT_ONCE or now[_key(f)] >= self._needs(f)]
-            doc["unconfirmed"] = [{"kind": f["kind"], "ranks": f["ranks"], "windows": now[_key(f)]}
-                                  for f in doc["findings"] if f not in held]
-            doc["findings"] = held
+            seen = self._seen.setdefault(job, deque(maxlen=HISTORY))
+            seen.append({_key(f) for f in doc["findings"]})
+            held, unconfirmed = [], []
+            for f in doc["findings"]:
+                ok, times = (True, 1) if f["kind"] in AT_ONCE else self._held(f, seen)
+                if ok:
+                    held.append(f)
+                else:
+                    unconfirmed.append({"kind": f["kind"], "ranks": f["ranks"], "windows": times})
+            doc["unconfirmed"], doc["findings"] = unconfirmed, held

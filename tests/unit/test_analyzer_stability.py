@@ -47,3 +47,27 @@ def test_a_regression_must_hold_for_three_windows():
         d = {"j": doc(("regression", [0, 1]))}
         c.confirm(d)
         assert [f["kind"] for f in d["j"]["findings"]] == expected
+
+
+def test_a_finding_that_asks_for_more_windows_is_reported_once_seen_in_that_many_of_twice_as_many():
+    """A small straggler's (confirm_windows: 4): as large as what a healthy rank does in a window or two, it is
+    reported once seen in 4 of the last 8 windows, not all in a row (pipe-4's showed in every other 2 s window);
+    the rank named strongly in one of its windows counts too."""
+    small = {"kind": "compute_straggler", "ranks": [1], "cost": 0.1, "evidence": {"confirm_windows": 4}}
+    strong = {"kind": "compute_straggler", "ranks": [1], "cost": 0.1, "evidence": {}}
+
+    def reported(windows: list[dict | None]) -> list[int]:
+        c, out = Confirmer(), []
+        for f in windows:
+            d = {"j": {"findings": [dict(f)] if f else []}}
+            c.confirm(d)
+            out.append(len(d["j"]["findings"]))
+            if f and not d["j"]["findings"]:
+                assert d["j"]["unconfirmed"][0]["windows"] == sum(w is not None for w in windows[:len(out)][-8:])
+        return out
+
+    assert reported([small, small, small, small, small]) == [0, 0, 0, 1, 1]
+    assert reported([small, None, small, None, small, strong, small]) == [0, 0, 0, 0, 0, 1, 1]
+    # a healthy job's: 2 windows in 10 (cnn-3), or 4 spread over more than 8
+    assert reported([small, None, None, small] + [None] * 6) == [0] * 10
+    assert reported([small, None, None, small, None, None, small, None, None, small]) == [0] * 10

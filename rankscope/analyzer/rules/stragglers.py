@@ -27,6 +27,11 @@ LATE_RATIO = 5.0  # host every rank is late in some steps, a straggler in most: 
 # in some windows), and on one loaded 5 deep in 0.70, 4.4x (4.0 named it; 5 changes nothing else in 300
 # kept windows). A peer the straggler holds up in a rooted collective (a broadcast's root waits for every
 # receiver) arrives late at the next collective too (0.88-0.93), so the ratio alone is not the rule.
+LATE_RATIO_STEPS = 45  # ...in at least this many steps of the window to be named from it: a healthy rank of a
+# 2 s agent window was late in 0.60-0.85 of its 20-30 steps, 5-25x its peers (one lm-2 rank in two windows
+# running: reported by the agent); a tenth of the step spun, in 879-1112 steps of diagnose's 10 s. Fewer make
+# a small straggler's lateness, named once seen in several windows (SMALL_WINDOWS); a rank waiting for a CPU
+# is still contended (cpu_contention weighs its run queue).
 FAR_LATE_BY = 0.25  # ...or in LATE_SOME of the steps by this share of the step while its peers are late in at
 # most PEERS_RARELY: a hog's victim of two ranks on an idle host, late by 38-42% of an 8 ms step in 0.67-0.77 of
 # the steps against its peer's 0.16-0.25 (2.7-4.8x: under LATE_RATIO, 3 windows of 50 unnamed).
@@ -34,14 +39,15 @@ ALWAYS_LATE = 0.95  # a rank late in this share of the steps, by ALWAYS_LATE_BY 
 ALWAYS_LATE_BY = 0.2  # are late in at most PEERS_RARELY, is the one the others wait for whatever its step -
 PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.70 against 0.16; 174 faulty
 # ones did). By a fifth of the step: a GPU a few ms slower than its peers, persistently, is within their spread.
-LATE_PERSIST = 0.55  # Late in this share of the steps, PERSIST_RATIO times as often as its peers, by
-PERSIST_RATIO = 1.5  # STRAGGLER_MIN_EXCESS of the step, while on a CPU longer than its peers by PERSIST_RAN of
-PERSIST_RAN = 0.5  # that lateness (it works, it does not wait): a small straggler, a tenth of the step spun
-PERSIST_WINDOWS = 4  # (late in 0.56-0.88 of the steps by 7-19%, ran 3-13% of the step more; the rules above
-# named 8 of 34 such windows). A healthy rank does as much now and then (cnn-3's rank 0 doing a tenth more on a
-# loaded host, lm-2's 8% transients: 14 of 393 healthy agent windows), never in more than 2 windows in a row
-# in 44 healthy agent runs, so it is reported once it held PERSIST_WINDOWS windows (the agent) and a single
-# look (`diagnose`) lists it as unconfirmed.
+SMALL_LATE = 0.55  # A small straggler: late in this share of the steps, SMALL_RATIO times as often as its
+SMALL_RATIO = 1.5  # peers, by STRAGGLER_MIN_EXCESS of the step, while on a CPU longer than its peers by
+SMALL_RAN = 0.5  # SMALL_RAN of that lateness (it works; a pipeline stage late waiting for the other stage ran no
+SMALL_WINDOWS = 4  # longer than its peer). Kept windows with a tenth of the step spun: late in 0.56-0.88 of
+# the steps by 7-19% of it, on a CPU 3-13% more, 23 of the 26 the rules above missed. But a healthy rank does as
+# much now and then: 1 of 59 kept healthy 10 s windows (cnn-3, 9 processes on 2 CPUs: rank 0 late in 59% by
+# 10%, 11% more on a CPU), 11 of 328 agent windows of healthy or regressed jobs, never more than 2 of 10 of a
+# run. So it is reported once seen in SMALL_WINDOWS of twice as many windows (stability.py: the agent), and
+# a single look (`diagnose`) lists it as unconfirmed.
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
 CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
 OTHER_WORK = 0.5  # ...and contention is other work's: at least this share of the rank's wait behind its top
@@ -68,8 +74,9 @@ def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
 class Straggling:
     """The ranks (rows) the others wait for, and what the rules weigh them by."""
 
-    rows: np.ndarray  # named from one window
-    persistent: np.ndarray  # a small straggler: named once it held PERSIST_WINDOWS windows (empty without `a`)
+    rows: np.ndarray  # the others wait for them...
+    thin: np.ndarray  # ...these by being late in some steps of a window of few (LATE_RATIO_STEPS): small ones
+    small: np.ndarray  # small stragglers: named once seen in SMALL_WINDOWS of twice as many (empty without `a`)
     z: np.ndarray  # robust z of the own work per step (step - COMM) against the peers'
     excess: np.ndarray  # own work per step beyond the peers' median
     work: np.ndarray
@@ -78,11 +85,11 @@ class Straggling:
 
 def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None) -> Straggling | None:
     """Rows whose own work per step (step - COMM) is a robust outlier while they wait less in collectives
-    than their peers. With `a` (the collectives lined up), the rank must
-    also arrive last, later than its peers by at least STRAGGLER_MIN_EXCESS of the step (C4's rule: the
-    others wait for it). That decides two ranks, and it keeps collectives that overlap the rank's own work
-    (DDP's buckets all-reduced on gloo's threads during backward: COMM then spans most of the step on every
-    rank, and step - COMM is noise) from naming a rank that is in fact the first to arrive."""
+    than their peers. With `a` (the collectives lined up), the rank must also arrive last, later than its peers
+    by at least STRAGGLER_MIN_EXCESS of the step (C4's rule: the others wait for it). That decides two ranks,
+    and it keeps collectives that overlap the rank's own work (DDP's buckets all-reduced on gloo's threads
+    during backward: COMM then spans most of the step on every rank, and step - COMM is noise) from naming a
+    rank that is in fact the first to arrive."""
     if a is not None and a.instances == 0:  # nothing lined up (no collective instants shipped): totals only
         a = None
     valid = decidable(t, PAIR_RANKS if a is not None else min_ranks)
@@ -92,32 +99,37 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     work = np.where(valid, t.work_s, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
-    persistent = np.zeros(valid.shape, dtype=bool)
+    small = thin = np.zeros(valid.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
         waits_less = t.comm_s < comm_med
         flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
         if a is not None:
-            last, always, some, late_by = _arrives_last(a, valid, step)
+            steps = peers_median(np.array([p.window_s for p in t.patterns])[valid]) / step  # in the window
+            last, always, some, thin, late_by = _arrives_last(a, valid, step, steps)
             # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings by
             # 100 ms between the others (cnn-3: -97 and -10 ms, z 1.4-2.6 for a rank late in 99% of the steps
             # by 75-100 ms): the instants decide, when the rank also waits in collectives for less than its
             # peers by half its lateness or more (they wait for it: 106-120 ms less). A rank whose link is
             # slow arrives late too, after its collectives ended late: it waits in them as long as its peers.
             far_less = comm_med - t.comm_s >= 0.5 * late_by
-            flagged = (flagged & last) | (valid & always & (excess > 0) & far_less)
+            surely = valid & always & (excess > 0) & far_less
+            flagged = (flagged & last) | surely
+            thin &= flagged & ~surely
             ran = peer_deviation(t.oncpu_s, 0.0)[1]
-            persistent = valid & some & ~flagged & (ran >= PERSIST_RAN * late_by) & waits_less
-    return Straggling(np.flatnonzero(flagged), np.flatnonzero(persistent), z, excess, work, comm_med)
+            small = valid & some & (~flagged | thin) & (ran >= SMALL_RAN * late_by) & waits_less
+    return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), z, excess, work,
+                      comm_med)
 
 
-def _arrives_last(a: Alignment, valid: np.ndarray, step: float
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row: whether it arrives at the collectives later than its peers (their median) by at least
     STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps, or in many and far more often than
     its peers (LATE_STEPS; LATE_SOME, LATE_RATIO: a rank of a busy CPU is late in some; False where not
     compared); whether it does so in nearly every step while its peers rarely are (ALWAYS_LATE); whether it
-    does so in more steps than its peers, a persistent straggler's lateness (LATE_PERSIST, PERSIST_RATIO); and
-    how much later than its peers it arrives per step (0 where not compared)."""
+    does so in more steps than its peers, a small straggler's lateness (SMALL_LATE, SMALL_RATIO); whether the
+    first holds only by LATE_RATIO, over fewer than LATE_RATIO_STEPS of the window's `steps` (thin); and how
+    much later than its peers it arrives per step (0 where not compared)."""
     late = np.where(valid, a.arrival_late_s, np.nan)
     with np.errstate(invalid="ignore"):
         late_by = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0)
@@ -126,11 +138,12 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float
         peers_share = share - peer_deviation(share, 0.0)[1]
         share = np.nan_to_num(share, nan=0.0)
         rarely = np.nan_to_num(peers_share, nan=1.0) <= PEERS_RARELY
-        often = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share)))
-        often |= (share >= LATE_SOME) & (late_by >= FAR_LATE_BY * step) & rarely
+        surely = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (late_by >= FAR_LATE_BY * step) & rarely)
+        ratio = (share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share))
         always = (share >= ALWAYS_LATE) & rarely
-        some = later & (share >= LATE_PERSIST) & (share >= PERSIST_RATIO * np.nan_to_num(peers_share, nan=1.0))
-        return later & often, (late_by >= ALWAYS_LATE_BY * step) & always, some, late_by
+        some = later & (share >= SMALL_LATE) & (share >= SMALL_RATIO * np.nan_to_num(peers_share, nan=1.0))
+        thin = later & ratio & ~surely & (share * steps < LATE_RATIO_STEPS)
+        return later & (surely | ratio), (late_by >= ALWAYS_LATE_BY * step) & always, some, thin, late_by
 
 
 def _runq_excess(t: RankTable) -> np.ndarray:
@@ -214,15 +227,16 @@ def _gpu_busy_excess(t: RankTable) -> np.ndarray:
 
 def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
-    that only waits longer for a CPU is cpu_contention's); the persistent small ones among them are marked in
-    their evidence with the windows they must hold (`confirm_windows`, see stability.py)."""
+    that only waits longer for a CPU is cpu_contention's); the small ones are marked in their evidence with
+    the windows they must be seen in (`confirm_windows`, see stability.py)."""
     found = straggling(t, a=a)
     if found is None:
         return []
-    small = _findings(t, a, found, np.setdiff1d(found.persistent, _contended(t, found.persistent, found.excess)))
+    small = _findings(t, a, found, np.setdiff1d(found.small, _contended(t, found.small, found.excess)))
     for f in small:
-        f.evidence["confirm_windows"] = PERSIST_WINDOWS
-    return _findings(t, a, found, np.setdiff1d(found.rows, _contended(t, found.rows, found.excess))) + small
+        f.evidence["confirm_windows"] = SMALL_WINDOWS
+    named = np.setdiff1d(found.rows, np.union1d(found.thin, _contended(t, found.rows, found.excess)))
+    return _findings(t, a, found, named) + small
 
 
 def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.ndarray) -> list[Finding]:

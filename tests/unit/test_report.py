@@ -1,0 +1,26 @@
+"""The diagnosis document as text: what a person at a terminal reads after `rankscope diagnose`."""
+from pathlib import Path
+
+from rankscope.agent.report import render
+from rankscope.analyzer.diagnosis import diagnose
+from rankscope.schema.wire import decode_patterns
+
+WINDOWS = Path(__file__).resolve().parents[1] / "data" / "windows"
+
+
+def one_look(name: str) -> dict:
+    return next(iter(diagnose(decode_patterns((WINDOWS / f"{name}.msgpack").read_bytes())).values()))
+
+
+def test_a_small_stragglers_suspect_is_shown_with_what_would_confirm_it():
+    """lm-2, a tenth of the step spun on rank 1: no finding held in one look, the suspect and its summary shown"""
+    text = render(one_look("lm-2-compute-small-some"))
+    assert "healthy: no rank" not in text and "no finding held" in text
+    suspect = next(line for line in text.splitlines() if line.startswith("suspect:"))
+    assert "compute_straggler of rank 1" in suspect and "4 of 8 windows" in suspect
+    assert "rank 1 computes" in text
+
+
+def test_a_finding_is_listed_without_suspects():
+    text = render(one_look("lm-2-compute-small"))  # late in 82% of the steps: named from one window
+    assert "1. compute_straggler: rank 1 (" in text and "suspect" not in text
