@@ -24,8 +24,8 @@ REGRESSION_WINDOWS = 3  # ...and a regression. A healthy job wanders: a 2-rank 4
 # over its earlier windows' median); a lasting slowdown holds in the third window too.
 OFTEN = 4  # ...or seen in this many of the last SPAN * OFTEN windows, not all in a row: a straggler a little
 SPAN = 2  # above the bar is named in some windows only (pipe-4's 2 s windows: in every other one), a healthy
-# rank in at most 2 of 10 (40 agent runs kept by the matrix, healthy or regressed). A small straggler's
-# finding asks for this alone (`confirm_windows`).
+# rank as a small straggler in at most 2 of any 8 (74 agent runs kept by the matrix, healthy or regressed). A
+# small straggler's finding asks for this alone (`confirm_windows`).
 HISTORY = 64  # windows kept per job: SPAN * K for any K a finding asks (a few sets of keys, a few kB a job)
 
 

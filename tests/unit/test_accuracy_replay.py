@@ -58,11 +58,11 @@ def test_a_kept_window_without_a_reference_is_scored_against_the_shapes_healthy_
 
 
 def keep_agent_run(bench, folder: Path, name: str, windows, fault: str = "healthy-agent", truth=None,
-                   injected_s: float | None = None) -> None:
+                   injected_s: float | None = None, shape: str = "mlp-4") -> None:
     """An agent's run as the matrix keeps it: each window's patterns in order, the run, and a regression's
     truth (the job's step before the onset and in each window)."""
     folder.mkdir(exist_ok=True)
-    run = bench.Run("mlp-4", fault, right=True, false=[], findings=[], job=name, injected_s=injected_s)
+    run = bench.Run(shape, fault, right=True, false=[], findings=[], job=name, injected_s=injected_s)
     for i, patterns in enumerate(windows):
         (folder / f"{name}-{i}.msgpack").write_bytes(encode_patterns(patterns) if isinstance(patterns, list)
                                                      else patterns)
@@ -133,7 +133,24 @@ def test_a_compute_straggler_is_switched_on_in_its_running_job_after_the_referen
     # The cost's what-if is the job's own step before the onset (another job of the shape may run 30% apart).
     bench = bench_accuracy()
     shapes, faults = {s.name: s for s in bench.SHAPES}, {f.name: f for f in bench.FAULTS}
-    for name in ("compute", "compute-small"):
+    for name in ("compute", "compute-small", "compute-small-agent"):  # the agent case switches it on itself
         assert bench.fault_spec(shapes["mlp-2"], faults[name], 0.05).endswith("@go")
         assert "@" not in bench.fault_spec(shapes["sim-4"], faults[name], 0.05)  # the simulated job has no go
     assert "@" not in bench.fault_spec(shapes["mlp-2"], faults["loader"], 0.05)
+
+
+def test_a_replayed_small_straggler_is_scored_where_the_agent_names_it(tmp_path):
+    """mlp-3-io, a tenth of the step spun on rank 2 from window 4: named in window 10 (4 of the last 8), its
+    step against the job's own in that window, its extra time per step against the 1.93 ms spun."""
+    bench = bench_accuracy()
+    windows = [(ROOT / "tests" / "data" / "agent-windows" / f"mlp-3-io-compute-small-{i}.msgpack").read_bytes()
+               for i in range(13)]
+    steps = [0.019216, 0.018532, 0.020808, 0.021358, 0.02116, 0.019588, 0.019964, 0.019842, 0.019452, 0.020439,
+             0.02045, 0.019686, 0.019807]  # the job's own, in each window
+    truth = {"before_s": 0.019965, "windows_s": steps}
+    keep_agent_run(bench, tmp_path, "mlp-3-io-small", windows, "compute-small-agent", truth, injected_s=0.00193,
+                   shape="mlp-3-io")
+    run, = bench.replay([tmp_path])
+    assert run.right and run.false == [] and run.findings[0] == "compute_straggler[2]"
+    assert run.truth_step_s == steps[10] and run.step_err == pytest.approx(0, abs=0.02)
+    assert run.extra_s == pytest.approx(0.00193, rel=0.5)

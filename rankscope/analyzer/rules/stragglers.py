@@ -44,8 +44,8 @@ SMALL_RATIO = 1.5  # peers, by STRAGGLER_MIN_EXCESS of the step, while on a CPU 
 SMALL_RAN = 0.5  # SMALL_RAN of that lateness (it works; a pipeline stage late waiting for the other stage ran no
 SMALL_WINDOWS = 4  # longer than its peer). Kept windows with a tenth of the step spun: late in 0.56-0.88 of
 # the steps by 7-19% of it, on a CPU 3-13% more, 23 of the 26 the rules above missed. But a healthy rank does as
-# much now and then: 1 of 59 kept healthy 10 s windows (cnn-3, 9 processes on 2 CPUs: rank 0 late in 59% by
-# 10%, 11% more on a CPU), 11 of 328 agent windows of healthy or regressed jobs, never more than 2 of 10 of a
+# much now and then: 2 of 67 kept healthy 10 s windows (cnn-3's rank 0, 9 processes on 2 CPUs: late in 59% by
+# 10%, 11% more on a CPU), 19 of 664 agent windows of 74 healthy or regressed runs, in at most 2 of any 8 of a
 # run. So it is reported once seen in SMALL_WINDOWS of twice as many windows (stability.py: the agent), and
 # a single look (`diagnose`) lists it as unconfirmed.
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
