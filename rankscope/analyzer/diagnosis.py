@@ -65,7 +65,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     # Ranks that waited for a CPU their own job's processes held (no finding): late for that, not for a link.
     self_contended: set[int] = set()
     # Small stragglers, reported once they held several windows: kept out of the other rules' reasoning (a rank
-    # named is no suspect of a slow link) until the end, where they add ranks nothing else named.
+    # named is no suspect of a slow link) until the end, where they add ranks nothing else named...
     small: list[Finding] = []
     for rows in groups:  # ranks are compared with the ranks of their own role only (pipeline stages)
         peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows], table.job_step_s,
@@ -99,7 +99,9 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
         now = profile if profile is not None else StepProfile.of(table)
         found += [f for f in regression(table, reference, now, slowdown_threshold)
                   if not found or f.component != "link"]
-    named = {r for f in found for r in f.ranks}
+    # ...unless a whole-job regression named every rank: the job being slower than its baseline does not say
+    # which rank it waits for (cnn-3: a tenth of the step spun on one rank, +13%, hid it for 20 s).
+    named = {r for f in found if f.kind != "regression" for r in f.ranks}
     found += [f for f in small if not named & set(f.ranks)]
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 
