@@ -32,6 +32,7 @@ class RankTable:
     patterns: list[RankPattern]
     rank: np.ndarray  # global training rank per row
     step_s: np.ndarray  # NaN where the rank's step time is unknown
+    window_s: np.ndarray  # the rank's window, seconds (window totals are normalized by it)
     comm_s: np.ndarray  # waiting for peers + transfer
     sync_s: np.ndarray  # waiting for its own GPU work
     host_s: np.ndarray  # outside every probed function: Python, data loading, CPU work
@@ -109,6 +110,7 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
         patterns=patterns,
         rank=np.fromiter(map(attrgetter("rank"), patterns), np.int64, n),
         step_s=step,
+        window_s=window_s,
         comm_s=comm,
         sync_s=in_role(Role.SYNC),
         host_s=host,

@@ -104,7 +104,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
         waits_less = t.comm_s < comm_med
         flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
         if a is not None:
-            steps = peers_median(np.array([p.window_s for p in t.patterns])[valid]) / step  # in the window
+            steps = peers_median(t.window_s[valid]) / step  # in the window
             last, always, some, thin, late_by = _arrives_last(a, valid, step, steps)
             # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings by
             # 100 ms between the others (cnn-3: -97 and -10 ms, z 1.4-2.6 for a rank late in 99% of the steps
