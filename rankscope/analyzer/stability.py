@@ -1,8 +1,9 @@
 """Stable verdicts for services that diagnose window after window (the agent, the cluster analyzer).
 
 One window of a busy machine can make any rank look late once; a real fault persists. So a finding is
-reported only when the same kind named the same ranks in the window before too (hysteresis), and it is
-withheld while it has been seen once; the document lists it under `unconfirmed`, so nothing is hidden.
+reported only when the same kind named the same ranks in the window before too (hysteresis), over HOLD_S
+seconds at least (short windows need more of them), and it is withheld until then; the document lists it
+under `unconfirmed`, so nothing is hidden.
 Hangs and node loss are reported at once: they are decided over their own timeout, not over one window.
 A regression must hold longer (three windows): the baseline spans many windows, but one or two windows of a
 busy machine can be 10% slower than it. A finding seen often but not in a row (4 of the last 8 windows) is
@@ -13,12 +14,18 @@ large as what a healthy rank does in a window or two).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from rankscope.analyzer.rules.hangs import HANGS
 
+NAN = float("nan")
+
 AT_ONCE = HANGS | {"node_unreachable"}
 CONFIRM_WINDOWS = 2  # consecutive windows a finding must hold in before it is reported...
+HOLD_S = 5.0  # ...spanning at least this long. A healthy rank can run a quarter of the step late for a few
+# seconds: lm-2's rank 0, its attention forward 21-25 ms slower for two 2 s agent windows, then not (1 of 29
+# fresh healthy agent runs). The agent's 5 s windows span 10 s in two; 2 s windows need three (6 s).
 REGRESSION_WINDOWS = 3  # ...and a regression. A healthy job wanders: a 2-rank 4 ms MLP on 2 vCPUs ran 11-16%
 # slower than its best windows for two 2 s windows, then recovered, in 2 of 20 agent runs (its own log: +7-8%
 # over its earlier windows' median); a lasting slowdown holds in the third window too.
@@ -38,6 +45,19 @@ def confirm_windows(evidence: dict[str, Any]) -> int:
 Key = tuple[str, tuple[int, ...]]
 
 
+@dataclass(frozen=True)
+class _Window:
+    keys: set[Key]  # the findings of the window
+    start: float  # unix s; NaN where the document says not (windows alone decide then)
+    end: float
+
+    @staticmethod
+    def of(doc: dict[str, Any]) -> _Window:
+        bounds = doc.get("window") or {}
+        start, end = (NAN if bounds.get(k) is None else float(bounds[k]) for k in ("start", "end"))
+        return _Window({_key(f) for f in doc["findings"]}, start, end)
+
+
 def _key(f: dict[str, Any]) -> Key:
     return f["kind"], tuple(f["ranks"])
 
@@ -48,24 +68,26 @@ class Confirmer:
 
     def __init__(self, windows: int = CONFIRM_WINDOWS):
         self.windows = windows
-        self._seen: dict[str, deque[set[Key]]] = {}  # job -> the findings of each of its last HISTORY windows
+        self._seen: dict[str, deque[_Window]] = {}  # job -> its last HISTORY windows
 
-    def _held(self, f: dict[str, Any], seen: deque[set[Key]]) -> tuple[bool, int]:
-        """Whether `f` held long enough: in a row (unless it asks for more), or often (OFTEN of the last
-        SPAN * OFTEN windows, or as many as it asks); and in how many windows it was seen (in a row, or of
-        that span where it asks for more)."""
+    def _held(self, f: dict[str, Any], seen: deque[_Window]) -> tuple[bool, int]:
+        """Whether `f` held long enough: in a row over HOLD_S (unless it asks for more), or often (OFTEN of
+        the last SPAN * OFTEN windows, or as many as it asks); and in how many windows it was seen (in a row,
+        or of that span where it asks for more)."""
         key, asks = _key(f), confirm_windows(f.get("evidence", {}))
         often = max(asks, OFTEN)
-        times = sum(key in window for window in list(seen)[-SPAN * often:])
-        in_row = next((i for i, window in enumerate(reversed(seen)) if key not in window), len(seen))
+        times = sum(key in window.keys for window in list(seen)[-SPAN * often:])
+        in_row = next((i for i, window in enumerate(reversed(seen)) if key not in window.keys), len(seen))
         row = max(self.windows, REGRESSION_WINDOWS if f["kind"] == "regression" else 1)
-        return times >= often or (asks == 1 and in_row >= row), times if asks > 1 else in_row
+        span = sum(w.end - w.start for w in list(seen)[len(seen) - in_row:])  # observed, gaps left out
+        held = asks == 1 and in_row >= row and not span < HOLD_S  # NaN: the windows' count alone
+        return times >= often or held, times if asks > 1 else in_row
 
     def confirm(self, docs: dict[str, dict[str, Any]]) -> None:
         self._seen = {job: s for job, s in self._seen.items() if job in docs}  # jobs that ended
         for job, doc in docs.items():
             seen = self._seen.setdefault(job, deque(maxlen=HISTORY))
-            seen.append({_key(f) for f in doc["findings"]})
+            seen.append(_Window.of(doc))
             held, unconfirmed = [], []
             for f in doc["findings"]:
                 ok, times = (True, 1) if f["kind"] in AT_ONCE else self._held(f, seen)

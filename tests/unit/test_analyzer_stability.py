@@ -1,4 +1,4 @@
-"""Stable verdicts: services report a finding only once it held in consecutive windows, or often."""
+"""Stable verdicts: services report a finding only once it held in consecutive windows over HOLD_S, or often."""
 from pathlib import Path
 
 from rankscope.analyzer.diagnosis import diagnose
@@ -30,6 +30,22 @@ def test_a_finding_that_holds_is_reported_from_its_second_window():
     moved = {"j": doc(("compute_straggler", [3]))}  # another rank: a new finding
     c.confirm(moved)
     assert moved["j"]["findings"] == []
+
+
+def test_a_finding_must_hold_over_hold_s_whatever_the_windows_length():
+    """Two 5 s windows (the agent's default) span 10 s: reported from the second. Two 2 s windows span 4 s,
+    as long as a healthy rank ran a quarter of the step late (lm-2): reported from the third."""
+    def reported(window_s: float) -> list[int]:
+        c, out = Confirmer(), []
+        for i in range(4):
+            d = {"j": {**doc(("compute_straggler", [1])), "window": {"start": 100 + i * window_s,
+                                                                  "end": 100 + (i + 1) * window_s}}}
+            c.confirm(d)
+            out.append(len(d["j"]["findings"]))
+        return out
+
+    assert reported(5.0) == [0, 1, 1, 1]
+    assert reported(2.0) == [0, 0, 1, 1]
 
 
 def test_hangs_are_reported_at_once_and_jobs_are_kept_apart():

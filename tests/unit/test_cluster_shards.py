@@ -34,7 +34,9 @@ def _nodes() -> dict[str, list]:
 NODES = _nodes()
 
 
-async def _windows(urls: list[str], shard: Shard, windows: int = 2) -> dict[str, dict]:
+async def _windows(urls: list[str], shard: Shard, windows: int = 3) -> dict[str, dict]:
+    """The diagnoses of the last of `windows` (a finding is reported once it held over HOLD_S: three of these
+    2 s windows)."""
     c = Cluster(urls, TOKEN, timeout_s=5.0, concurrency=8, hang_timeout_s=30.0, window_s=1.0, shard=shard)
     try:
         for _ in range(windows):
