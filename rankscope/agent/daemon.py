@@ -36,7 +36,7 @@ class Agent:
         self.trigger = trigger or SlowdownTrigger()
         self.slowdown_threshold = slowdown_threshold
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows (jobs that ended are dropped)
-        self.confirmer = Confirmer()  # a finding is reported once it held in consecutive windows
+        self.confirmer = Confirmer()  # a finding is reported once it held (stability.py)
         self.history = StepHistory()  # the page's step-time chart
         self.windows = 0
         self.attach_errors = 0

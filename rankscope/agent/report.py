@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankscope.analyzer.stability import SPAN
+from rankscope.analyzer.stability import HOLD_S, OFTEN, SPAN
 
 
 def _ms(x: float | None) -> str:
@@ -26,8 +26,10 @@ def render(doc: dict[str, Any]) -> str:
     # Seen in this window, but as small as what a healthy rank does now and then (a small straggler):
     # the agent reports it once seen often enough (unconfirmed entries with "needs", of diagnose's one look)
     suspects = [u for u in doc.get("unconfirmed", []) if "needs" in u]
+    # The agent's (`diagnose --agent`): seen in its last windows, not yet held long enough to be reported
+    pending = [u for u in doc.get("unconfirmed", []) if "needs" not in u]
     if not findings:
-        lines.append("no finding held: see the suspects below" if suspects else
+        lines.append("no finding held: see the suspects below" if suspects or pending else
                      "healthy: no rank or link differs from its peers")
     for i, f in enumerate(findings, 1):
         where = ", ".join(
@@ -43,6 +45,10 @@ def render(doc: dict[str, Any]) -> str:
                      f"shows now and then on a healthy job too: `rankscope agent` reports it once seen in "
                      f"{u['needs']} of {SPAN * u['needs']} windows")
         lines.append(f"   {u['summary']}")
+    for u in pending:
+        lines.append(f"suspect: {u['kind']} of {_ranks(u['ranks'])}, seen in {u['windows']} of the agent's windows; "
+                     f"reported once it holds over {HOLD_S:.0f} s and two windows running, or in {OFTEN} of "
+                     f"{SPAN * OFTEN}")
     return "\n".join(lines)
 
 

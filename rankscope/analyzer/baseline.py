@@ -26,6 +26,12 @@ BEST_QUANTILE = 0.25  # the baseline is this quantile of the recent windows' ste
 # ...but never the fastest window alone: of few windows that is one lucky window (mlp-2 stepped 5.5 ms in its
 # first window and 7.4-7.9 ms in the next nine as neighbours' load came on; the 3-window baseline was 5.5 ms)
 NOT_FASTEST = 1
+# The spread of the windows' step times is the larger of two estimates of a standard deviation: the median
+# absolute deviation's, robust but fragile over few windows (of three, two alike give ~0 whatever the third:
+# lm-2 beside a neighbour's on-and-off load stepped 103.5, 92.5 and 92.2 ms, a 0.4 ms spread, and its next
+# windows at its first window's 103-108 ms were a "regression"), and the mean absolute deviation's. A window
+# 10% above the baseline never joins it (diagnosis.py), so no far outlier inflates the mean.
+MEAN_AD_TO_SIGMA = 1.2533  # mean absolute deviation of a normal distribution x sqrt(pi / 2): its sigma
 SLOWDOWN_THRESHOLD = 0.10  # a job this much slower than its baseline has regressed (and triggers deep mode)
 
 
@@ -106,6 +112,7 @@ class Baseline:
             return None
         ordered = sorted(self._windows, key=lambda w: w.step_s)
         steps = np.array([w.step_s for w in ordered])
-        spread = MAD_TO_SIGMA * float(np.median(np.abs(steps - np.median(steps))))
+        deviation = np.abs(steps - np.median(steps))
+        spread = max(MAD_TO_SIGMA * float(np.median(deviation)), MEAN_AD_TO_SIGMA * float(np.mean(deviation)))
         best = max(NOT_FASTEST, int(BEST_QUANTILE * (len(ordered) - 1)))
         return Reference(ordered[best], len(ordered), spread)

@@ -24,3 +24,12 @@ def test_a_small_stragglers_suspect_is_shown_with_what_would_confirm_it():
 def test_a_finding_is_listed_without_suspects():
     text = render(one_look("lm-2-compute-small"))  # late in 82% of the steps: named from one window
     assert "1. compute_straggler: rank 1 (" in text and "suspect" not in text
+
+
+def test_the_agents_findings_not_yet_held_are_shown_as_suspects():
+    """`diagnose --agent` soon after the agent started: a straggler seen in its first window, not yet held."""
+    doc = {**one_look("lm-2-compute-small"), "findings": [],
+           "unconfirmed": [{"kind": "compute_straggler", "ranks": [1], "windows": 1}]}
+    text = render(doc)
+    assert "healthy: no rank" not in text and "no finding held" in text
+    assert "suspect: compute_straggler of rank 1, seen in 1 of the agent's windows; reported once it holds over 5 s" in text

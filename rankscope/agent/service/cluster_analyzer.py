@@ -109,7 +109,7 @@ class Cluster:
         self.limit = asyncio.Semaphore(concurrency)
         self.hang_timeout_s = hang_timeout_s
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows over all nodes
-        self.confirmer = Confirmer()  # a finding is reported once it held in consecutive windows
+        self.confirmer = Confirmer()  # a finding is reported once it held (stability.py)
         self.history = StepHistory()
         self.forget_after_s = FORGET_AFTER_WINDOWS * window_s
         self.status: dict[str, AgentStatus] = {}
