@@ -207,7 +207,6 @@ def step_times(patterns: Sequence[RankPattern], records: Collectives | None = No
             if mine.any():
                 functions = FunctionTable.of(patterns) if functions is None else functions
                 out[rows[mine]] = _over_window(functions, rows[mine], window_s, spans[mine], *_period_op(seq, c))
-        out[rows] = np.where(np.isfinite(out[rows]), out[rows], spans)
     known = np.isfinite(out)
     seen = cols.counts > 0
     if known.any():  # one synchronous job, one step time: the median of the ranks' own
