@@ -32,4 +32,4 @@ def test_the_agents_findings_not_yet_held_are_shown_as_suspects():
            "unconfirmed": [{"kind": "compute_straggler", "ranks": [1], "windows": 1}]}
     text = render(doc)
     assert "healthy: no rank" not in text and "no finding held" in text
-    assert "suspect: compute_straggler of rank 1, seen in 1 of the agent's windows; reported once it holds over 5 s" in text
+    assert "suspect: compute_straggler of rank 1, seen in 1 of the agent's windows; reported once it holds over 6 s" in text
