@@ -102,7 +102,8 @@ def test_slowdown_of_every_rank_is_a_regression_and_raises_the_detail(sim_job, a
     differs from its own past. The agent names the function that grew and records in deep mode a while."""
     go = tmp_path / "go"
     job = sim_job(4, faults=("slow-gpu:*:1.8@8",), hold_file=go)
-    a = agent("--pid", ",".join(map(str, job.pids)), "--window", "1", "--deep-seconds", "3")
+    # deep detail from the third slow window on, for longer than the regression takes to hold (HOLD_S)
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", "1", "--deep-seconds", "8")
     go.touch()  # training starts once the agent watches: its first windows are the baseline
     healthy = wait_until(lambda: (d := a.get("/v1/diagnosis"))["baseline"] and d, 30, "a baseline")
     assert healthy["findings"] == [] and healthy["mode"] == {"level": "light"}, healthy
@@ -125,9 +126,11 @@ def test_diagnose_through_the_agent_gets_its_verdict_and_refuses_what_it_does_no
     job = sim_job(3, faults=("slow-gpu:2:2",))
     other = sim_job(2)
     a = agent("--pid", ",".join(map(str, job.pids)), "--window", "1")
-    asked = time.time()  # the agent's verdict: a finding it held over HOLD_S, so ask for a window after that
-    doc = diagnose_json(job.pids, HOLD_S, "--agent", a.url)
-    assert doc["job"] == job.job_id and doc["window"]["end"] >= asked + HOLD_S  # a window closed after the ask
+    # The agent's verdict: a finding it held over HOLD_S, so ask for a window after that (its first window
+    # may open a few seconds after it starts: the attach)
+    asked = time.time()
+    doc = diagnose_json(job.pids, HOLD_S + 4, "--agent", a.url)
+    assert doc["job"] == job.job_id and doc["window"]["end"] >= asked + HOLD_S + 4  # a window closed after the ask
     assert sorted(r["pid"] for r in doc["ranks"]) == sorted(job.pids)
     named = [f for f in doc["findings"] if f["kind"] == "compute_straggler"]
     assert named and named[0]["ranks"] == [2], doc["findings"]
