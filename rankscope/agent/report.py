@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankscope.analyzer.stability import HOLD_S, OFTEN, SPAN
+from rankscope.analyzer.stability import HOLD_S, OFTEN, REGRESSION_WINDOWS, SPAN
 
 
 def _ms(x: float | None) -> str:
@@ -46,9 +46,10 @@ def render(doc: dict[str, Any]) -> str:
                      f"{u['needs']} of {SPAN * u['needs']} windows")
         lines.append(f"   {u['summary']}")
     for u in pending:
+        held = (f"{REGRESSION_WINDOWS} windows running" if u["kind"] == "regression" else
+                f"two windows running, or in {OFTEN} of {SPAN * OFTEN}")
         lines.append(f"suspect: {u['kind']} of {_ranks(u['ranks'])}, seen in {u['windows']} of the agent's windows; "
-                     f"reported once it holds over {HOLD_S:.0f} s and two windows running, or in {OFTEN} of "
-                     f"{SPAN * OFTEN}")
+                     f"reported once it holds over {HOLD_S:.0f} s and {held}")
     return "\n".join(lines)
 
 
