@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankscope.analyzer.stability import HOLD_S, OFTEN, REGRESSION_WINDOWS, SPAN
+from rankscope.analyzer.stability import CONFIRM_WINDOWS, HOLD_S, OFTEN, REGRESSION_WINDOWS, SPAN
 
 
 def _ms(x: float | None) -> str:
@@ -47,7 +47,7 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"   {u['summary']}")
     for u in pending:
         held = (f"{REGRESSION_WINDOWS} windows running" if u["kind"] == "regression" else
-                f"two windows running, or in {OFTEN} of {SPAN * OFTEN}")
+                f"{CONFIRM_WINDOWS} windows running, or in {OFTEN} of {SPAN * OFTEN}")
         lines.append(f"suspect: {u['kind']} of {_ranks(u['ranks'])}, seen in {u['windows']} of the agent's windows; "
                      f"reported once it holds over {HOLD_S:.0f} s and {held}")
     return "\n".join(lines)

@@ -7,19 +7,18 @@ under `unconfirmed`, so nothing is hidden.
 Hangs and node loss are reported at once: they are decided over their own timeout, not over one window.
 A regression must hold longer (three windows): the baseline spans many windows, but one or two windows of a
 busy machine can be 10% slower than it. A finding seen often but not in a row (4 of the last 8 windows) is
-reported too, but for a regression, and a finding may ask for that alone (`confirm_windows` in its evidence: a small straggler, as
-large as what a healthy rank does in a window or two).
+reported too, but for a regression, and a finding may ask for that alone (`confirm_windows` in its evidence:
+a small straggler, as large as what a healthy rank does in a window or two).
 `rankscope diagnose` looks once, over a longer window, and reports what it saw.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from rankscope.analyzer.rules.hangs import HANGS
-
-NAN = float("nan")
 
 AT_ONCE = HANGS | {"node_unreachable"}
 CONFIRM_WINDOWS = 2  # consecutive windows a finding must hold in before it is reported...
@@ -58,7 +57,7 @@ class _Window:
     @staticmethod
     def of(doc: dict[str, Any]) -> _Window:
         bounds = doc.get("window") or {}
-        start, end = (NAN if bounds.get(k) is None else float(bounds[k]) for k in ("start", "end"))
+        start, end = (math.nan if bounds.get(k) is None else float(bounds[k]) for k in ("start", "end"))
         return _Window({_key(f) for f in doc["findings"]}, start, end)
 
 
@@ -80,11 +79,12 @@ class Confirmer:
         or of that span where it asks for more)."""
         key, asks = _key(f), confirm_windows(f.get("evidence", {}))
         often = max(asks, OFTEN)
-        times = sum(key in window.keys for window in list(seen)[-SPAN * often:])
-        in_row = next((i for i, window in enumerate(reversed(seen)) if key not in window.keys), len(seen))
+        windows = list(seen)
+        times = sum(key in window.keys for window in windows[-SPAN * often:])
+        in_row = next((i for i, window in enumerate(reversed(windows)) if key not in window.keys), len(windows))
         regression = f["kind"] == "regression"
         row = max(self.windows, REGRESSION_WINDOWS if regression else 1)
-        span = sum(w.end - w.start for w in list(seen)[len(seen) - in_row:])  # observed, gaps left out
+        span = sum(w.end - w.start for w in windows[len(windows) - in_row:])  # observed, gaps left out
         held = asks == 1 and in_row >= row and not span < HOLD_S  # NaN: the windows' count alone
         return (times >= often and not regression) or held, times if asks > 1 else in_row
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import resource
 import socket
@@ -185,8 +186,12 @@ def run_replicas(farm: Farm, windows: int, replicas: int, cpu: int) -> list[dict
 
 
 def run(ctx: Context) -> tuple[list[Row], dict]:
+    from benchmarks.analyzer import WINDOW
+
+    from rankscope.analyzer.stability import HOLD_S
+
     jobs, ranks = (2, 64) if ctx.quick else (100, 1000)
-    windows = 3  # the farm's patterns span 2 s: a finding is reported from the third window (stability.HOLD_S)
+    windows = math.ceil(HOLD_S / WINDOW)  # the farm's patterns span WINDOW: a finding is reported from this one
     shards = 3
     cpus = sorted(os.sched_getaffinity(0))
     farm_cpu, cpu = cpus[0], cpus[-1]

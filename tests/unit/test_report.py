@@ -33,7 +33,7 @@ def test_the_agents_findings_not_yet_held_are_shown_as_suspects():
     text = render(doc)
     assert "healthy: no rank" not in text and "no finding held" in text
     assert ("suspect: compute_straggler of rank 1, seen in 1 of the agent's windows; reported once it holds over 6 s "
-            "and two windows running, or in 4 of 8") in text
+            "and 2 windows running, or in 4 of 8") in text
     regressed = render({**doc, "unconfirmed": [{"kind": "regression", "ranks": [0, 1], "windows": 2}]})
     assert "suspect: regression of ranks 0, 1, seen in 2 of the agent's windows; reported once it holds over 6 s and " \
            "3 windows running" in regressed
