@@ -73,6 +73,7 @@ AGENT_WINDOW_S = 2.0  # the agent's window in the matrix (its default is 5 s)...
 AGENT_WINDOW_STEPS = 15  # ...or long enough for this many of the shape's healthy steps (lm-2-long: 4.5 s)
 AGENT_HEALTHY_WINDOWS = 10
 FINDING_TIMEOUT_S = 40.0  # an agent case: from the onset to the fault's finding
+ONSET_WINDOWS = 4  # an agent case's windows before its fault's onset
 GUESSED_STEP_S = 0.05  # a shape's step where no healthy run measured it first: it scales the faults
 STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does...
 COST_KEPT = 0.30  # ...and so does a cost this far from the what-if truth (the issue's bar: within +-30%)
@@ -189,6 +190,10 @@ class Run:
     extra_s: float | None = None
     injected_s: float | None = None
     to_finding_s: float | None = None
+    # An agent case's fault as the job felt it: its own step in the windows wholly after the onset against its
+    # step before, less 1. A rank that spins a tenth of the step can cost its job nothing (it had that much
+    # slack: cnn-3's rank 2 waits longest of its three), so a miss is read beside what it cost.
+    job_slowed: float | None = None
     error: str = ""
     job: str = ""  # the job's run id: runs of one job are its consecutive diagnose windows
 
@@ -328,6 +333,14 @@ def measured_in(found: dict, window: int, by_window: list[list[dict]]) -> int:
         while window > 0 and any(f.get("held") for f in by_window[window]):
             window -= 1
     return window
+
+
+def job_slowed(truth: dict[str, Any] | None, onset_window: int) -> float | None:
+    """The job's own slowdown after a fault's onset (Run.job_slowed): the mean of its steps in the windows
+    after `onset_window` (the first one may have begun before the onset) against its step before."""
+    after = [s for s in (truth or {}).get("windows_s", [])[onset_window + 1:] if s]
+    before = (truth or {}).get("before_s")
+    return statistics.fmean(after) / before - 1 if after and before else None
 
 
 def score_found(run: Run, found: dict, window: int, truth: dict[str, Any]) -> None:
@@ -501,7 +514,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
     # run's documents for --replay.
     truth: dict[str, Any] = {"windows_s": []}
     try:
-        for _ in range(AGENT_HEALTHY_WINDOWS if fault.expect is None else 4):
+        for _ in range(AGENT_HEALTHY_WINDOWS if fault.expect is None else ONSET_WINDOWS):
             next_window()
         if fault.expect is None:
             left, shown = scored_findings(fault, [d["findings"] for d in docs], truth)
@@ -523,7 +536,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             right, false = score_agent(shape, fault, findings, found)
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings] + shown,
                       to_finding_s=time.time() - onset if found else None, job=job.run_id,
-                      injected_s=injected)
+                      injected_s=injected, job_slowed=job_slowed(truth, ONSET_WINDOWS))
             if found:
                 window = measured_in(found, len(docs) - 1, [d["findings"] for d in docs])
                 score_found(run, found, window, truth)
@@ -599,6 +612,8 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                      "step_err": med(step), "cost_err": med(cost), "injected_err": med(injected),
                      "extra_err": med(extra),
                      "to_finding_s": med(ttf),
+                     "job_slowed": med([r.job_slowed for r in rs if r.job_slowed is not None]),
+                     "missed_slowed": [r.job_slowed for r in rs if not r.right and r.job_slowed is not None],
                      "seen": sorted({", ".join(r.findings) or "-" for r in rs})})
     return rows
 
@@ -670,6 +685,7 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], trut
     run.findings = [label(f) for f in findings] + shown
     if fault.expect is not None:
         run.step_s = run.truth_step_s = run.cost = run.truth_cost = run.injected_cost = run.extra_s = None
+        run.job_slowed = job_slowed(truth, ONSET_WINDOWS)
         if found and truth and found_in < len(truth["windows_s"]):
             score_found(run, found, measured_in(found, found_in, by_window), truth)
     return run
@@ -678,15 +694,18 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], trut
 def table(rows: list[dict[str, Any]]) -> str:
     pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
     lines = ["| shape | fault | step | right | jobs | false findings | step-time error (worst) | cost error | "
-             "extra time vs injected | time to finding | seen |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "extra time vs injected | time to finding | job slowed (missed) | seen |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ttf = "-" if r["to_finding_s"] is None else f"{r['to_finding_s']:.1f} s"
         step = "-" if r["step_err"] is None else f"{r['step_err']:.0%} ({r['step_err_worst']:.0%})"
         truth = "-" if r.get("truth_step_s") is None else f"{r['truth_step_s'] * 1e3:.0f} ms"
         cost = pct(r["cost_err"]) + (f" ({pct(r['injected_err'])} of injected)" if r.get("injected_err") is not None
                                      else "")
+        missed = ", ".join(pct(x) for x in r.get("missed_slowed", []))
+        slowed = pct(r.get("job_slowed")) + (f" ({missed})" if missed else "")
         lines.append(f"| {r['shape']} | {r['fault']} | {truth} | {r['right']}/{r['runs']} | {r['jobs']} | "
-                     f"{r['false']} | {step} | {cost} | {pct(r.get('extra_err'))} | {ttf} | "
+                     f"{r['false']} | {step} | {cost} | {pct(r.get('extra_err'))} | {ttf} | {slowed} | "
                      f"{'; '.join(r['seen'])[:80]} |")
     return "\n".join(lines)
 

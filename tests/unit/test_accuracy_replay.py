@@ -156,3 +156,17 @@ def test_a_replayed_small_straggler_is_scored_where_the_agent_names_it(tmp_path)
     assert run.right and run.false == [] and run.findings[0] == "compute_straggler[2]"
     assert run.truth_step_s == steps[10] and run.step_err == pytest.approx(0, abs=0.02)
     assert run.extra_s == pytest.approx(0.00193, rel=0.5)
+    # What the fault cost the job by its own log: its windows after the straddling one (5..10) against before
+    assert run.job_slowed == pytest.approx(sum(steps[5:]) / len(steps[5:]) / 0.019965 - 1)
+
+
+def test_the_table_shows_what_a_missed_fault_cost_its_job():
+    """A small straggler missed where it slowed its job by 1% (it had that much slack) reads differently from
+    one missed where it cost 8%: the table lists each miss's slowdown beside the case's median."""
+    bench = bench_accuracy()
+    runs = [bench.Run("cnn-3", "compute-small-agent", right=r, false=[], findings=[], job=str(i), job_slowed=s)
+            for i, (r, s) in enumerate([(True, 0.05), (False, 0.01), (False, 0.08), (True, 0.06)])]
+    row, = bench.summarize(runs)
+    assert row["job_slowed"] == pytest.approx(0.055) and row["missed_slowed"] == [0.01, 0.08]
+    assert "| +6% (+1%, +8%) |" in bench.table([row])
+    assert bench.job_slowed(None, 4) is None and bench.job_slowed({"before_s": 0.1, "windows_s": [0.1] * 5}, 4) is None
