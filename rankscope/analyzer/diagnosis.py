@@ -16,7 +16,7 @@ from rankscope.analyzer.rules.gpu import gpu_throttle, launch_bound
 from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
 from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
-from rankscope.analyzer.rules.regression import regression
+from rankscope.analyzer.rules.regression import regression, restated
 from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
 from rankscope.analyzer.stability import confirm_windows
 from rankscope.schema.finding import Finding, plain
@@ -103,6 +103,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     # which rank it waits for (cnn-3: a tenth of the step spun on one rank, +13%, hid it for 20 s).
     named = {r for f in found if f.kind != "regression" for r in f.ranks}
     found += [f for f in small if not named & set(f.ranks)]
+    found = [f for f in found if f.kind != "regression" or not restated(f, found)]
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 
 

@@ -112,6 +112,22 @@ def test_a_regression_is_not_hidden_by_another_finding_of_the_same_window():
         ("compute_straggler", "cuStreamSynchronize", "gpu"), ("regression", "train.py:load_batch", "input")]
 
 
+def test_a_regression_that_a_stragglers_delay_explains_is_the_straggler():
+    """lm-2, a tenth of the step spun on rank 1: the job's step grew 8.8 ms, rank 1 delayed it 6.8 ms, and its
+    spinning slowed its peer's compute on the vCPUs they share (Linear.forward +5.5 ms on both ranks), so
+    "every rank is slower" was named beside the straggler. The straggler is the cause."""
+    def window(host_extra: dict[int, float]) -> list[tuple]:
+        b = Baseline()
+        for seed in range(8):
+            diagnose_job(simulate(2, seed=seed), baseline=b)
+        return kinds(diagnose_job(simulate(2, seed=42, host_extra=host_extra), baseline=b))
+
+    # Rank 1 delays the job 8 ms a step and both ranks' own work grew 4 ms: the job's 10 ms is the straggler's
+    assert window({0: 0.004, 1: 0.012}) == [("compute_straggler", None, "cpu")]
+    # A whole-job change (20 ms on both) beside a small straggler (6 ms more on rank 1) is both
+    assert sorted(window({0: 0.02, 1: 0.026})) == [("compute_straggler", None, "cpu"), ("regression", None, "cpu")]
+
+
 def test_slowdown_below_the_threshold_is_not_a_regression():
     b = warmed()
     doc = diagnose_job(simulate(RANKS, seed=42, sync_extra=dict.fromkeys(range(RANKS), 0.002)), baseline=b)

@@ -3,11 +3,13 @@ time per step grew the most.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Reference, StepProfile
 from rankscope.analyzer.metrics import DATA_LOADING, RankTable
-from rankscope.analyzer.rules.stragglers import PYTHON_SHARE
+from rankscope.analyzer.rules.stragglers import PYTHON_SHARE, STRAGGLERS
 from rankscope.analyzer.rules.wording import ms
 from rankscope.schema.finding import Finding
 
@@ -24,6 +26,12 @@ GROWN_SHARE = 0.25
 CPU_WAIT_SHARE = 0.25  # the main threads' extra wait for a CPU is at least this share of the growth...
 CPU_RAN_SHARE = 0.2  # ...and their extra time on CPU under this share (a job computing longer runs longer)
 NAMING_SHARE = 0.25  # a part of the step that grew by less than this share of the step's growth names nothing
+# A regression that a straggler's delay explains this share of restates it: one rank's delay slows every step,
+# and on vCPUs that share a core its spinning slows its peers' compute too (lm-2, a tenth of the step spun on
+# rank 1: it delayed the job 6.8 ms a step, the step grew 8.8 ms, Linear.forward 5.5 ms on both ranks, and
+# "every rank is slower" was named beside it in 1 of 3 fresh runs). A whole-job change beside a small
+# straggler grows far more than the straggler delays.
+STRAGGLER_SHARE = 0.5
 
 
 def regression(t: RankTable, ref: Reference, now: StepProfile | None,
@@ -84,6 +92,14 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
                   "function_baseline_s": before, "ranks_grown_share": broad,
                   "python_growth": [{"function": f, "grown_s": g} for f, g in python[:3] if g > 0]},
     )]
+
+
+def restated(f: Finding, others: Sequence[Finding]) -> bool:
+    """Whether regression `f` is what a straggler among `others` costs the whole job. (Not a slow link: one
+    seen in the window that straddles a regression's onset, cnn-3's, would have held the regression back.)"""
+    grown, step, ranks = f.evidence["grown_s"], f.evidence["step_time_s"], set(f.ranks)
+    return any(o.kind in STRAGGLERS and set(o.ranks) < ranks and o.cost * step >= STRAGGLER_SHARE * grown
+               for o in others)
 
 
 def _busy(t: RankTable) -> str:

@@ -15,6 +15,7 @@ from rankscope.analyzer.rules.wording import ms, range_ms, rank_list
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import RankPattern, Role
 
+STRAGGLERS = frozenset({"compute_straggler", "input_straggler", "python_gc", "cpu_contention"})  # this module's kinds
 MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable from per-rank totals alone...
 PAIR_RANKS = 2  # ...but the collective instants tell which of two arrives last (C4's rule: the other waits
 # for it), and the run queue which of two waits for a CPU
