@@ -2,7 +2,8 @@
 
     scripts/bench accuracy [--repeats N] [--windows K] [--shapes A,B] [--faults X,Y] [--json PATH]
                            [--misses DIR] [--keep-all] [--load N]   (root)
-    scripts/bench accuracy --table RESULTS.json...   (the table of earlier runs, merged)
+    scripts/bench accuracy --table RESULTS.json...   (the table of earlier runs, merged; each file names the
+                                                      code it ran on: see code_version)
     scripts/bench accuracy --replay DIR...   (kept windows diagnosed again by the current analyzer)
 
 Each case is a fresh torchrun job of one shape (tests/jobs/: user-style training code, faults injected from
@@ -726,8 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a loaded machine: N busy processes beside the jobs, on and off at random (see neighbours)")
     args = ap.parse_args(argv)
     if args.table:
-        runs = [Run.of(r) for f in args.table for r in json.loads(Path(f).read_text())["runs"]]
-        print(table(summarize(runs)))
+        print(table(summarize(merged(args.table))))
         return 0
     if args.replay:
         missing = [str(d) for d in args.replay if not d.is_dir()]
@@ -746,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     faults = [f for f in FAULTS if f.name in args.faults.split(",")]
     runs: list[Run] = []
     healthy: dict[str, list[float]] = {}
+    code = code_version()  # once, at the start: the checkout may change under a long matrix
     with tempfile.TemporaryDirectory(prefix="rankscope-accuracy-") as tmp, neighbours(args.load):
         for repeat in range(args.repeats):
             for shape in shapes:
@@ -764,14 +765,38 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"{repeat + 1}/{args.repeats} {shape.name} {fault.name}: "
                             f"{'right' if run.right else 'WRONG'} {run.findings or '-'} step {run.step_s} vs "
                             f"{run.truth_step_s} cost {run.cost} vs {run.truth_cost} {run.error}")
-                    save(Path(args.json), shapes, runs)
+                    save(Path(args.json), shapes, runs, code)
     print(table(summarize(runs)))
     return 0
 
 
-def save(path: Path, shapes: list[Shape], runs: list[Run]) -> None:
+def code_version() -> str:
+    """What decided these verdicts: the git trees of rankscope/ (probes to analysis) and tests/jobs/ (the jobs and
+    their injected faults), "+dirty" if either differs from HEAD. A tree's hash moves only when a file under it
+    does, so batches run sessions apart, with only docs committed between, merge into one matrix (--table)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+    try:
+        trees = [git("rev-parse", "--short=10", f"HEAD:{tree}").strip() for tree in ("rankscope", "tests/jobs")]
+        dirty = git("status", "--porcelain", "--", "rankscope", "tests/jobs").strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"  # not a git checkout: the version cannot be told
+    return "-".join(trees) + ("+dirty" if dirty else "")
+
+
+def merged(paths: list[str]) -> list[Run]:
+    """Earlier batches' runs, for one table; one that mixes code versions says so (its rows are not one matrix)."""
+    saved = [json.loads(Path(p).read_text()) for p in paths]
+    versions = sorted({s.get("code", "unknown") for s in saved})
+    if len(versions) > 1:
+        print(f"bench_accuracy: these batches ran on {len(versions)} code versions: {', '.join(versions)}",
+              file=sys.stderr)
+    return [Run.of(r) for s in saved for r in s["runs"]]
+
+
+def save(path: Path, shapes: list[Shape], runs: list[Run], code: str) -> None:
     """The results so far (rewritten after every case: a matrix cut short keeps what it measured)."""
-    path.write_text(json.dumps({"shapes": [asdict(s) for s in shapes], "rows": summarize(runs),
+    path.write_text(json.dumps({"code": code, "shapes": [asdict(s) for s in shapes], "rows": summarize(runs),
                                 "runs": [asdict(r) | {k: getattr(r, k) for k in DERIVED} for r in runs]}, indent=1))
 
 

@@ -170,3 +170,22 @@ def test_the_table_shows_what_a_missed_fault_cost_its_job():
     assert row["job_slowed"] == pytest.approx(0.055) and row["missed_slowed"] == [0.01, 0.08]
     assert "| +6% (+1%, +8%) |" in bench.table([row])
     assert bench.job_slowed(None, 4) is None and bench.job_slowed({"before_s": 0.1, "windows_s": [0.1] * 5}, 4) is None
+
+
+def test_batches_name_their_code_and_a_table_that_mixes_versions_says_so(tmp_path, capsys):
+    """Batches of one matrix may run sessions apart: each names the code it ran on (rankscope/ and the jobs' git
+    trees), and a table merged from batches of two versions says so, since its rows are then not one matrix."""
+    bench = bench_accuracy()
+    code = bench.code_version()
+    trees = code.removesuffix("+dirty").split("-")
+    assert len(trees) == 2 and all(len(t) == 10 for t in trees)  # HEAD:rankscope, HEAD:tests/jobs
+    run = bench.Run("mlp-2", "healthy", right=True, false=[], findings=[], truth_step_s=0.004, job="a")
+    shapes = [s for s in bench.SHAPES if s.name == "mlp-2"]
+    bench.save(tmp_path / "a.json", shapes, [run], code)
+    bench.save(tmp_path / "b.json", shapes, [run], code)
+    assert json.loads((tmp_path / "a.json").read_text())["code"] == code
+    assert len(bench.merged([str(tmp_path / "a.json"), str(tmp_path / "b.json")])) == 2
+    assert "code versions" not in capsys.readouterr().err
+    bench.save(tmp_path / "c.json", shapes, [run], "0123456789-0123456789")
+    assert len(bench.merged([str(tmp_path / "a.json"), str(tmp_path / "c.json")])) == 2
+    assert "ran on 2 code versions" in capsys.readouterr().err
