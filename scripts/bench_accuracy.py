@@ -446,12 +446,13 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", pids, "--duration", str(DURATION_S), "--json",
                                  "--save-patterns", str(saved), *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        launch.until_watching(proc)
+        attaching = launch.until_watching(proc)
         if fault.name == "hang":
             job.go()
         elif fault.name == "sigstop":
             os.kill(job.pids[shape.victim_rank], signal.SIGSTOP)
         out, err = proc.communicate(timeout=120)
+        err = attaching + err  # the log kept with a run: all of it
     finally:
         if hog:
             os.killpg(hog.pid, signal.SIGKILL)

@@ -271,12 +271,13 @@ def settle(job: TorchrunJob | SimRun, seconds: float) -> None:
         raise RuntimeError(f"{job.run_id} exited during warm-up: {job.log.read_text(errors='replace')[-2000:]}")
 
 
-def until_watching(diagnose: subprocess.Popen) -> None:
+def until_watching(diagnose: subprocess.Popen) -> str:
     """Reads `rankscope diagnose`'s stderr (text) up to its line "rankscope: watching N processes of job J for
-    D s": every rank is watched and the window is open from here on. Warnings may come before it."""
+    D s": every rank is watched and the window is open from here on. Returns what it printed before (the
+    warnings of attaching: a rank whose Python frames could not be read, ...)."""
     seen = []
     while line := diagnose.stderr.readline():
         if "rankscope: watching" in line:
-            return
+            return "".join(seen)
         seen.append(line)
     raise AssertionError("diagnose ended before watching: " + "".join(seen))

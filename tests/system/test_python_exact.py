@@ -312,6 +312,45 @@ def test_a_process_entering_eval_too_often_stops_being_probed_with_its_peers(tim
 
 
 @needs_root
+def test_a_rank_that_cannot_be_timed_leaves_its_jobs_other_ranks_untimed(procs):
+    """A rank whose interpreter could not be read (its frames neither) is not timed, so neither are its job's
+    other ranks: timed alone, a healthy 2-rank MLP's rank 1 ran 7% longer on its CPU and was named a straggler
+    (the matrix, 2026-11-28). Another job's process stays timed."""
+    from rankscope.agent.detail import DEEP
+    from rankscope.agent.host.symbols import code_byte
+    from rankscope.agent.host.targets import Identity, Target
+    from rankscope.agent.sources.python_exact import PythonTiming
+
+    python = str(interpreter("3.12"))
+    ranks = [start(procs, [python, "-c", QUIET])[0] for _ in range(3)]
+    other, _ = start(procs, [python, "-c", QUIET])
+    interps = {p.pid: inspect(p.pid) for p in (ranks[0], ranks[2], other)}  # ranks[1]'s could not be read
+
+    class Sampler:  # the frame sampler's answer: the interpreter of each process it samples
+        def interpreter(self, pid: int):
+            return interps.get(pid)
+
+    def target(p: subprocess.Popen, job: str, rank: int) -> Target:
+        return Target(p.pid, "python", 0, identity=Identity(job, rank, 3, rank, "env"),
+                      python_error=None if p.pid in interps else "cannot read _PyRuntime")
+
+    timing = PythonTiming(Sampler(), (), DEEP)
+    probed = lambda p: code_byte(p.pid, "libpython3.12.so.1.0", "_PyEval_EvalFrameDefault") == 0xCC  # noqa: E731
+    try:
+        timing.attach(target(ranks[0], "job-a", 0))
+        timing.attach(target(other, "job-b", 0))
+        assert probed(ranks[0]) and probed(other)
+        timing.attach(target(ranks[1], "job-a", 1))
+        timing.attach(target(ranks[2], "job-a", 2))  # watched later: not timed either
+        assert (probed(ranks[0]), probed(ranks[2]), probed(other)) == (False, False, True)
+        why = f"pid {ranks[1].pid} of its job cannot be timed: cannot read _PyRuntime"
+        assert timing.timer.untimed(ranks[0].pid) == timing.timer.untimed(ranks[2].pid) == why
+        assert timing.timer.untimed(other.pid) == ""
+    finally:
+        timing.close()
+
+
+@needs_root
 def test_functions_are_timed_only_while_switched_on(procs, tmp_path):
     """The agent's light mode leaves the eval loop alone (GC is still timed); deep mode probes it."""
     from rankscope.agent.host.symbols import code_byte

@@ -145,7 +145,7 @@ class _Watched:
     resolver: CodeResolver
     peers: str  # the group timed all together or not at all (its job)
     eval_probes: list[Uprobes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
-    too_hot: str = ""  # why it is not timed: it or a peer entered eval too often (never probed again); "" if not
+    stopped: str = ""  # why its group is not timed (never probed again: PythonTimer.stop); "" if it may be
     gc_probes: list[Uprobes] = field(default_factory=list)  # the GC's USDT sites, where used
     seen: Deltas[int] = field(default_factory=Deltas)  # code -> (count, total_ns, hist) at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
@@ -179,6 +179,7 @@ class PythonTimer:
         self._bpf = None
         self._trace: _CallStream | None = None
         self._watched: dict[int, _Watched] = {}
+        self._stopped: dict[str, str] = {}  # peers -> why that group is not timed (PythonTimer.stop)
         self.functions = bool(self.selection.traced)  # eval loop probed; named functions keep it on
 
     @property
@@ -213,13 +214,24 @@ class PythonTimer:
         if pid in self._watched:
             return
         w = self._watched[pid] = _Watched(interp, CodeResolver(interp), f"pid {pid}" if peers is None else peers)
-        w.too_hot = next((o.too_hot for o in self._watched.values() if o.peers == w.peers and o.too_hot), "")
+        w.stopped = self._stopped.get(w.peers, "")
         try:
             self._time_gc(w, self._path(w))
         except (TimerError, OSError) as e:  # the functions can still be timed
             log.warning("pid %d: garbage collections not timed: %s", pid, e)
         if self.functions:
             self._probe_eval(w)
+
+    def stop(self, peers: str, why: str) -> None:
+        """Stop timing the functions of every process of `peers`, and of any that joins it later, for good:
+        one of them enters eval too often, or cannot be timed at all. Timed beside untimed peers, a rank would
+        look slower by the probes' cost (~1.3 us an entry: a 2-rank MLP's rank timed alone ran 7% longer on its
+        CPU, and was named a straggler)."""
+        why = self._stopped.setdefault(peers, why)
+        for w in self._watched.values():
+            if w.peers == peers and not w.stopped:
+                w.eval_probes = uprobe_links.detach(w.eval_probes)
+                w.stopped = why
 
     def set_functions(self, on: bool) -> None:
         """Probe the eval loop of every watched process (on: forward, data-loader __next__ and named
@@ -241,7 +253,7 @@ class PythonTimer:
     def _probe_eval(self, w: _Watched) -> None:
         """Probe the eval loop of `w`'s process (uprobe + uretprobe, for that process only)."""
         pid, interp = w.interp.pid, w.interp
-        if w.too_hot:
+        if w.stopped:
             return
         if interp.layout.version < (3, 11) and not self.selection.traced:
             raise TimerError(f"pid {pid}: CPython {interp.version} enters the eval loop on every call; "
@@ -316,7 +328,7 @@ class PythonTimer:
     def untimed(self, pid: int) -> str:
         """Why `pid`'s functions are not timed exactly ("" while they are, or were never asked for)."""
         w = self._watched.get(pid)
-        return w.too_hot if w is not None else ""
+        return w.stopped if w is not None else ""
 
     def function(self, pid: int, code: int) -> Frame | None:
         """The function a timed code object of `pid` is; None if it is not one of the chosen (the kernel
@@ -361,7 +373,6 @@ class PythonTimer:
         of their peers."""
         targets = self._bpf[PYX_TARGETS]
         now = time.monotonic()
-        hot: dict[str, str] = {}  # peers -> why they are no longer timed
         for pid, w in list(self._watched.items()):
             try:
                 probed = targets[ctypes.c_uint32(pid)].entries
@@ -373,12 +384,8 @@ class PythonTimer:
                 log.warning("pid %d enters the Python eval loop %.0f times a second: exact timing stopped for "
                             "it and its peers in %s (it would cost ~%.0f%% of a core)", pid, rate, w.peers,
                             rate * 1.3e-4)
-                hot[w.peers] = (f"pid {pid} of its job entered the Python eval loop {rate:,.0f} times a second "
-                                f"(timing costs ~1.3 us an entry; stopped above {MAX_ENTRIES_PER_S:,})")
-        for w in self._watched.values():
-            if w.peers in hot:
-                w.eval_probes = uprobe_links.detach(w.eval_probes)
-                w.too_hot = hot[w.peers]
+                self.stop(w.peers, f"pid {pid} of its job entered the Python eval loop {rate:,.0f} times a second "
+                                   f"(timing costs ~1.3 us an entry; stopped above {MAX_ENTRIES_PER_S:,})")
 
     def read_gc(self) -> dict[int, FunctionStats]:
         """Per pid whose collections are timed through USDT, its collections since the previous read."""
@@ -427,13 +434,18 @@ class PythonTiming(Source):
         self.timer.set_functions(detail.hot_probes)
 
     def attach(self, target: Target) -> None:
+        """Times `target` with its job's other ranks; one that cannot be timed leaves them all untimed."""
         interp = self.sampler.interpreter(target.pid)
+        job = target.identity.job
         if interp is None:  # no Python frames either (PythonFrames said why)
+            self.timer.stop(job, f"pid {target.pid} of its job cannot be timed: "
+                                 f"{target.python_error or 'no Python interpreter'}")
             return
         try:
-            self.timer.attach(interp, target.identity.job)
+            self.timer.attach(interp, job)
         except PythonAttachError as e:
             log.warning("pid %d: no exact Python timing: %s", target.pid, e)
+            self.timer.stop(job, f"pid {target.pid} of its job cannot be timed: {e}")
 
     def set_detail(self, detail: Detail) -> None:
         self.timer.set_functions(detail.hot_probes)
