@@ -728,6 +728,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a loaded machine: N busy processes beside the jobs, on and off at random (see neighbours)")
     args = ap.parse_args(argv)
     if args.table:
+        missing = [f for f in args.table if not Path(f).is_file()]
+        if missing:
+            print(f"bench_accuracy: no such file: {', '.join(missing)}", file=sys.stderr)
+            return 2
         print(table(summarize(merged(args.table))))
         return 0
     if args.replay:

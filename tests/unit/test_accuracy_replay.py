@@ -189,3 +189,5 @@ def test_batches_name_their_code_and_a_table_that_mixes_versions_says_so(tmp_pat
     bench.save(tmp_path / "c.json", shapes, [run], "0123456789-0123456789")
     assert len(bench.merged([str(tmp_path / "a.json"), str(tmp_path / "c.json")])) == 2
     assert "ran on 2 code versions" in capsys.readouterr().err
+    assert bench.main(["--table", str(tmp_path / "a.json"), str(tmp_path / "gone.json")]) == 2
+    assert "no such file: " + str(tmp_path / "gone.json") in capsys.readouterr().err
