@@ -96,6 +96,9 @@ class Alignment:
     instances: int  # how many collective instances were lined up
     op: str | None  # the most frequent collective among them
     late_share: np.ndarray  # share of steps it arrived later than the other ranks (by LATE_MARGIN of a step)
+    # The least, over the window's pieces (HELD_PIECES of at least HELD_STEPS steps each), by which its late
+    # share led every other rank's: how steadily it was the late one (NaN: not compared or too few steps).
+    held_lead: np.ndarray
     # The job's time as pieces (K) over which the collectives within one step ahead (STEP_SPAN) are the same:
     # each rank's largest lateness among them (ranks x K; NaN rows: not compared), the pieces' lengths in steps.
     ahead_late_s: np.ndarray
@@ -104,7 +107,8 @@ class Alignment:
     @classmethod
     def empty(cls, n: int) -> Alignment:
         nan = np.full(n, np.nan)
-        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), np.full((n, 0), np.nan), np.zeros(0))
+        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy(), np.full((n, 0), np.nan),
+                   np.zeros(0))
 
     def waited_for(self, rows: Sequence[int]) -> float:
         """What the job waits for these ranks alone per step: at each moment, how much later than the last
@@ -126,10 +130,12 @@ class Alignment:
 
 STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
 LATE_MARGIN = 0.05  # later than the other ranks by this share of a step: that step, the rank was late
+HELD_PIECES = 5  # Alignment.held_lead: the window cut in up to this many pieces in time...
+HELD_STEPS = 40  # ...of at least this many steps each, and at least two (a 2 s agent window of 100 ms steps: none)
 
 
 def _late_per_step(enter: np.ndarray, step_s: float,
-                   held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per rank (row): how late it arrives per step, the median over stretches of one step (STEP_SPAN) of its
     largest lateness among the instances (columns) that start there; and the share of those stretches in
     which it arrived later than the median of the other ranks by LATE_MARGIN of a step. A straggler is late
@@ -140,8 +146,8 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     quickest rank each rank stayed in a rooted collective (a broadcast's root waits there for the last
     receiver, the straggler), and that much of its lateness at the instances within a step after it is
     forgiven (cnn-3: the root, held 30-47 ms a step, then arrived 35 ms late at the all-reduces, as late
-    as the straggler that held it, in 74% of the steps); None: no rooted instance was lined up. Last,
-    _ahead's pieces (Alignment.waited_for)."""
+    as the straggler that held it, in 74% of the steps); None: no rooted instance was lined up. Then how
+    steadily each rank was the late one (_held_lead), and last _ahead's pieces (Alignment.waited_for)."""
     first = enter.min(axis=0)
     order = np.argsort(first, kind="stable")  # instances by time (completion order may differ)
     if (np.diff(order) < 0).any():  # reordered only when out of order: 100,000 ranks x 16 copied costs ~20 ms
@@ -161,8 +167,29 @@ def _late_per_step(enter: np.ndarray, step_s: float,
         others = np.median(stretches, axis=0, keepdims=True)
     else:  # a small job: each rank against the others only (of two ranks, the median of both halves it)
         others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in range(n)])
-    return (row_medians(stretches), np.mean(stretches - others >= LATE_MARGIN * step_s, axis=1),
+    was_late = stretches - others >= LATE_MARGIN * step_s
+    return (row_medians(stretches), np.mean(was_late, axis=1), _held_lead(was_late),
             *_ahead(late, first, step_s))
+
+
+def _held_lead(was_late: np.ndarray) -> np.ndarray:
+    """Per rank (row of ranks x stretches in time order): the least, over the window's pieces, by which its
+    share of late stretches led the largest of the other ranks'. A rank a tenth of the step slower led by
+    0.15-0.5 in every piece of 10 s windows (2-rank MLP and LM jobs, 3-rank with storage latency); a healthy
+    rank of a host its job oversubscribes (cnn-3: 9 processes on 2 CPUs) late as often over the window led
+    by at most 0.07 in its weakest piece. NaN for all when the window has fewer than two pieces of
+    HELD_STEPS stretches."""
+    n, m = was_late.shape
+    pieces = min(HELD_PIECES, m // HELD_STEPS)
+    if pieces < 2 or n < 2:
+        return np.full(n, np.nan)
+    share = np.stack([c.mean(axis=1) for c in np.array_split(was_late, pieces, axis=1)], axis=1)  # ranks x pieces
+    if n == 2:
+        other = share[::-1]
+    else:  # each piece's two largest: the largest is every rank's best other but its own (a tie: the same)
+        top = np.partition(share, n - 2, axis=0)[-2:]
+        other = np.where(share == top[1], top[0], top[1])
+    return (share - other).min(axis=1)
 
 
 def _ahead(late: np.ndarray, first: np.ndarray, step_s: float) -> tuple[np.ndarray, np.ndarray]:
@@ -333,7 +360,8 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
         arrivals = np.concatenate([Ek, r_enter], axis=1)
     else:
         held, arrivals = None, Ek
-    out.arrival_late_s[compared], out.late_share[compared], pieces, lengths = _late_per_step(arrivals, step_s, held)
+    (out.arrival_late_s[compared], out.late_share[compared], out.held_lead[compared], pieces,
+     lengths) = _late_per_step(arrivals, step_s, held)
     if compared.all():  # every rank: the pieces themselves (100,000 ranks: no second 12 MB array to fill)
         ahead = pieces
     else:
@@ -345,4 +373,4 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     names = {i: name for name, i in op_ids.items()}
     top_op = Counter(ref_op[kept].tolist()).most_common(1)[0][0]
     return Alignment(out.arrival_late_s, out.finish_late_s, out.transfer_s, out.bytes,
-                     int(np.count_nonzero(kept)), names[top_op], out.late_share, ahead, lengths)
+                     int(np.count_nonzero(kept)), names[top_op], out.late_share, out.held_lead, ahead, lengths)

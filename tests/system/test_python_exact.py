@@ -306,6 +306,13 @@ def test_a_process_entering_eval_too_often_stops_being_probed_with_its_peers(tim
         why = timer.untimed(busy.pid)
         assert why.startswith(f"pid {busy.pid} of its job entered the Python eval loop") and "times a second" in why
         assert timer.untimed(peer.pid) == timer.untimed(late.pid) == why and timer.untimed(other.pid) == ""
+        # Once none of job-a is watched the job is gone: a restarted job-a (new processes) is timed afresh.
+        for p in (busy, peer, late):
+            timer.detach(p.pid)
+        restarted, _ = start(procs, [python, "-c", QUIET])
+        timer.attach(inspect(restarted.pid), "job-a")
+        assert probed(restarted) and timer.untimed(restarted.pid) == ""
+        timer.detach(restarted.pid)
     finally:
         for p in (busy, peer, other, late):
             timer.detach(p.pid)

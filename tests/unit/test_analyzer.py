@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rankscope.analyzer.diagnosis import diagnose, diagnose_job
-from rankscope.analyzer.differential import Alignment, align_collectives, robust_z
+from rankscope.analyzer.differential import Alignment, _held_lead, align_collectives, robust_z
 from rankscope.analyzer.metrics import rank_table
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.rules.links import slow_link
@@ -371,6 +371,28 @@ def test_of_two_ranks_the_one_that_arrives_last_is_the_straggler():
     assert (f["kind"], f["ranks"], f["component"]) == ("compute_straggler", [1], "gpu")
     assert f["cost"] == pytest.approx(0.03 / f["evidence"]["step_time_s"], abs=0.05)
     assert findings(simulate(2, seed=9)) == []
+
+
+def _stretches(*shares: list[float], steps: int = 500, seed: int = 3) -> np.ndarray:
+    """Ranks x steps: late or not, each rank late in the given share of each successive part of the steps."""
+    rng = np.random.default_rng(seed)
+    return np.stack([np.concatenate([rng.random(part.size) < p
+                                     for p, part in zip(row, np.array_split(np.arange(steps), len(row)))])
+                     for row in shares])
+
+
+def test_a_rank_late_all_through_the_window_leads_its_peers_in_every_piece():
+    """A small straggler is late in more steps than its peers in every stretch of the window; a healthy rank
+    of a busy host late as often over the window, but in bursts, is not (held_lead: the least lead)."""
+    steady = _held_lead(_stretches([0.15], [0.7]))
+    assert steady[1] >= 0.4 and steady[0] < 0
+    bursts = _held_lead(_stretches([0.2], [0.9, 0.9, 0.3, 0.2, 0.2]))  # late in 50% of the window, not all through it
+    assert bursts[1] < 0.15
+    three = _held_lead(_stretches([0.6], [0.3], [0.1]))
+    assert three[0] >= 0.15 and three[1] < 0 and three[2] < 0
+    alike = _held_lead(_stretches([0.6], [0.55], [0.05]))  # against the latest of the others, not their median
+    assert (alike < 0.15).all()
+    assert np.isnan(_held_lead(_stretches([0.1], [0.9], steps=79))).all()  # two pieces of 40 steps at least
 
 
 def _late(late_ms: list[float], share: list[float], step: float = 0.060, steps: float = 150) -> list[bool]:

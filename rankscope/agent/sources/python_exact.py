@@ -145,7 +145,6 @@ class _Watched:
     resolver: CodeResolver
     peers: str  # the group timed all together or not at all (its job)
     eval_probes: list[Uprobes] = field(default_factory=list)  # the eval loop's uprobe and uretprobe, while timed
-    stopped: str = ""  # why its group is not timed (never probed again: PythonTimer.stop); "" if it may be
     gc_probes: list[Uprobes] = field(default_factory=list)  # the GC's USDT sites, where used
     seen: Deltas[int] = field(default_factory=Deltas)  # code -> (count, total_ns, hist) at the last read
     skipped: set[int] = field(default_factory=set)  # code objects turned off (name matched, function did not)
@@ -179,7 +178,8 @@ class PythonTimer:
         self._bpf = None
         self._trace: _CallStream | None = None
         self._watched: dict[int, _Watched] = {}
-        self._stopped: dict[str, str] = {}  # peers -> why that group is not timed (PythonTimer.stop)
+        # peers -> why that group is not timed (PythonTimer.stop): never probed again while one of it is watched
+        self._stopped: dict[str, str] = {}
         self.functions = bool(self.selection.traced)  # eval loop probed; named functions keep it on
 
     @property
@@ -214,7 +214,6 @@ class PythonTimer:
         if pid in self._watched:
             return
         w = self._watched[pid] = _Watched(interp, CodeResolver(interp), f"pid {pid}" if peers is None else peers)
-        w.stopped = self._stopped.get(w.peers, "")
         try:
             self._time_gc(w, self._path(w))
         except (TimerError, OSError) as e:  # the functions can still be timed
@@ -227,11 +226,10 @@ class PythonTimer:
         one of them enters eval too often, or cannot be timed at all. Timed beside untimed peers, a rank would
         look slower by the probes' cost (~1.3 us an entry: a 2-rank MLP's rank timed alone ran 7% longer on its
         CPU, and was named a straggler)."""
-        why = self._stopped.setdefault(peers, why)
+        self._stopped.setdefault(peers, why)
         for w in self._watched.values():
-            if w.peers == peers and not w.stopped:
+            if w.peers == peers:
                 w.eval_probes = uprobe_links.detach(w.eval_probes)
-                w.stopped = why
 
     def set_functions(self, on: bool) -> None:
         """Probe the eval loop of every watched process (on: forward, data-loader __next__ and named
@@ -253,7 +251,7 @@ class PythonTimer:
     def _probe_eval(self, w: _Watched) -> None:
         """Probe the eval loop of `w`'s process (uprobe + uretprobe, for that process only)."""
         pid, interp = w.interp.pid, w.interp
-        if w.stopped:
+        if w.peers in self._stopped:
             return
         if interp.layout.version < (3, 11) and not self.selection.traced:
             raise TimerError(f"pid {pid}: CPython {interp.version} enters the eval loop on every call; "
@@ -315,6 +313,8 @@ class PythonTimer:
             return
         uprobe_links.detach(w.gc_probes + w.eval_probes)
         w.resolver.close()
+        if all(other.peers != w.peers for other in self._watched.values()):  # its job's last: the job is gone
+            self._stopped.pop(w.peers, None)
         bpf = self._bpf
         if bpf is None:  # never probed anything
             return
@@ -328,7 +328,7 @@ class PythonTimer:
     def untimed(self, pid: int) -> str:
         """Why `pid`'s functions are not timed exactly ("" while they are, or were never asked for)."""
         w = self._watched.get(pid)
-        return w.stopped if w is not None else ""
+        return self._stopped.get(w.peers, "") if w is not None else ""
 
     def function(self, pid: int, code: int) -> Frame | None:
         """The function a timed code object of `pid` is; None if it is not one of the chosen (the kernel

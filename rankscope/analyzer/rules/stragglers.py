@@ -48,7 +48,11 @@ SMALL_WINDOWS = 4  # longer than its peer). Kept windows with a tenth of the ste
 # much now and then: 2 of 67 kept healthy 10 s windows (cnn-3's rank 0, 9 processes on 2 CPUs: late in 59% by
 # 10%, 11% more on a CPU), 19 of 664 agent windows of 74 healthy or regressed runs, in at most 2 of any 8 of a
 # run. So it is reported once seen in SMALL_WINDOWS of twice as many windows (stability.py: the agent), and
-# a single look (`diagnose`) lists it as unconfirmed.
+# a single look (`diagnose`) lists it as unconfirmed...
+SMALL_HELD = 0.15  # ...unless it was the late one all through the window: its late share led every peer's by
+# this much in each piece of it (Alignment.held_lead). Kept 10 s windows with a tenth of the step spun: 0.15-0.5
+# in 25 of the 36 that named it only as a suspect (2-rank MLP and LM, 3-rank MLP with storage latency); the
+# healthy suspects above (cnn-3's, 3 of 217 healthy windows of 6 shapes) 0.07 at most.
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
 CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
 OTHER_WORK = 0.5  # ...and contention is other work's: at least this share of the rank's wait behind its top
@@ -77,7 +81,8 @@ class Straggling:
 
     rows: np.ndarray  # the others wait for them...
     thin: np.ndarray  # ...these by being late in some steps of a window of few (LATE_RATIO_STEPS): small ones
-    small: np.ndarray  # small stragglers: named once seen in SMALL_WINDOWS of twice as many (empty without `a`)
+    small: np.ndarray  # small stragglers: named once seen in SMALL_WINDOWS of twice as many (empty without `a`)...
+    held: np.ndarray  # ...but these at once: late all through the window (SMALL_HELD)
     z: np.ndarray  # robust z of the own work per step (step - COMM) against the peers'
     excess: np.ndarray  # own work per step beyond the peers' median
     work: np.ndarray
@@ -100,7 +105,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     work = np.where(valid, t.work_s, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
-    small = thin = np.zeros(valid.shape, dtype=bool)
+    small = held = thin = np.zeros(valid.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
         waits_less = t.comm_s < comm_med
         flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
@@ -118,8 +123,9 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             thin &= flagged & ~surely
             ran = peer_deviation(t.oncpu_s, 0.0)[1]
             small = valid & some & (~flagged | thin) & (ran >= SMALL_RAN * late_by) & waits_less
-    return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), z, excess, work,
-                      comm_med)
+            held = small & (np.nan_to_num(a.held_lead, nan=-1.0) >= SMALL_HELD)
+    return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
+                      z, excess, work, comm_med)
 
 
 def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float
@@ -229,15 +235,17 @@ def _gpu_busy_excess(t: RankTable) -> np.ndarray:
 def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
     """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
     that only waits longer for a CPU is cpu_contention's); the small ones are marked in their evidence with
-    the windows they must be seen in (`confirm_windows`, see stability.py)."""
+    the windows they must be seen in (`confirm_windows`, see stability.py) unless they held all through
+    this one (SMALL_HELD)."""
     found = straggling(t, a=a)
     if found is None:
         return []
-    small = _findings(t, a, found, np.setdiff1d(found.small, _contended(t, found.small, found.excess)))
-    for f in small:
+    small = np.setdiff1d(found.small, _contended(t, found.small, found.excess))
+    unheld = _findings(t, a, found, np.setdiff1d(small, found.held))
+    for f in unheld:
         f.evidence["confirm_windows"] = SMALL_WINDOWS
     named = np.setdiff1d(found.rows, np.union1d(found.thin, _contended(t, found.rows, found.excess)))
-    return _findings(t, a, found, named) + small
+    return _findings(t, a, found, np.union1d(named, np.intersect1d(small, found.held))) + unheld
 
 
 def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.ndarray) -> list[Finding]:
