@@ -790,13 +790,16 @@ def code_version() -> str:
 
 
 def merged(paths: list[str]) -> list[Run]:
-    """Earlier batches' runs, for one table; one that mixes code versions says so (its rows are not one matrix)."""
+    """Earlier batches' runs, for one table, in the matrix's order of shapes and faults (a batch's cases beside
+    the same shape's of another batch); one that mixes code versions says so (its rows are not one matrix)."""
     saved = [json.loads(Path(p).read_text()) for p in paths]
     versions = sorted({s.get("code", "unknown") for s in saved})
     if len(versions) > 1:
         print(f"bench_accuracy: these batches ran on {len(versions)} code versions: {', '.join(versions)}",
               file=sys.stderr)
-    return [Run.of(r) for s in saved for r in s["runs"]]
+    order = {name: i for i, name in enumerate([s.name for s in SHAPES] + [f.name for f in FAULTS])}
+    return sorted((Run.of(r) for s in saved for r in s["runs"]),
+                  key=lambda r: (order.get(r.shape, len(order)), order.get(r.fault, len(order))))
 
 
 def save(path: Path, shapes: list[Shape], runs: list[Run], code: str) -> None:

@@ -191,3 +191,16 @@ def test_batches_name_their_code_and_a_table_that_mixes_versions_says_so(tmp_pat
     assert "ran on 2 code versions" in capsys.readouterr().err
     assert bench.main(["--table", str(tmp_path / "a.json"), str(tmp_path / "gone.json")]) == 2
     assert "no such file: " + str(tmp_path / "gone.json") in capsys.readouterr().err
+
+
+def test_batches_merge_in_the_matrixs_order_of_shapes_and_faults(tmp_path):
+    """Two batches of the same shapes (one the healthy and small cases, the other the rest) read as one matrix:
+    each shape's rows together, its faults in the matrix's order."""
+    bench = bench_accuracy()
+    run = lambda shape, fault: bench.Run(shape, fault, right=True, false=[], findings=[], job="a")  # noqa: E731
+    shapes = [s for s in bench.SHAPES if s.name in ("mlp-2", "lm-2")]
+    bench.save(tmp_path / "a.json", shapes, [run("mlp-2", "healthy"), run("lm-2", "healthy")], "c")
+    bench.save(tmp_path / "b.json", shapes, [run("lm-2", "gc"), run("mlp-2", "compute"), run("mlp-2", "gc")], "c")
+    runs = bench.merged([str(tmp_path / "b.json"), str(tmp_path / "a.json")])
+    assert [(r.shape, r.fault) for r in runs] == [("mlp-2", "healthy"), ("mlp-2", "compute"), ("mlp-2", "gc"),
+                                                  ("lm-2", "healthy"), ("lm-2", "gc")]
