@@ -797,9 +797,10 @@ def merged(paths: list[str]) -> list[Run]:
     if len(versions) > 1:
         print(f"bench_accuracy: these batches ran on {len(versions)} code versions: {', '.join(versions)}",
               file=sys.stderr)
-    order = {name: i for i, name in enumerate([s.name for s in SHAPES] + [f.name for f in FAULTS])}
+    shapes = {s.name: i for i, s in enumerate(SHAPES)}
+    faults = {f.name: i for i, f in enumerate(FAULTS)}
     return sorted((Run.of(r) for s in saved for r in s["runs"]),
-                  key=lambda r: (order.get(r.shape, len(order)), order.get(r.fault, len(order))))
+                  key=lambda r: (shapes.get(r.shape, len(shapes)), faults.get(r.fault, len(faults))))
 
 
 def save(path: Path, shapes: list[Shape], runs: list[Run], code: str) -> None:
