@@ -71,7 +71,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
         peers = table if len(groups) == 1 else rank_table([table.patterns[i] for i in rows], table.job_step_s,
                                                           table.records.take(rows))
         alignment = align_collectives(peers.patterns, peers.job_step_s, peers.records)
-        throttled = gpu_throttle(peers, alignment)
+        throttled = gpu_throttle(peers)
         explained = {r for f in throttled for r in f.ranks}
         contended, waited_for_job = cpu_contention(peers, alignment)
         self_contended |= waited_for_job
@@ -80,7 +80,7 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
                       if not (f.component == "gpu" and set(f.ranks) <= explained)]
         small += [f for f in stragglers if confirm_windows(f.evidence) > 1]
         stragglers = [f for f in stragglers if confirm_windows(f.evidence) == 1] + contended
-        found += stragglers + throttled + node_fault(peers, alignment)
+        found += stragglers + throttled + node_fault(peers)
         timed += slow_link(peers, alignment, {r for f in found for r in f.ranks} | self_contended)
     found += launch_bound(table)
     # The link matrix (NCCL profiler plugin) names the precise link or node; the timing-based rule, from

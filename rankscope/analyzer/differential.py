@@ -99,33 +99,11 @@ class Alignment:
     # The least, over the window's pieces (HELD_PIECES of at least HELD_STEPS steps each), by which its late
     # share led every other rank's: how steadily it was the late one (NaN: not compared or too few steps).
     held_lead: np.ndarray
-    # The job's time as pieces (K) over which the collectives within one step ahead (STEP_SPAN) are the same:
-    # each rank's largest lateness among them (ranks x K; NaN rows: not compared), the pieces' lengths in steps.
-    ahead_late_s: np.ndarray
-    ahead_steps: np.ndarray
 
     @classmethod
     def empty(cls, n: int) -> Alignment:
         nan = np.full(n, np.nan)
-        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy(), np.full((n, 0), np.nan),
-                   np.zeros(0))
-
-    def waited_for(self, rows: Sequence[int]) -> float:
-        """What the job waits for these ranks alone per step: at each moment, how much later than the last
-        of the other ranks the last of them arrives at the collectives of the step ahead, averaged over the
-        window's time (a wait shows for STEP_SPAN of a step ahead of it, hence the division). The what-if of
-        removing their delay: against the others' median instead, a host's noise (whichever rank is last in
-        a healthy step) counted as the straggler's (cnn-3's compute straggler cost 0.42 for a true 0.28), and
-        the ranks of one slow node, late together, are waited for as one. A rank late by 130 ms every other
-        step is waited for 65 ms a step. NaN when not compared."""
-        late = self.ahead_late_s
-        compared = np.isfinite(late[:, 0]) if late.shape[1] else np.zeros(late.shape[0], dtype=bool)
-        group = np.zeros(late.shape[0], dtype=bool)
-        group[list(rows)] = True
-        if not compared[group].all() or not compared[~group].any():
-            return float("nan")
-        waited = np.maximum(late[group].max(axis=0) - late[compared & ~group].max(axis=0), 0.0)
-        return float(waited @ self.ahead_steps / self.ahead_steps.sum() / STEP_SPAN)
+        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy())
 
 
 STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
@@ -135,7 +113,7 @@ HELD_STEPS = 40  # ...of at least this many steps each, and at least two (a 2 s 
 
 
 def _late_per_step(enter: np.ndarray, step_s: float,
-                   held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per rank (row): how late it arrives per step, the median over stretches of one step (STEP_SPAN) of its
     largest lateness among the instances (columns) that start there; and the share of those stretches in
     which it arrived later than the median of the other ranks by LATE_MARGIN of a step. A straggler is late
@@ -146,8 +124,8 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     quickest rank each rank stayed in a rooted collective (a broadcast's root waits there for the last
     receiver, the straggler), and that much of its lateness at the instances within a step after it is
     forgiven (cnn-3: the root, held 30-47 ms a step, then arrived 35 ms late at the all-reduces, as late
-    as the straggler that held it, in 74% of the steps); None: no rooted instance was lined up. Then how
-    steadily each rank was the late one (_held_lead), and last _ahead's pieces (Alignment.waited_for)."""
+    as the straggler that held it, in 74% of the steps); None: no rooted instance was lined up. Last, how
+    steadily each rank was the late one (_held_lead)."""
     first = enter.min(axis=0)
     order = np.argsort(first, kind="stable")  # instances by time (completion order may differ)
     if (np.diff(order) < 0).any():  # reordered only when out of order: 100,000 ranks x 16 copied costs ~20 ms
@@ -168,8 +146,7 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     else:  # a small job: each rank against the others only (of two ranks, the median of both halves it)
         others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in range(n)])
     was_late = stretches - others >= LATE_MARGIN * step_s
-    return (row_medians(stretches), np.mean(was_late, axis=1), _held_lead(was_late),
-            *_ahead(late, first, step_s))
+    return row_medians(stretches), np.mean(was_late, axis=1), _held_lead(was_late)
 
 
 def _held_lead(was_late: np.ndarray) -> np.ndarray:
@@ -184,29 +161,10 @@ def _held_lead(was_late: np.ndarray) -> np.ndarray:
     if pieces < 2 or n < 2:
         return np.full(n, np.nan)
     share = np.stack([c.mean(axis=1) for c in np.array_split(was_late, pieces, axis=1)], axis=1)  # ranks x pieces
-    if n == 2:
-        other = share[::-1]
-    else:  # each piece's two largest: the largest is every rank's best other but its own (a tie: the same)
-        top = np.partition(share, n - 2, axis=0)[-2:]
-        other = np.where(share == top[1], top[0], top[1])
+    # Each piece's two largest: the largest is every rank's best other but its own (a tie: the same).
+    top = np.partition(share, n - 2, axis=0)[-2:]
+    other = np.where(share == top[1], top[0], top[1])
     return (share - other).min(axis=1)
-
-
-def _ahead(late: np.ndarray, first: np.ndarray, step_s: float) -> tuple[np.ndarray, np.ndarray]:
-    """The window's time (from a step before the first instance to the last) cut where the instances
-    within STEP_SPAN ahead change: per piece, each rank's largest lateness among them (ranks x pieces, 0
-    where none) and its length in steps."""
-    span = STEP_SPAN * step_s
-    cuts = np.unique(np.concatenate([first, first - span]))
-    mid = (cuts[:-1] + cuts[1:]) / 2  # the same instances lie ahead anywhere in a piece: asked in its middle
-    lo = np.searchsorted(first, mid, side="left")
-    hi = np.searchsorted(first, mid + span, side="left")
-    late = late.astype(np.float32)  # microseconds kept; 100,000 ranks x ~130 pieces: 52 MB, not 104
-    pieces = np.zeros((late.shape[0], mid.size), np.float32)
-    for c, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
-        if b > a:
-            np.max(late[:, a:b], axis=1, out=pieces[:, c])
-    return pieces, np.diff(cuts) / step_s
 
 
 def _carried(held: np.ndarray, first: np.ndarray, step_s: float) -> np.ndarray:
@@ -360,17 +318,12 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
         arrivals = np.concatenate([Ek, r_enter], axis=1)
     else:
         held, arrivals = None, Ek
-    (out.arrival_late_s[compared], out.late_share[compared], out.held_lead[compared], pieces,
-     lengths) = _late_per_step(arrivals, step_s, held)
-    if compared.all():  # every rank: the pieces themselves (100,000 ranks: no second 12 MB array to fill)
-        ahead = pieces
-    else:
-        ahead = np.full((n, pieces.shape[1]), np.nan, np.float32)
-        ahead[compared] = pieces
+    out.arrival_late_s[compared], out.late_share[compared], out.held_lead[compared] = _late_per_step(
+        arrivals, step_s, held)
     out.finish_late_s[compared] = row_medians(Dk - Dk.min(axis=0))
     out.transfer_s[compared] = row_medians(Dk - Ek.max(axis=0))
     out.bytes[compared] = row_medians(Bk)
     names = {i: name for name, i in op_ids.items()}
     top_op = Counter(ref_op[kept].tolist()).most_common(1)[0][0]
     return Alignment(out.arrival_late_s, out.finish_late_s, out.transfer_s, out.bytes,
-                     int(np.count_nonzero(kept)), names[top_op], out.late_share, out.held_lead, ahead, lengths)
+                     int(np.count_nonzero(kept)), names[top_op], out.late_share, out.held_lead)

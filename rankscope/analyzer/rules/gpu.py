@@ -6,9 +6,9 @@ from operator import attrgetter
 
 import numpy as np
 
-from rankscope.analyzer.differential import Alignment, peers_median
+from rankscope.analyzer.differential import peers_median
 from rankscope.analyzer.metrics import HOST_COLLECTIVES, RankTable
-from rankscope.analyzer.rules.stragglers import MIN_RANKS, delay, straggling
+from rankscope.analyzer.rules.stragglers import MIN_RANKS, straggling
 from rankscope.analyzer.rules.wording import ms, rank_list
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import Role
@@ -30,7 +30,7 @@ def _reasons(bits: int) -> list[str]:
     return [name for bit, name in THROTTLE_REASONS.items() if bits & bit]
 
 
-def gpu_throttle(t: RankTable, a: Alignment | None = None) -> list[Finding]:
+def gpu_throttle(t: RankTable) -> list[Finding]:
     """Straggling ranks whose GPU runs below its peers' clocks with a slowdown reason (thermal, power, ...):
     the straggler's root cause is its GPU's clock, not its work."""
     health = list(map(attrgetter("gpu_health"), t.patterns))
@@ -51,7 +51,7 @@ def gpu_throttle(t: RankTable, a: Alignment | None = None) -> list[Finding]:
         if h is None or not np.isfinite(ratio[i]) or peers - ratio[i] < CLOCK_DROP or not _reasons(h.throttle_reasons):
             continue
         reasons = _reasons(h.throttle_reasons)
-        cost = float(np.clip(delay(a, [i], float(excess[i])) / step, 0.0, 1.0))
+        cost = float(np.clip(excess[i] / step, 0.0, 1.0))  # what-if: as a compute straggler's
         out.append(Finding(
             kind="gpu_throttle", ranks=[int(t.rank[i])], function=None, component="gpu", score=float(z[i]), cost=cost,
             summary=(f"rank {t.rank[i]}'s GPU {h.index} runs at {h.sm_clock_mhz} MHz ({ratio[i]:.0%} of its "

@@ -8,9 +8,9 @@ from operator import attrgetter
 
 import numpy as np
 
-from rankscope.analyzer.differential import Alignment, peers_median
+from rankscope.analyzer.differential import peers_median
 from rankscope.analyzer.metrics import RankTable
-from rankscope.analyzer.rules.stragglers import decidable, delay, straggling
+from rankscope.analyzer.rules.stragglers import decidable, straggling
 from rankscope.analyzer.rules.wording import range_ms, rank_list
 from rankscope.schema.finding import Finding
 
@@ -26,7 +26,7 @@ class LostRanks:
     error: str  # why the last pull failed
 
 
-def node_fault(t: RankTable, a: Alignment | None = None) -> list[Finding]:
+def node_fault(t: RankTable) -> list[Finding]:
     """Every rank of one node (two or more) straggles while ranks of other nodes do not: the node (its power,
     cooling, PCIe switch, a host-wide resource) rather than one GPU. Needs ranks of several nodes: the cluster
     analyzer's view."""
@@ -46,7 +46,7 @@ def node_fault(t: RankTable, a: Alignment | None = None) -> list[Finding]:
         if members.size < 2 or not np.isin(members, rows).all():
             continue
         ranks = sorted(int(t.rank[i]) for i in members)
-        cost = float(np.clip(delay(a, members, float(excess[members].max())) / step, 0.0, 1.0))
+        cost = float(np.clip(excess[members].max() / step, 0.0, 1.0))  # the slowest of the node sets the step
         out.append(Finding(
             kind="node_fault", ranks=ranks, function=None, component="host", score=float(z[members].min()),
             cost=cost,
