@@ -204,3 +204,13 @@ def test_batches_merge_in_the_matrixs_order_of_shapes_and_faults(tmp_path):
     runs = bench.merged([str(tmp_path / "b.json"), str(tmp_path / "a.json")])
     assert [(r.shape, r.fault) for r in runs] == [("mlp-2", "healthy"), ("mlp-2", "compute"), ("mlp-2", "gc"),
                                                   ("lm-2", "healthy"), ("lm-2", "gc")]
+
+
+def test_a_fault_of_the_kind_a_shape_has_already_adds_to_it():
+    """mlp-3-io reads every batch 8 ms late (its storage): its slow loader sleeps those 8 ms and the
+    injected delay, since the job keeps one delay a kind and rank (the last given)."""
+    bench = bench_accuracy()
+    shapes, faults = {s.name: s for s in bench.SHAPES}, {f.name: f for f in bench.FAULTS}
+    spec = bench.fault_spec(shapes["mlp-3-io"], faults["loader"], 0.02)
+    assert spec == "loader:*:0.008,loader:2:0.0280"
+    assert bench.fault_spec(shapes["mlp-3-io"], faults["compute"], 0.05) == "loader:*:0.008,compute:2:0.0250@go"
