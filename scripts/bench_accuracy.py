@@ -78,9 +78,11 @@ ONSET_WINDOWS = 4  # an agent case's windows before its fault's onset
 GUESSED_STEP_S = 0.05  # a shape's step where no healthy run measured it first: it scales the faults
 STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does...
 COST_KEPT = 0.30  # ...and so does a cost this far from the what-if truth (the issue's bar: within +-30%)
-# A healthy job whose own step in a window is this much slower than the median of its earlier windows did slow
-# down (something outside it: the machine's other work); a regression named there is its truth, not false.
+# A healthy job whose own step in a window is this much slower than the median of its earlier windows (or of its
+# first FIRST_WINDOWS) did slow down (something outside it: the machine's other work); a regression named there
+# is its truth, not false.
 SLOWED_BY = 0.10
+FIRST_WINDOWS = 3  # the windows a young baseline is made of (analyzer/baseline.py)
 
 
 @dataclass(frozen=True)
@@ -285,15 +287,21 @@ def score_figures(run: Run, doc: dict, healthy_step: float, injected: float | No
     run.extra_s = per_rank[0]["excess_s"] if run.injected_s and per_rank else None
 
 
-def slowed_windows(truth: dict[str, Any] | None) -> set[int]:
+def slowed_windows(truth: dict[str, Any] | None) -> dict[int, float]:
     """The windows of an agent run in which the job, by its own step log, ran SLOWED_BY slower than the median
-    of its earlier windows."""
+    of its earlier windows or of its first FIRST_WINDOWS (what the agent's baseline is first made of: a lasting
+    slowdown the agent names once it held is otherwise measured against windows it already slowed; lm-2 ran
+    80-86 ms, then 92-106 ms for six windows, named +16% in the sixth, +3% over the median of all before it),
+    each with how much slower."""
     steps = (truth or {}).get("windows_s", [])
-    out = set()
+    out = {}
     for i in range(1, len(steps)):
         earlier = [x for x in steps[:i] if x]
-        if steps[i] and earlier and steps[i] / statistics.median(earlier) - 1 >= SLOWED_BY:
-            out.add(i)
+        if not steps[i] or not earlier:
+            continue
+        base = min(statistics.median(earlier), statistics.median(earlier[:FIRST_WINDOWS]))
+        if steps[i] / base - 1 >= SLOWED_BY:
+            out[i] = steps[i] / base - 1
     return out
 
 
@@ -301,15 +309,14 @@ def borne_out(by_window: list[list[dict]], truth: dict[str, Any] | None) -> tupl
     """A healthy agent run's findings less the regressions its job's own log bears out (slowed_windows): what
     is left to score, and those as labels ("regression[0, 1] (the job's log: +25%)"). A regression held
     through the deep windows it raised ("held") is the earlier window's finding again, scored there."""
-    slowed, steps = slowed_windows(truth), (truth or {}).get("windows_s", [])
+    slowed = slowed_windows(truth)
     left, shown = [], []
     for i, findings in enumerate(by_window):
         for f in findings:
             if f.get("held"):
                 continue
             if f["kind"] == "regression" and i in slowed:
-                base = statistics.median(x for x in steps[:i] if x)
-                shown.append(f"{label(f)} (the job's log: {steps[i] / base - 1:+.0%})")
+                shown.append(f"{label(f)} (the job's log: {slowed[i]:+.0%})")
             else:
                 left.append(f)
     return left, shown
