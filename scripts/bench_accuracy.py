@@ -299,9 +299,9 @@ def slowed_windows(truth: dict[str, Any] | None) -> dict[int, float]:
         earlier = [x for x in steps[:i] if x]
         if not steps[i] or not earlier:
             continue
-        base = min(statistics.median(earlier), statistics.median(earlier[:FIRST_WINDOWS]))
-        if steps[i] / base - 1 >= SLOWED_BY:
-            out[i] = steps[i] / base - 1
+        slower = steps[i] / min(statistics.median(earlier), statistics.median(earlier[:FIRST_WINDOWS])) - 1
+        if slower >= SLOWED_BY:
+            out[i] = slower
     return out
 
 
