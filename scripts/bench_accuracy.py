@@ -23,8 +23,9 @@ median over the same window: median and worst), cost error (the finding's cost a
 straggler, on the same job before the fault is switched on; for a hog, on the same pinned job before the hog
 starts; for an agent case, the job's step before the onset against its step in the window that names it), the
 extra time per step the finding reports for its rank against the delay injected (compute and in-process loader
-faults; a regression's growth against the delay on every rank), and, for
-agent cases, time to the finding. A healthy job watched by the agent can still slow down (the machine's other
+faults; a regression's growth against the delay on every rank), for agent cases time to the finding, and
+last what the case lacks against issue #13's bar ("met", or "15 more runs", "right 3/5", "cost -32%":
+short_of_bar). A healthy job watched by the agent can still slow down (the machine's other
 work): a regression named in a window where the job's own log shows it 10% slower than the median of its
 earlier windows is the job's truth, listed with that figure, not a false finding.
 A wrong diagnose verdict, a false finding, a step time off by more than 10% or a cost off by more than 30% keeps
@@ -83,6 +84,12 @@ COST_KEPT = 0.30  # ...and so does a cost this far from the what-if truth (the i
 # is its truth, not false.
 SLOWED_BY = 0.10
 FIRST_WINDOWS = 3  # the windows a young baseline is made of (analyzer/baseline.py)
+# Issue #13's bar, per case: every fault case right in 19 of 20 runs, no finding in 20 healthy runs, step time
+# within 5% of the job's own, cost within 30% of the injected share (the what-if where no delay is injected).
+BAR_RUNS = 20
+BAR_RIGHT = 19 / 20
+BAR_STEP = 0.05
+BAR_COST = 0.30
 
 
 @dataclass(frozen=True)
@@ -639,7 +646,28 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                      "job_slowed": med([r.job_slowed for r in rs if r.job_slowed is not None]),
                      "missed_slowed": [r.job_slowed for r in rs if not r.right and r.job_slowed is not None],
                      "seen": sorted({", ".join(r.findings) or "-" for r in rs})})
+        rows[-1]["bar"] = short_of_bar(rows[-1])
     return rows
+
+
+def short_of_bar(row: dict[str, Any]) -> str:
+    """What a summarized case lacks against the bar (BAR_*), or "met": the table's last column, so a session
+    reads what its matrix still owes without recounting. A case that can fail must be right in BAR_RIGHT of
+    its runs, a healthy one in all; a false finding beside a right verdict is short too."""
+    expect = next((f.expect for f in FAULTS if f.name == row["fault"]), None)
+    short = []
+    if row["runs"] < BAR_RUNS:
+        short.append(f"{BAR_RUNS - row['runs']} more runs")
+    if row["right"] < (BAR_RIGHT * row["runs"] if expect else row["runs"]):
+        short.append(f"right {row['right']}/{row['runs']}")
+    if row["false"]:
+        short.append(f"{row['false']} false")
+    if row["step_err_worst"] is not None and row["step_err_worst"] > BAR_STEP:
+        short.append(f"step {row['step_err_worst']:.0%}")
+    cost = row["injected_err"] if row.get("injected_err") is not None else row["cost_err"]
+    if cost is not None and abs(cost) > BAR_COST:
+        short.append(f"cost {cost:+.0%}")
+    return "; ".join(short) or "met"
 
 
 def replay(dirs: list[Path]) -> list[Run]:
@@ -718,8 +746,8 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], trut
 def table(rows: list[dict[str, Any]]) -> str:
     pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
     lines = ["| shape | fault | step | right | jobs | false findings | step-time error (worst) | cost error | "
-             "extra time vs injected | time to finding | job slowed (missed) | seen |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "extra time vs injected | time to finding | job slowed (missed) | seen | bar |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ttf = "-" if r["to_finding_s"] is None else f"{r['to_finding_s']:.1f} s"
         step = "-" if r["step_err"] is None else f"{r['step_err']:.0%} ({r['step_err_worst']:.0%})"
@@ -730,7 +758,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         slowed = pct(r.get("job_slowed")) + (f" ({missed})" if missed else "")
         lines.append(f"| {r['shape']} | {r['fault']} | {truth} | {r['right']}/{r['runs']} | {r['jobs']} | "
                      f"{r['false']} | {step} | {cost} | {pct(r.get('extra_err'))} | {ttf} | {slowed} | "
-                     f"{'; '.join(r['seen'])[:80]} |")
+                     f"{'; '.join(r['seen'])[:80]} | {r['bar']} |")
     return "\n".join(lines)
 
 

@@ -217,3 +217,24 @@ def test_a_fault_of_the_kind_a_shape_has_already_adds_to_it():
     spec = bench.fault_spec(shapes["mlp-3-io"], faults["loader"], 0.02)
     assert spec == "loader:*:0.008,loader:2:0.0280"
     assert bench.fault_spec(shapes["mlp-3-io"], faults["compute"], 0.05) == "loader:*:0.008,compute:2:0.0250@go"
+
+
+def test_the_table_says_what_each_case_lacks_against_the_bar():
+    """The last column: 19 of 20 right, no finding in 20 healthy runs, step within 5%, cost within 30% of the
+    injected share (the what-if where nothing known was injected); each shortfall named."""
+    bench = bench_accuracy()
+
+    def row(fault, n, wrong=0, **fields):
+        runs = [bench.Run("mlp-4", fault, right=i >= wrong, false=[], findings=[], job="a", **fields) for i in range(n)]
+        return bench.summarize(runs)[0]
+
+    assert row("compute", 20, wrong=1)["bar"] == "met"
+    assert row("compute", 20, wrong=2)["bar"] == "right 18/20"
+    assert row("healthy", 20, wrong=1)["bar"] == "right 19/20"
+    assert row("hang", 5)["bar"] == "15 more runs"
+    assert row("compute", 20, step_s=0.106, truth_step_s=0.1)["bar"] == "step 6%"
+    # The injected share rules where there is one (cnn-3's compute: what-if +100%, injected +2%)
+    assert row("compute", 20, cost=0.4, truth_cost=0.2, injected_cost=0.39)["bar"] == "met"
+    assert row("gc", 20, cost=0.4, truth_cost=0.2)["bar"] == "cost +100%"
+    assert row("loader", 5, cost=0.1, truth_cost=0.2, injected_cost=0.2)["bar"] == "15 more runs; cost -50%"
+    assert bench.table([row("compute", 20)]).splitlines()[-1].endswith("| - | met |")
