@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "jobs"))
 import launch  # noqa: E402  (tests/jobs/launch.py: torchrun jobs with injected faults)
 
-from rankscope.analyzer.baseline import Baseline  # noqa: E402
+from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline  # noqa: E402
 from rankscope.analyzer.diagnosis import DEFAULT_HANG_TIMEOUT_S, diagnose  # noqa: E402
 from rankscope.analyzer.stability import Confirmer  # noqa: E402
 from rankscope.schema.wire import decode_patterns  # noqa: E402
@@ -77,19 +77,18 @@ AGENT_HEALTHY_WINDOWS = 10
 FINDING_TIMEOUT_S = 40.0  # an agent case: from the onset to the fault's finding
 ONSET_WINDOWS = 4  # an agent case's windows before its fault's onset
 GUESSED_STEP_S = 0.05  # a shape's step where no healthy run measured it first: it scales the faults
-STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does...
-COST_KEPT = 0.30  # ...and so does a cost this far from the what-if truth (the issue's bar: within +-30%)
-# A healthy job whose own step in a window is this much slower than the median of its earlier windows (or of its
-# first FIRST_WINDOWS) did slow down (something outside it: the machine's other work); a regression named there
-# is its truth, not false.
-SLOWED_BY = 0.10
-FIRST_WINDOWS = 3  # the windows a young baseline is made of (analyzer/baseline.py)
 # Issue #13's bar, per case: every fault case right in 19 of 20 runs, no finding in 20 healthy runs, step time
 # within 5% of the job's own, cost within 30% of the injected share (the what-if where no delay is injected).
 BAR_RUNS = 20
 BAR_RIGHT = 19 / 20
 BAR_STEP = 0.05
 BAR_COST = 0.30
+STEP_KEPT = 0.10  # a step time this far from the job's own keeps its evidence, as a wrong verdict does...
+COST_KEPT = BAR_COST  # ...and so does a cost this far from the what-if truth
+# A healthy job whose own step in a window is this much slower than the median of its earlier windows (or of its
+# first MIN_WINDOWS, a young baseline's) did slow down (something outside it: the machine's other work); a
+# regression named there is its truth, not false.
+SLOWED_BY = 0.10
 
 
 @dataclass(frozen=True)
@@ -296,7 +295,7 @@ def score_figures(run: Run, doc: dict, healthy_step: float, injected: float | No
 
 def slowed_windows(truth: dict[str, Any] | None) -> dict[int, float]:
     """The windows of an agent run in which the job, by its own step log, ran SLOWED_BY slower than the median
-    of its earlier windows or of its first FIRST_WINDOWS (what the agent's baseline is first made of: a lasting
+    of its earlier windows or of its first MIN_WINDOWS (what the agent's baseline is first made of: a lasting
     slowdown the agent names once it held is otherwise measured against windows it already slowed; lm-2 ran
     80-86 ms, then 92-106 ms for six windows, named +16% in the sixth, +3% over the median of all before it),
     each with how much slower."""
@@ -306,7 +305,7 @@ def slowed_windows(truth: dict[str, Any] | None) -> dict[int, float]:
         earlier = [x for x in steps[:i] if x]
         if not steps[i] or not earlier:
             continue
-        slower = steps[i] / min(statistics.median(earlier), statistics.median(earlier[:FIRST_WINDOWS])) - 1
+        slower = steps[i] / min(statistics.median(earlier), statistics.median(earlier[:MIN_WINDOWS])) - 1
         if slower >= SLOWED_BY:
             out[i] = slower
     return out
