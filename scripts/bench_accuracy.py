@@ -199,9 +199,11 @@ class Run:
     extra_s: float | None = None
     injected_s: float | None = None
     to_finding_s: float | None = None
-    # An agent case's fault as the job felt it: its own step in the windows wholly after the onset against its
-    # step before, less 1. A rank that spins a tenth of the step can cost its job nothing (it had that much
-    # slack: cnn-3's rank 2 waits longest of its three), so a miss is read beside what it cost.
+    # The fault as the job felt it: an agent case's own step in the windows wholly after the onset against its
+    # step before, a diagnose case's step in the window against its reference (window_slowed), less 1. A rank
+    # that spins a tenth of the step can cost its job nothing (it had that much slack: cnn-3's rank 2 waits
+    # longest of its three), and so can a slow link whose transfers hide behind a CPU-bound step (cnn-3 on a
+    # slower host: 124-141 ms steps with the link slowed, 127-141 without), so a miss is read beside its cost.
     job_slowed: float | None = None
     error: str = ""
     job: str = ""  # the job's run id: runs of one job are its consecutive diagnose windows
@@ -291,6 +293,12 @@ def score_figures(run: Run, doc: dict, healthy_step: float, injected: float | No
     run.injected_cost = None if run.injected_s is None else min(run.injected_s / run.truth_step_s, 1.0)
     per_rank = finding["evidence"].get("per_rank")
     run.extra_s = per_rank[0]["excess_s"] if run.injected_s and per_rank else None
+
+
+def window_slowed(run: Run, fault: Fault, healthy_step: float | None) -> None:
+    """A faulty diagnose window's Run.job_slowed, right or wrong: the job's step in it against the what-if."""
+    if fault.expect and healthy_step and run.truth_step_s:
+        run.job_slowed = run.truth_step_s / healthy_step - 1
 
 
 def slowed_windows(truth: dict[str, Any] | None) -> dict[int, float]:
@@ -495,6 +503,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
         w = doc["window"]
         job.wait_written(w["end"])
         run.truth_step_s = job.step_time(w["start"], w["end"])
+        window_slowed(run, fault, healthy_step)
         if doc["findings"] and right and fault.expect and healthy_step and run.truth_step_s:
             score_figures(run, doc, healthy_step, injected)
     if misses.wanted(run):
@@ -706,6 +715,7 @@ def replay(dirs: list[Path]) -> list[Run]:
         if injected is None and healthy:
             injected = injected_s(shape, fault.injection, healthy)
         run.cost = run.injected_cost = run.extra_s = run.injected_s = None
+        window_slowed(run, fault, healthy)
         timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
         doc = next(iter(diagnose(decode_patterns(saved.read_bytes()), timeout).values()))
         run.right, run.false = score(shape, fault, doc["findings"])

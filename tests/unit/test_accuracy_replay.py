@@ -57,6 +57,23 @@ def test_a_kept_window_without_a_reference_is_scored_against_the_shapes_healthy_
     assert slow.truth_cost == pytest.approx(1 - 0.048 / 0.064) and slow.cost is not None
 
 
+def test_a_missed_window_reads_beside_what_its_fault_cost_the_job(tmp_path):
+    """A slow link hidden behind a CPU-bound step slows its job by nothing: its missed windows show that, as an
+    agent case's misses do (the table's "job slowed (missed)"), and a right one its slowdown too."""
+    bench = bench_accuracy()
+    keep(bench, tmp_path, "mlp-4-slowlink-a-0", "slowlink", simulate(4), [], 0.0485)
+    keep(bench, tmp_path, "mlp-4-slowlink-a-1", "slowlink", simulate(4, link_extra={3: 0.016}), [], 0.064)
+    for i, step in enumerate((0.047, 0.048, 0.052)):
+        keep(bench, tmp_path, f"mlp-4-healthy-b-{i}", "healthy", simulate(4, seed=i), [], step)
+    runs = bench.replay([tmp_path])
+    missed, found = sorted((r for r in runs if r.fault == "slowlink"), key=lambda r: r.truth_step_s)
+    assert not missed.right and missed.job_slowed == pytest.approx(0.0485 / 0.048 - 1)
+    assert found.right and found.job_slowed == pytest.approx(0.064 / 0.048 - 1)
+    assert all(r.job_slowed is None for r in runs if r.fault == "healthy")
+    row = next(r for r in bench.summarize(runs) if r["fault"] == "slowlink")
+    assert row["missed_slowed"] == [pytest.approx(0.0485 / 0.048 - 1)]
+
+
 def keep_agent_run(bench, folder: Path, name: str, windows, fault: str = "healthy-agent", truth=None,
                    injected_s: float | None = None, shape: str = "mlp-4") -> None:
     """An agent's run as the matrix keeps it: each window's patterns in order, the run, and a regression's
