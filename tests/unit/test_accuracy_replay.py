@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from test_analyzer import simulate
+from test_analyzer_links import MBPS, tcp_ring
 
 from rankscope.schema.wire import encode_patterns
 
@@ -255,3 +256,35 @@ def test_the_table_says_what_each_case_lacks_against_the_bar():
     assert row("gc", 20, cost=0.4, truth_cost=0.2)["bar"] == "cost +100%"
     assert row("loader", 5, cost=0.1, truth_cost=0.2, injected_cost=0.2)["bar"] == "15 more runs; cost -50%"
     assert bench.table([row("compute", 20)]).splitlines()[-1].endswith("| - | met |")
+
+
+def test_a_regression_spun_on_more_ranks_than_cores_is_scored_on_the_jobs_own_slowdown():
+    """A delay spun on every rank of mlp-4 (four ranks) on two cores costs the job more than the delay (each
+    spin holds a core a peer needs): its cost is scored against the job's own slowdown, not the delay's share;
+    with a core a rank, or for a straggler's delay (one rank), the injected share still rules."""
+    bench = bench_accuracy()
+    figures = {"cost": 0.45, "truth_cost": 0.45, "injected_cost": 0.30}
+    regression = bench.Run("mlp-4", "regression", right=True, false=[], findings=[], **figures)
+    assert regression.spins_contend and regression.injected_err is None and regression.cost_err == 0
+    assert bench.summarize([regression] * 20)[0]["bar"] == "met"
+    on_cores = bench.Run("mlp-4", "regression", right=True, false=[], findings=[], cores=4, **figures)
+    assert not on_cores.spins_contend and on_cores.injected_err == pytest.approx(0.5)
+    straggler = bench.Run("mlp-4", "compute", right=True, false=[], findings=[], **figures)
+    assert not straggler.spins_contend and straggler.injected_err == pytest.approx(0.5)
+    assert bench.Run.of(json.loads(json.dumps(asdict(regression)))).cores == 2  # kept runs keep their machine's
+
+
+def test_slowlink_4x_caps_the_victims_links_at_a_quarter_of_the_healthy_links_pace():
+    """A fixed 100 Mbit/s is no fault where the job's healthy links run near it (cnn-3 on a slower host: 13-17
+    MB/s); slowlink-4x caps the victim's links at a quarter of the pace the shape's healthy windows measured."""
+    bench = bench_accuracy()
+    shapes, faults = {s.name: s for s in bench.SHAPES}, {f.name: f for f in bench.FAULTS}
+    assert bench.link_pace(tcp_ring(simulate(4))) == pytest.approx(MBPS)  # the median link's bytes / wire time
+    assert bench.link_pace(simulate(4)) is None  # no link moved a byte
+    link = bench.slow_link(shapes["cnn-3"], faults["slowlink-4x"], 20e6)
+    assert (link.rank, link.rate) == (2, "40000kbit")  # 20 MB/s = 160 Mbit/s, a quarter of it
+    assert bench.slow_link(shapes["cnn-3"], faults["slowlink"], None).rate == "100mbit"
+    assert bench.slow_link(shapes["cnn-3"], faults["healthy"], 20e6) is None
+    with pytest.raises(RuntimeError, match="healthy case first"):
+        bench.slow_link(shapes["cnn-3"], faults["slowlink-4x"], None)
+    assert shapes["cnn-3"].takes(faults["slowlink-4x"]) and not shapes["mlp-2"].takes(faults["slowlink-4x"])
