@@ -830,14 +830,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' JSON files instead")
     ap.add_argument("--replay", nargs="+", metavar="DIR", type=Path,
                     help="diagnose the windows kept in DIR again with the current analyzer; print their table")
+    ap.add_argument("--healthy-from", nargs="+", default=[], metavar="JSON",
+                    help="earlier batches (this machine's) whose healthy runs scale this one's faults, as if run first")
     ap.add_argument("--load", type=int, default=0, metavar="N",
                     help="a loaded machine: N busy processes beside the jobs, on and off at random (see neighbours)")
     args = ap.parse_args(argv)
+    if missing := [f for f in [*(args.table or []), *args.healthy_from] if not Path(f).is_file()]:
+        print(f"bench_accuracy: no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
     if args.table:
-        missing = [f for f in args.table if not Path(f).is_file()]
-        if missing:
-            print(f"bench_accuracy: no such file: {', '.join(missing)}", file=sys.stderr)
-            return 2
         print(table(summarize(merged(args.table))))
         return 0
     if args.replay:
@@ -856,8 +857,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in SHAPES if s.name in args.shapes.split(",")]
     faults = [f for f in FAULTS if f.name in args.faults.split(",")]
     runs: list[Run] = []
-    healthy: dict[str, list[float]] = {}
-    paces: dict[str, list[float]] = {}  # shape -> its healthy windows' link pace
+    healthy, paces = healthy_references(merged(args.healthy_from) if args.healthy_from else [])
     code = code_version()  # once, at the start: the checkout may change under a long matrix
     with tempfile.TemporaryDirectory(prefix="rankscope-accuracy-") as tmp, neighbours(args.load):
         for repeat in range(args.repeats):
@@ -884,6 +884,21 @@ def main(argv: list[str] | None = None) -> int:
                     save(Path(args.json), shapes, runs, code)
     print(table(summarize(runs)))
     return 0
+
+
+def healthy_references(runs: list[Run]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """shape -> its healthy runs' steps, and their link paces (Run.links_Bps): what a batch's faults are scaled
+    to. From earlier batches on this machine (--healthy-from), a batch without the healthy case still scales its
+    faults to the shape's step: a regression's delay on a guessed 50 ms step was a third of lm-2's step on one
+    machine and 7% of its 175 ms on a slower one, where the agent missed it."""
+    steps: dict[str, list[float]] = {}
+    paces: dict[str, list[float]] = {}
+    for run in runs:
+        if run.fault == "healthy" and run.truth_step_s:
+            steps.setdefault(run.shape, []).append(run.truth_step_s)
+        if run.fault == "healthy" and run.links_Bps:
+            paces.setdefault(run.shape, []).append(run.links_Bps)
+    return steps, paces
 
 
 def code_version() -> str:

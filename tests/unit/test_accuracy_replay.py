@@ -212,6 +212,18 @@ def test_batches_name_their_code_and_a_table_that_mixes_versions_says_so(tmp_pat
     assert "ran on 2 code versions" in capsys.readouterr().err
     assert bench.main(["--table", str(tmp_path / "a.json"), str(tmp_path / "gone.json")]) == 2
     assert "no such file: " + str(tmp_path / "gone.json") in capsys.readouterr().err
+    assert bench.main(["--healthy-from", str(tmp_path / "gone.json")]) == 2
+
+
+def test_a_batch_without_the_healthy_case_scales_its_faults_to_earlier_healthy_runs():
+    """--healthy-from: earlier batches' healthy runs (their steps, their links' pace) stand in for the healthy
+    case run first; the other runs there are not references."""
+    bench = bench_accuracy()
+    run = lambda fault, step, pace: bench.Run("lm-2", fault, right=True, false=[], findings=[],  # noqa: E731
+                                              truth_step_s=step, links_Bps=pace)
+    steps, paces = bench.healthy_references([run("healthy", 0.17, 9e6), run("healthy", 0.18, None),
+                                             run("compute", 0.3, 8e6)])
+    assert steps == {"lm-2": [0.17, 0.18]} and paces == {"lm-2": [9e6]}
 
 
 def test_batches_merge_in_the_matrixs_order_of_shapes_and_faults(tmp_path):
