@@ -50,7 +50,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -857,26 +857,22 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in SHAPES if s.name in args.shapes.split(",")]
     faults = [f for f in FAULTS if f.name in args.faults.split(",")]
     runs: list[Run] = []
-    healthy, paces = healthy_references(merged(args.healthy_from) if args.healthy_from else [])
+    references = References.of(merged(args.healthy_from) if args.healthy_from else [])
     code = code_version()  # once, at the start: the checkout may change under a long matrix
     with tempfile.TemporaryDirectory(prefix="rankscope-accuracy-") as tmp, neighbours(args.load):
         for repeat in range(args.repeats):
             for shape in shapes:
                 # The healthy run comes first: its step time scales the faults and is the cost's reference.
                 for fault in sorted(filter(shape.takes, faults), key=lambda f: f.name != "healthy"):
-                    ref = statistics.median(healthy[shape.name]) if healthy.get(shape.name) else None
-                    pace = statistics.median(paces[shape.name]) if paces.get(shape.name) else None
                     try:
-                        case = run_case(shape, fault, Path(tmp), ref, Evidence(Path(args.misses), args.keep_all),
-                                        args.windows, pace)
+                        case = run_case(shape, fault, Path(tmp), references.step(shape.name),
+                                        Evidence(Path(args.misses), args.keep_all), args.windows,
+                                        references.pace(shape.name))
                     except Exception as e:  # noqa: BLE001  (a case that could not run is reported, not fatal)
                         case = [Run(shape.name, fault.name, False, [], [], error=f"{type(e).__name__}: {e}"[:300])]
                     for run in case:
                         run.cores = os.cpu_count() or run.cores
-                        if fault.name == "healthy" and run.truth_step_s:
-                            healthy.setdefault(shape.name, []).append(run.truth_step_s)
-                        if fault.name == "healthy" and run.links_Bps:
-                            paces.setdefault(shape.name, []).append(run.links_Bps)
+                        references.add(run)
                         runs.append(run)
                         log(f"{repeat + 1}/{args.repeats} {shape.name} {fault.name}: "
                             f"{'right' if run.right else 'WRONG'} {run.findings or '-'} step {run.step_s} vs "
@@ -886,19 +882,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def healthy_references(runs: list[Run]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+@dataclass
+class References:
     """shape -> its healthy runs' steps, and their link paces (Run.links_Bps): what a batch's faults are scaled
-    to. From earlier batches on this machine (--healthy-from), a batch without the healthy case still scales its
-    faults to the shape's step: a regression's delay on a guessed 50 ms step was a third of lm-2's step on one
-    machine and 7% of its 175 ms on a slower one, where the agent missed it."""
-    steps: dict[str, list[float]] = {}
-    paces: dict[str, list[float]] = {}
-    for run in runs:
+    to, the batch's own healthy runs added as they come. From earlier batches on this machine (--healthy-from),
+    a batch without the healthy case still scales its faults to the shape's step: a regression's delay on a
+    guessed 50 ms step was a third of lm-2's step on one machine and 7% of its 175 ms on a slower one, where the
+    agent missed it."""
+
+    steps: dict[str, list[float]] = field(default_factory=dict)
+    paces: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, runs: list[Run]) -> References:
+        refs = cls()
+        for run in runs:
+            refs.add(run)
+        return refs
+
+    def add(self, run: Run) -> None:
+        """A healthy run's figures (any other run's are no reference)."""
         if run.fault == "healthy" and run.truth_step_s:
-            steps.setdefault(run.shape, []).append(run.truth_step_s)
+            self.steps.setdefault(run.shape, []).append(run.truth_step_s)
         if run.fault == "healthy" and run.links_Bps:
-            paces.setdefault(run.shape, []).append(run.links_Bps)
-    return steps, paces
+            self.paces.setdefault(run.shape, []).append(run.links_Bps)
+
+    def step(self, shape: str) -> float | None:
+        return statistics.median(self.steps[shape]) if self.steps.get(shape) else None
+
+    def pace(self, shape: str) -> float | None:
+        return statistics.median(self.paces[shape]) if self.paces.get(shape) else None
 
 
 def code_version() -> str:

@@ -221,9 +221,10 @@ def test_a_batch_without_the_healthy_case_scales_its_faults_to_earlier_healthy_r
     bench = bench_accuracy()
     run = lambda fault, step, pace: bench.Run("lm-2", fault, right=True, false=[], findings=[],  # noqa: E731
                                               truth_step_s=step, links_Bps=pace)
-    steps, paces = bench.healthy_references([run("healthy", 0.17, 9e6), run("healthy", 0.18, None),
-                                             run("compute", 0.3, 8e6)])
-    assert steps == {"lm-2": [0.17, 0.18]} and paces == {"lm-2": [9e6]}
+    refs = bench.References.of([run("healthy", 0.17, 9e6), run("healthy", 0.18, None), run("compute", 0.3, 8e6)])
+    assert refs.steps == {"lm-2": [0.17, 0.18]} and refs.paces == {"lm-2": [9e6]}
+    assert refs.step("lm-2") == pytest.approx(0.175) and refs.pace("lm-2") == 9e6
+    assert refs.step("mlp-2") is None and refs.pace("mlp-2") is None
 
 
 def test_batches_merge_in_the_matrixs_order_of_shapes_and_faults(tmp_path):
