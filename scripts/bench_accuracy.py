@@ -423,22 +423,7 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
         "hang": f"hang:{v}:0@go",
         "regression": f"compute:*:{extra:.4f}@go",
     }.get(fault.injection, "")
-    return ",".join(filter(None, [shape.base, _on_base(shape.base, spec)]))
-
-
-def _on_base(base: str, spec: str) -> str:
-    """`spec` with the shape's own delay of its kind added for its ranks: the job keeps one value a kind and
-    rank, the last (mlp-3-io's slow loader, 20 ms, replaced its 8 ms storage latency: 12 ms added where the
-    matrix counted 20, its cost read -42% of that)."""
-    if not spec:
-        return spec
-    kind, who, rest = spec.split(":", 2)
-    value, at, onset = rest.partition("@")
-    for b in filter(None, base.split(",")):
-        b_kind, b_who, b_value = b.split(":")
-        if b_kind == kind and b_who in ("*", who):
-            value = f"{float(value) + float(b_value):.4f}"
-    return f"{kind}:{who}:{value}{at}{onset}"
+    return ",".join(filter(None, [shape.base, spec]))  # the injector adds a kind's values up
 
 
 def hog_on(cpu: int) -> subprocess.Popen:

@@ -32,6 +32,11 @@ NOT_FASTEST = 1
 # windows at its first window's 103-108 ms were a "regression"), and the mean absolute deviation's. A window
 # 10% above the baseline never joins it (diagnosis.py), so no far outlier inflates the mean.
 MEAN_AD_TO_SIGMA = 1.2533  # mean absolute deviation of a normal distribution x sqrt(pi / 2): its sigma
+# Both read a trend as noise: a job still warming up when watching began (lm-2: 207, 209, 175, 168 ms) spread
+# ~25 ms about its median, so a window had to be 100 ms slower (Z_MIN spreads) to count, and a +38% regression
+# was named in 2 windows in a row, never 3. The step from one window to the next moves by noise alone, not by a
+# slow trend: where that spread is smaller (12.7 ms there), it is the one. Of noise alone both read alike.
+SUCCESSIVE_TO_SIGMA = 0.8862  # mean |difference| of two draws of a normal distribution x sqrt(pi) / 2: its sigma
 SLOWDOWN_THRESHOLD = 0.10  # a job this much slower than its baseline has regressed (and triggers deep mode)
 
 
@@ -111,8 +116,9 @@ class Baseline:
         if len(self._windows) < MIN_WINDOWS:
             return None
         ordered = sorted(self._windows, key=lambda w: w.step_s)
-        steps = np.array([w.step_s for w in ordered])
+        steps = np.array([w.step_s for w in self._windows])  # in the order they came
         deviation = np.abs(steps - np.median(steps))
-        spread = max(MAD_TO_SIGMA * float(np.median(deviation)), MEAN_AD_TO_SIGMA * float(np.mean(deviation)))
+        spread = min(max(MAD_TO_SIGMA * float(np.median(deviation)), MEAN_AD_TO_SIGMA * float(np.mean(deviation))),
+                     SUCCESSIVE_TO_SIGMA * float(np.mean(np.abs(np.diff(steps)))))
         best = max(NOT_FASTEST, int(BEST_QUANTILE * (len(ordered) - 1)))
         return Reference(ordered[best], len(ordered), spread)

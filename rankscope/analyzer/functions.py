@@ -51,6 +51,14 @@ class FunctionTable:
         count[rows, at], total[rows, at] = calls, times  # (row, name) is unique: names are a pattern's keys
         return cls(list(index), roles, count, total)
 
+    def without(self, role: Role) -> FunctionTable:
+        """The table less the columns of `role`."""
+        keep = [j for j, r in enumerate(self.roles) if r != role]
+        if len(keep) == len(self.roles):
+            return self
+        return FunctionTable([self.names[j] for j in keep], [self.roles[j] for j in keep],
+                             self.count[:, keep], self.total_s[:, keep])
+
     def count_of(self, name: str) -> np.ndarray:
         """Per row: calls of `name` in the window (0: never called)."""
         return self.count[:, self.names.index(name)] if name in self.names else np.zeros(len(self.count), np.int64)

@@ -23,6 +23,7 @@ DATA_LOADING = re.compile(r"load|batch|__next__|__getitem__|_next_data|fetch|col
 # Collectives that run on the host (gloo's, as agent/sources/probes/gloo.py names them): while a rank waits in
 # one, its GPU holds none of the collective's work. NCCL's run on the GPU.
 HOST_COLLECTIVES = re.compile(r"^(gloo_|ProcessGroupGloo_)")
+HOST_P2P = re.compile(r"^gloo_(send|recv)$")  # their point-to-point transfers, waited for on the training thread
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     patterns = list(patterns)
     n = len(patterns)
     records = Collectives.of(patterns) if records is None else records
-    functions = FunctionTable.of(patterns)
+    # The training thread's wait for its collectives (Role.EXPOSED) is their time on other threads seen again:
+    # left out, the roles' times partition the step (rules/links.py reads it from the patterns).
+    functions = FunctionTable.of(patterns).without(Role.EXPOSED)
     window_s = window_seconds(patterns)
     step = step_times(patterns, records, window_s, functions)
     if job_step_s is not None and np.isfinite(job_step_s):

@@ -1,7 +1,8 @@
 // gloo inside PyTorch's libtorch_cpu.so (c10d's ProcessGroupGloo): CPU training jobs.
 // c10d::ProcessGroupGloo::<op> enqueues a collective on the training thread and returns a Work at once:
 // counted. One of the process group's worker threads then runs gloo::<op>, which returns only when every
-// rank has taken part: a blocking collective, timed, complete when it returns.
+// rank has taken part: a blocking collective, timed, complete when it returns. DDP's reducer waits for them
+// in c10d::Reducer::finalize_backward, on the training thread: timed.
 // Probe names are C identifiers; agent/sources/probes/gloo.py maps them to the mangled C++ symbols and
 // declares their handlers (one macro line of common.h each, generated), with gloo_payload's offsets.
 #include "common.h"

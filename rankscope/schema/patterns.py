@@ -28,6 +28,10 @@ class Role(str, Enum):
     ALLOC = "alloc"  # device memory management
     SETUP = "setup"  # one-off calls (init, communicator set-up)
     GC = "gc"  # the Python garbage collector: the interpreter stops the rank's Python code while it runs
+    # The training thread waits for collectives it started earlier (DDP's reducer, at the end of backward, for
+    # its buckets' all-reduces): the communication the step could not hide. The same time is COMM on the
+    # collectives' own threads, so it is no part of the step's partition into roles (analyzer/metrics.py).
+    EXPOSED = "exposed"
 
     @property
     def component(self) -> str:
@@ -36,7 +40,7 @@ class Role(str, Enum):
 
 
 _COMPONENT = {Role.SYNC: "gpu", Role.COMM: "link", Role.LAUNCH: "host", Role.COPY: "host", Role.ALLOC: "host",
-              Role.SETUP: "host", Role.GC: "python"}
+              Role.SETUP: "host", Role.GC: "python", Role.EXPOSED: "link"}
 
 
 @dataclass

@@ -20,7 +20,8 @@ from rankscope.schema.patterns import (SCHEMA_VERSION, CollectiveColumns, Collec
                                        GpuHealth, GpuKernel, HostCpus, LinkStats, Neighbour, PyFunction, PyTimed,
                                        RankPattern, Role, TcpFlow, ThreadTimes)
 
-_ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5, Role.GC: 6}
+_ROLE_CODE = {Role.LAUNCH: 0, Role.SYNC: 1, Role.COMM: 2, Role.COPY: 3, Role.ALLOC: 4, Role.SETUP: 5, Role.GC: 6,
+              Role.EXPOSED: 7}
 _ROLE_OF_CODE = {code: role for role, code in _ROLE_CODE.items()}
 _FN_FIELDS = ("role", "count", "total_s", "max_s", "p50_s", "p99_s", "bytes")
 _HEALTH_FIELDS = ("index", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "power_w", "temperature_c",

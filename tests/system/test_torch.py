@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import diagnose_json, free_port, maps_library, wait_until
 
+from rankscope.schema.patterns import Role
+from rankscope.schema.wire import decode_patterns
+
 SCRIPT = Path(__file__).resolve().parent.parent / "torch_ddp_train.py"
 RANKS = 3
 OBSERVE_S = 4.0
@@ -119,9 +122,10 @@ def torch_job(tmp_path) -> Iterator[Callable[..., TorchJob]]:
         job.kill()
 
 
-def test_healthy_ddp_job(torch_job):
+def test_healthy_ddp_job(torch_job, tmp_path):
     job = torch_job()
-    doc = diagnose_json(job.pids, OBSERVE_S)
+    saved = tmp_path / "patterns.msgpack"
+    doc = diagnose_json(job.pids, OBSERVE_S, "--save-patterns", str(saved))
     assert doc["findings"] == [], doc
     assert doc["job"] == job.run_id
     ranks = sorted(doc["ranks"], key=lambda r: r["rank"])
@@ -134,6 +138,13 @@ def test_healthy_ddp_job(torch_job):
         own = job.own_step_time(r["rank"], doc["window"]["start"], doc["window"]["end"])
         assert r["step_time_s"] == pytest.approx(own, rel=STEP_TOLERANCE), (r, own)
         assert r["comm_s"] > 0, r  # the gloo all-reduce was timed on its worker thread
+    # DDP's wait for its all-reduces at the end of backward: timed on the training thread, once a step, and
+    # left out of the step's partition (its time is the all-reduce's, seen again).
+    for p in decode_patterns(saved.read_bytes()):
+        reducer = p.functions["Reducer_finalize_backward"]
+        steps = (p.window_end - p.window_start) / job.own_step_time(p.rank, p.window_start, p.window_end)
+        assert reducer.role == Role.EXPOSED and reducer.count == pytest.approx(steps, abs=2), (reducer, steps)
+        assert 0 < reducer.total_s < p.window_s, reducer
 
 
 def test_sleep_before_forward_is_a_compute_straggler(torch_job):

@@ -240,14 +240,25 @@ def test_batches_merge_in_the_matrixs_order_of_shapes_and_faults(tmp_path):
                                                   ("lm-2", "healthy"), ("lm-2", "gc")]
 
 
-def test_a_fault_of_the_kind_a_shape_has_already_adds_to_it():
-    """mlp-3-io reads every batch 8 ms late (its storage): its slow loader sleeps those 8 ms and the
-    injected delay, since the job keeps one delay a kind and rank (the last given)."""
+def test_a_fault_of_the_kind_a_shape_has_already_adds_to_it(monkeypatch, tmp_path):
+    """mlp-3-io reads every batch 8 ms late (its storage): its slow loader sleeps those 8 ms and the injected
+    delay, each from its own onset (the victim kept its storage latency until the fault began)."""
     bench = bench_accuracy()
     shapes, faults = {s.name: s for s in bench.SHAPES}, {f.name: f for f in bench.FAULTS}
     spec = bench.fault_spec(shapes["mlp-3-io"], faults["loader"], 0.02)
-    assert spec == "loader:*:0.008,loader:2:0.0280"
+    assert spec == "loader:*:0.008,loader:2:0.0200"
     assert bench.fault_spec(shapes["mlp-3-io"], faults["compute"], 0.05) == "loader:*:0.008,compute:2:0.0250@go"
+
+    monkeypatch.delenv("RANK", raising=False)  # imported outside a rank, the injector hooks nothing
+    module = importlib.util.spec_from_file_location("inject", ROOT / "tests" / "jobs" / "inject" / "sitecustomize.py")
+    inject = importlib.util.module_from_spec(module)
+    module.loader.exec_module(inject)
+    monkeypatch.setenv("RANKSCOPE_FAULT", "loader:*:0.008,loader:2:0.0200@go")
+    monkeypatch.setenv("RANKSCOPE_TRUTH_DIR", str(tmp_path))
+    victim, other = (inject._Rank(r, inject._faults_here(r)) for r in (2, 1))
+    assert victim.active("loader") == other.active("loader") == 0.008 and victim.active("compute") is None
+    (tmp_path / "go").touch()
+    assert victim.active("loader") == pytest.approx(0.028) and other.active("loader") == 0.008
 
 
 def test_the_table_says_what_each_case_lacks_against_the_bar():

@@ -456,6 +456,21 @@ def test_collectives_in_flight_at_once_count_once_in_a_ranks_time_in_collectives
     assert f["evidence"]["per_rank"][0]["excess_s"] == pytest.approx(0.03, abs=0.005)
 
 
+def test_the_training_threads_wait_for_its_collectives_leaves_the_steps_partition_as_it_was():
+    """DDP's reducer waits on the training thread for the all-reduces its worker threads time as COMM: that
+    time counted again would take it from the rank's host time and make it a straggler's function."""
+    ps = simulate(3, host_extra={2: 0.02}, seed=4)
+    before, found = rank_table(ps), findings(ps)
+    for p in ps:
+        set_function(p, FunctionStats("Reducer_finalize_backward", Role.EXPOSED, 40, 0.4 * p.window_s, 0.02, 0.01,
+                                      0.019))
+    after = rank_table(ps)
+    assert after.fn_names == before.fn_names and "Reducer_finalize_backward" not in after.fn_names
+    for column in ("step_s", "comm_s", "host_s", "sync_s", "work_s"):
+        assert getattr(after, column) == pytest.approx(getattr(before, column)), column
+    assert findings(ps) == found and found[0]["ranks"] == [2]
+
+
 def test_time_in_collectives_counted_once_per_rank_whatever_the_order_of_records():
     """Records come in the order they completed; ranks without any keep 1.0 (a SIGSTOPped last rank of the
     simulated job crashed diagnose). A long collective completing after two short ones it spans counts once

@@ -54,6 +54,23 @@ def test_a_job_as_slow_as_one_of_its_few_past_windows_has_not_regressed():
     assert kinds(diagnose_job(simulate(RANKS, seed=9, sync_extra=slow), baseline=b)) == []
 
 
+def test_a_job_still_warming_up_when_watched_is_not_noise():
+    """lm-2 stepped 207, 209, 175 and 168 ms in the agent's first windows, then +38% (a regression): its young
+    baseline's spread about the median (~25 ms) wanted a window 100 ms slower, where the step from one window
+    to the next (12.7 ms) says how much it moves by itself. A job that swings does not warm up: it keeps its
+    spread (test_a_job_as_slow_as_one_of_its_few_past_windows_has_not_regressed)."""
+    b = Baseline()
+    for seed, step in enumerate([0.207, 0.209, 0.175, 0.168]):
+        extra = dict.fromkeys(range(RANKS), step - 0.048)
+        diagnose_job(simulate(RANKS, seed=seed, host_extra=extra), baseline=b)
+    ref = b.reference()
+    assert ref.profile.step_s == pytest.approx(0.175, abs=0.003)
+    assert ref.noise_s == pytest.approx(0.8862 * (0.002 + 0.034 + 0.007) / 3, rel=0.1)
+    regressed = diagnose_job(simulate(RANKS, seed=9, host_extra=dict.fromkeys(range(RANKS), 0.175 * 1.38 - 0.048)),
+                             baseline=b)
+    assert [f["kind"] for f in regressed["findings"]] == ["regression"]
+
+
 def test_the_baseline_is_the_best_quarter_of_recent_windows():
     b = Baseline()
     for seed, extra in enumerate([0.0, 0.01, 0.02, 0.03, 0.04]):

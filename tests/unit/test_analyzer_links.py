@@ -9,8 +9,8 @@ from test_analyzer import findings, simulate
 
 from rankscope.analyzer.diagnosis import find
 from rankscope.analyzer.rules.links import LinkRoles, link_findings, link_matrix
-from rankscope.schema.patterns import (CollectiveColumns, CollectiveGpu, CollectiveRecord, FunctionColumns, LinkStats,
-                                       RankPattern, Role, TcpFlow)
+from rankscope.schema.patterns import (CollectiveColumns, CollectiveGpu, CollectiveRecord, FunctionColumns,
+                                       FunctionStats, LinkStats, RankPattern, Role, TcpFlow)
 
 COMM = 0x5EED_CAFE
 GBPS = 20e9  # a healthy link
@@ -225,6 +225,49 @@ def test_the_cost_of_a_slow_link_under_overlapped_buckets_is_its_extra_time_on_t
     f, = link_findings(ps)
     assert f.ranks == [2] and f.evidence["comm_share"] == pytest.approx(1.0)
     assert f.cost == pytest.approx(f.evidence["extra_wire_s"] / ps[0].window_s) and f.cost < 1 - 12.5 / 45
+
+
+def ddp_over_gloo(ps: list[RankPattern], exposed_share: float, *extra: FunctionStats) -> list[RankPattern]:
+    """Each rank's collectives as gloo's, busy the whole window on its worker threads, and DDP's reducer waiting
+    for them `exposed_share` of the window on the training thread."""
+    for p in ps:
+        w = p.window_s
+        p.functions = FunctionColumns.of({f.name: f for f in (
+            FunctionStats("gloo_allreduce", Role.COMM, 600, w, 0.01, 0.005, 0.009),
+            FunctionStats("Reducer_finalize_backward", Role.EXPOSED, 100, exposed_share * w, 0.01, 0.005, 0.009),
+            *extra)})
+    return ps
+
+
+def slow_rank_2(ps: list[RankPattern]) -> list[RankPattern]:
+    sent = int(0.58 * ps[0].window_s * 12.5e6)
+    for src, dst, mbps in ((0, 2, 12.5), (2, 1, 13.0), (1, 0, 45.0)):
+        connect(ps, src, dst, mbps, sent=sent)
+    return ps
+
+
+def test_the_cost_of_a_slow_link_is_bounded_by_the_wait_backward_did_not_hide():
+    # cnn-3, rank 2's links at a quarter of their pace: the training thread waited 87 ms of a 245 ms step for
+    # DDP's all-reduces after backward (36 ms healthy); the step grew 67 ms. COMM and the wire's extra time
+    # both read ~0.5; the exposed wait x (1 - slow / reference pace) reads what the link costs.
+    f, = link_findings(ddp_over_gloo(slow_rank_2(job(3)), 87 / 245))
+    assert f.ranks == [2] and f.evidence["exposed_comm_share"] == pytest.approx(87 / 245)
+    assert f.cost == pytest.approx(87 / 245 * (1 - 12.5 / 45))
+    assert f.cost < f.evidence["extra_wire_s"] / job(3)[0].window_s
+    # With point-to-point transfers the training thread waits in those too: no such bound.
+    send = FunctionStats("gloo_send", Role.COMM, 100, 0.5, 0.01, 0.005, 0.009)
+    f, = link_findings(ddp_over_gloo(slow_rank_2(job(3)), 87 / 245, send))
+    assert "exposed_comm_share" not in f.evidence and f.cost > 87 / 245
+
+
+def test_the_exposed_wait_does_not_bound_a_slow_link_of_gpu_collectives():
+    # NCCL: the reducer's host wait only queues the GPU streams behind the all-reduce: near zero, no bound.
+    ps = slow_rank_2(job(3))
+    for p in ps:
+        p.functions = p.functions.with_function(
+            FunctionStats("Reducer_finalize_backward", Role.EXPOSED, 100, 1e-4, 1e-6, 1e-6, 1e-6))
+    f, = link_findings(ps)
+    assert "exposed_comm_share" not in f.evidence and f.cost > 0.01
 
 
 def test_the_neighbour_of_a_slow_rank_is_not_a_second_suspect():

@@ -64,9 +64,9 @@ def test_a_kinds_handlers_are_exactly_its_declared_probes(kind):
 
 
 def test_generated_lines_follow_the_declarations_in_order():
-    lines = [line for line in GLOO.bpf_text().splitlines() if line.startswith(("COLLECTIVE(", "COUNTED("))]
+    lines = [line for line in GLOO.bpf_text().splitlines() if line.startswith(("COLLECTIVE(", "COUNTED(", "TIMED("))]
     assert lines[0] == "COLLECTIVE(gloo_allreduce, gloo_payload(PT_REGS_PARM1(ctx), 80), true)"
-    assert lines[-1] == "COUNTED(ProcessGroupGloo_alltoall_base, 0)"
+    assert lines[-2:] == ["COUNTED(ProcessGroupGloo_alltoall_base, 0)", "TIMED(Reducer_finalize_backward, 0)"]
     assert [line.split("(")[1].split(",")[0] for line in lines] == [p.name for p in GLOO.probes]
     assert all(isinstance(p, MangledProbe) and p.symbol.startswith("_Z") for p in GLOO.probes)
 
@@ -75,4 +75,4 @@ def test_function_ids_follow_the_declarations():
     ids = function_ids(KINDS)
     assert list(ids) == [p.name for kind in KINDS for p in kind.probes]
     assert ids["cuLaunchKernel"] == 1 and ids["cudaStreamSynchronize"] == 18 and ids["ncclAllReduce"] == 28
-    assert ids["gc_collect_main"] == len(ids) == 50
+    assert ids["gc_collect_main"] == len(ids) == 51

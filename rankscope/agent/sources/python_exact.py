@@ -178,8 +178,11 @@ class PythonTimer:
         self._bpf = None
         self._trace: _CallStream | None = None
         self._watched: dict[int, _Watched] = {}
-        # peers -> why that group is not timed (PythonTimer.stop): never probed again while one of it is watched
+        # peers -> why that group is not timed (PythonTimer.stop): never probed again while one of it is known
         self._stopped: dict[str, str] = {}
+        # pid -> its peers, for every process watched or stopped before it could be: the group's _stopped entry
+        # leaves with the last of them (a job none of whose processes could be watched would keep it for good)
+        self._members: dict[int, str] = {}
         self.functions = bool(self.selection.traced)  # eval loop probed; named functions keep it on
 
     @property
@@ -214,6 +217,7 @@ class PythonTimer:
         if pid in self._watched:
             return
         w = self._watched[pid] = _Watched(interp, CodeResolver(interp), f"pid {pid}" if peers is None else peers)
+        self._members[pid] = w.peers
         try:
             self._time_gc(w, self._path(w))
         except (TimerError, OSError) as e:  # the functions can still be timed
@@ -221,12 +225,14 @@ class PythonTimer:
         if self.functions:
             self._probe_eval(w)
 
-    def stop(self, peers: str, why: str) -> None:
+    def stop(self, peers: str, why: str, pid: int | None = None) -> None:
         """Stop timing the functions of every process of `peers`, and of any that joins it later, for good:
-        one of them enters eval too often, or cannot be timed at all. Timed beside untimed peers, a rank would
-        look slower by the probes' cost (~1.3 us an entry: a 2-rank MLP's rank timed alone ran 7% longer on its
-        CPU, and was named a straggler)."""
+        one of them (`pid`, when it is not watched) enters eval too often, or cannot be timed at all. Timed
+        beside untimed peers, a rank would look slower by the probes' cost (~1.3 us an entry: a 2-rank MLP's
+        rank timed alone ran 7% longer on its CPU, and was named a straggler)."""
         self._stopped.setdefault(peers, why)
+        if pid is not None:
+            self._members.setdefault(pid, peers)
         for w in self._watched.values():
             if w.peers == peers:
                 w.eval_probes = uprobe_links.detach(w.eval_probes)
@@ -308,13 +314,14 @@ class PythonTimer:
 
     def detach(self, pid: int) -> None:
         """Stop timing `pid` (alive or not); what it did since the last read is dropped."""
+        peers = self._members.pop(pid, None)
+        if peers is not None and peers not in self._members.values():  # its job's last: the job is gone
+            self._stopped.pop(peers, None)
         w = self._watched.pop(pid, None)
         if w is None:
             return
         uprobe_links.detach(w.gc_probes + w.eval_probes)
         w.resolver.close()
-        if all(other.peers != w.peers for other in self._watched.values()):  # its job's last: the job is gone
-            self._stopped.pop(w.peers, None)
         bpf = self._bpf
         if bpf is None:  # never probed anything
             return
@@ -439,13 +446,13 @@ class PythonTiming(Source):
         job = target.identity.job
         if interp is None:  # no Python frames either (PythonFrames said why)
             self.timer.stop(job, f"pid {target.pid} of its job cannot be timed: "
-                                 f"{target.python_error or 'no Python interpreter'}")
+                                 f"{target.python_error or 'no Python interpreter'}", target.pid)
             return
         try:
             self.timer.attach(interp, job)
         except PythonAttachError as e:
             log.warning("pid %d: no exact Python timing: %s", target.pid, e)
-            self.timer.stop(job, f"pid {target.pid} of its job cannot be timed: {e}")
+            self.timer.stop(job, f"pid {target.pid} of its job cannot be timed: {e}", target.pid)
 
     def set_detail(self, detail: Detail) -> None:
         self.timer.set_functions(detail.hot_probes)

@@ -8,7 +8,8 @@ once torch.optim.optimizer is imported:
   shared with the simulated GPU job): the job's own step log, which rankscope's figures are checked against.
 - Faults: $RANKSCOPE_FAULT = KIND:RANK:VALUE[@ONSET][,...], RANK `*` for every rank; ONSET is seconds
   from the rank's first step, or `go`: from when the file $RANKSCOPE_TRUTH_DIR/go exists (a test starts the
-  fault once rankscope is attached):
+  fault once rankscope is attached). A kind given twice for a rank adds up from each one's onset (a shape's
+  own storage latency, then a slow loader injected on top of it):
     compute:R:S   the rank computes S seconds longer each step (spins on its CPU before optimizer.step)
     loader:R:S    every batch fetch sleeps S seconds (in the main process or in the DataLoader's workers)
     gc:R:M        the rank keeps M million objects alive and runs a full garbage collection each step
@@ -28,21 +29,21 @@ import time
 from rankscope.sim.steplog import StepLog
 
 
-def _faults_here(rank: int) -> dict[str, tuple[float, str]]:
-    """kind -> (value, onset_s) of the faults of $RANKSCOPE_FAULT (comma-separated) that apply to this rank."""
-    out = {}
+def _faults_here(rank: int) -> dict[str, list[tuple[float, str]]]:
+    """kind -> [(value, onset)] of the faults of $RANKSCOPE_FAULT (comma-separated) that apply to this rank."""
+    out: dict[str, list[tuple[float, str]]] = {}
     for spec in filter(None, os.environ.get("RANKSCOPE_FAULT", "").split(",")):
         spec, _, onset = spec.partition("@")
         kind, who, value = spec.split(":")
         if who == "*" or int(who) == rank:
-            out[kind] = (float(value), onset or "0")
+            out.setdefault(kind, []).append((float(value), onset or "0"))
     return out
 
 
 class _Rank:
     """One training rank's hooks: the step log and the fault, applied from its onset on."""
 
-    def __init__(self, rank: int, faults: dict[str, tuple[float, str]]):
+    def __init__(self, rank: int, faults: dict[str, list[tuple[float, str]]]):
         self.rank = rank
         self.faults = faults
         self.first: float | None = None
@@ -52,14 +53,14 @@ class _Rank:
         self.go = os.path.join(directory, "go") if directory else None
 
     def active(self, kind: str) -> float | None:
-        if kind not in self.faults:
-            return None
-        value, onset = self.faults[kind]
+        """The sum of the values of `kind` whose onset has come; None while none has."""
+        on = [value for value, onset in self.faults.get(kind, ()) if self._began(onset)]
+        return sum(on) if on else None
+
+    def _began(self, onset: str) -> bool:
         if onset == "go":
-            return value if self.go is not None and os.path.exists(self.go) else None
-        if float(onset) and (self.first is None or time.time() - self.first < float(onset)):
-            return None
-        return value
+            return self.go is not None and os.path.exists(self.go)
+        return not float(onset) or (self.first is not None and time.time() - self.first >= float(onset))
 
     def before_step(self, *_args) -> None:
         if self.first is None:

@@ -1,5 +1,5 @@
-"""gloo collectives of PyTorch CPU jobs (c10d's ProcessGroupGloo, statically linked into libtorch_cpu.so).
-BPF side: bpf/gloo.bpf.c.
+"""gloo collectives of PyTorch CPU jobs (c10d's ProcessGroupGloo, statically linked into libtorch_cpu.so), and
+DDP's wait for them (c10d's Reducer, in the same library). BPF side: bpf/gloo.bpf.c.
 
 Two levels are probed, both C++ functions found by their mangled names:
 - `c10d::ProcessGroupGloo::<op>`: what torch.distributed (and DDP's reducer) calls on the training thread.
@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankscope.agent.sources.probes.base import COLLECTIVE, COUNTED, Handler, Probe, ProbeKind
+from rankscope.agent.sources.probes.base import COLLECTIVE, COUNTED, TIMED, Handler, Probe, ProbeKind
 from rankscope.schema.patterns import Role
 
 
@@ -84,6 +84,13 @@ _C10D = (
 _MILLISECONDS = "NSt6chrono8durationIlSt5ratioILl1ELl1000EEEE"  # wait(std::chrono::milliseconds)
 _P2P = (("gloo_send", "SendWork"), ("gloo_recv", "RecvWork"))
 
+# DDP's reducer, c10d::Reducer::finalize_backward() (Reducer_finalize_backward): run once a synchronized step by
+# the thread that ran backward, it waits for every gradient bucket's all-reduce to complete. Its time is the
+# communication that backward did not hide, the part of the step a slower link lengthens (Role.EXPOSED): cnn-3
+# with one rank's links at a quarter of their pace waited 36 -> 87 ms a step as its step grew 67 ms. Timed: one
+# call a step. With NCCL its wait only queues the GPU streams behind the all-reduce: host time near zero.
+_REDUCER = _probe(("c10d", "Reducer", "finalize_backward"), "v", Role.EXPOSED, TIMED("0"))
+
 GLOO = ProbeKind(
     name="gloo",
     library=re.compile(r"^libtorch_cpu\.so$"),
@@ -94,5 +101,6 @@ GLOO = ProbeKind(
                        prefix=prefix)
           for name, work in _P2P if (prefix := mangled_prefix("c10d", "ProcessGroupGloo", work, "wait"))),
         *(_probe(("c10d", "ProcessGroupGloo", op), params, Role.COMM, COUNTED("0")) for op, params in _C10D),
+        _REDUCER,
     ),
 )
