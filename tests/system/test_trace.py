@@ -80,10 +80,14 @@ def test_a_ranks_collectives_are_its_steps(job, traced):
         assert steps >= 0.5 * CAPTURE_S / 0.1 and abs(len(colls) - steps) <= 2, (len(colls), steps)
         assert {e["name"] for e in colls} == {"ncclKernel gloo_allreduce"}
         # Each is linked to its call on a gloo worker thread, and both are the same span.
-        calls = {e["args"]["correlation"]: e for e in doc["traceEvents"] if e.get("cat") == "gloo" and e["ph"] == "X"}
+        calls = {e["args"]["correlation"]: e for e in doc["traceEvents"]
+                 if e.get("cat") == "gloo" and e["ph"] == "X" and "correlation" in e.get("args", {})}
         for c in colls:
             call = calls[c["args"]["correlation"]]
             assert (call["ts"], call["dur"]) == (c["ts"], c["dur"])
+        # DDP's wait for them at the end of backward: on the training thread, once a step.
+        waits = [e for e in doc["traceEvents"] if e.get("name") == "Reducer_finalize_backward"]
+        assert abs(len(waits) - steps) <= 2 and {e["tid"] for e in waits} == {doc["rankscope"]["pid"]}, waits[:3]
 
 
 def test_the_scheduler_track_covers_the_capture(traced):
