@@ -9,6 +9,7 @@ runs as long as before and waits longer (rules/regression.py).
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -38,6 +39,15 @@ MEAN_AD_TO_SIGMA = 1.2533  # mean absolute deviation of a normal distribution x 
 # slow trend: where that spread is smaller (12.7 ms there), it is the one. Of noise alone both read alike.
 SUCCESSIVE_TO_SIGMA = 0.8862  # mean |difference| of two draws of a normal distribution x sqrt(pi) / 2: its sigma
 SLOWDOWN_THRESHOLD = 0.10  # a job this much slower than its baseline has regressed (and triggers deep mode)
+# A lasting shift is judged on the mean of the windows running above the baseline too, up to this many, each
+# the threshold above it: their mean moves by noise / sqrt(n), so it clears Z_MIN of that where one window
+# need not. A jittery young baseline (lm-2: 197, 160, 136, 157 ms, spread ~20 ms) asked one window to be
+# 80 ms slower, and a +37% regression (207-250 ms) never was three windows running; three such windows' mean
+# needs 46 ms. Measured from the middle of the baseline's windows, not from its best quarter, which lies
+# below it by design (a healthy mlp-2 at 9.0, 9.1, 9.5, 9.1, 8.5, 9.8, 8.2 ms, then 10.6, 9.8, 9.8: 3 spreads
+# over the best quarter's 8.5 ms, 1.9 over the middle). Not longer: a healthy job's pace wanders (slow for a
+# few windows, then not), and a long run's mean would call that lasting.
+RUN_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -75,15 +85,23 @@ class Reference:
     profile: StepProfile
     windows: int  # how many recent windows it was chosen from
     spread_s: float  # robust spread of their step times: how much a step time moves by itself
+    middle_s: float = math.nan  # the median step time of the windows it was chosen from
+    running: tuple[float, ...] = ()  # step times of the windows just before, each above it (oldest first)
 
     def above(self, step_s: float, threshold: float = SLOWDOWN_THRESHOLD) -> bool:
         """A step time `threshold` of the baseline or more above it."""
         return step_s - self.profile.step_s >= threshold * self.profile.step_s
 
     def slower(self, step_s: float, threshold: float = SLOWDOWN_THRESHOLD) -> bool:
-        """A step time clearly above the baseline: by `threshold` of it, and beyond the windows' own noise
-        (Z_MIN robust spreads), so that a job whose step time wanders is not called slower for it."""
-        return self.above(step_s, threshold) and step_s - self.profile.step_s >= Z_MIN * self.noise_s
+        """A step time clearly above the baseline: by `threshold` of it, and beyond the windows' own noise,
+        so that a job whose step time wanders is not called slower for it: Z_MIN robust spreads above it, or
+        the mean of the windows running above it with this one (RUN_WINDOWS at most) Z_MIN of that mean's
+        spread above the middle of its windows."""
+        if not self.above(step_s, threshold):
+            return False
+        run = [*self.running[-(RUN_WINDOWS - 1):], step_s]
+        return (step_s - self.profile.step_s >= Z_MIN * self.noise_s
+                or float(np.mean(run)) - self.middle_s >= Z_MIN * self.noise_s / math.sqrt(len(run)))
 
     @property
     def noise_s(self) -> float:
@@ -105,12 +123,23 @@ class Baseline:
 
     def __init__(self, keep: int = KEEP_WINDOWS):
         self._windows: deque[StepProfile] = deque(maxlen=keep)
+        self._running: deque[float] = deque(maxlen=RUN_WINDOWS - 1)  # Reference.running
         self.regression: dict[str, Any] | None = None  # the last comparable window's (diagnosis.py holds it)
         self.compared: Comparison | None = None  # the last window's (None: no baseline yet, or no steps)
 
     def add(self, profile: StepProfile | None) -> None:
+        """A window of the job's normal: it joins the baseline and ends a run of windows above it."""
         if profile is not None:
             self._windows.append(profile)
+            self._running.clear()
+
+    def left_out(self, above_s: float | None) -> None:
+        """A comparable window that does not join: one above the baseline (its step time) continues a run,
+        any other (None: hung, no steps) ends it."""
+        if above_s is None:
+            self._running.clear()
+        else:
+            self._running.append(above_s)
 
     def reference(self) -> Reference | None:
         if len(self._windows) < MIN_WINDOWS:
@@ -121,4 +150,4 @@ class Baseline:
         spread = min(max(MAD_TO_SIGMA * float(np.median(deviation)), MEAN_AD_TO_SIGMA * float(np.mean(deviation))),
                      SUCCESSIVE_TO_SIGMA * float(np.mean(np.abs(np.diff(steps)))))
         best = max(NOT_FASTEST, int(BEST_QUANTILE * (len(ordered) - 1)))
-        return Reference(ordered[best], len(ordered), spread)
+        return Reference(ordered[best], len(ordered), spread, float(np.median(steps)), tuple(self._running))

@@ -150,6 +150,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         above = reference is not None and profile is not None and reference.above(profile.step_s, slowdown_threshold)
         if not above and not any(f.kind in NOT_BASELINE for f in findings):
             baseline.add(profile)
+        else:  # a run of windows above the baseline is judged as one too (baseline.RUN_WINDOWS)
+            baseline.left_out(profile.step_s if above else None)
         baseline.regression = next((f for f in listed if f["kind"] == "regression"), None)
     elif baseline is not None and baseline.regression and not hung:
         listed = sorted([*listed, {**baseline.regression, "held": True}], key=lambda f: -f["cost"])

@@ -141,20 +141,26 @@ def _cpus_from_wire(raw: Any) -> HostCpus | None:
 
 
 def _functions_from_wire(raw: Any) -> FunctionColumns:
-    """Each row checked field by field as before; counts and bytes past int64 are refused (OverflowError)."""
+    """Each row checked field by field as before; counts and bytes past int64 are refused (OverflowError).
+    A function of a role this analyzer does not know (a newer agent's, checked like any other row) is left
+    out rather than refused: an agent upgraded before its cluster analyzer still has its windows read (the
+    seventeenth session's analyzers refused every window carrying DDP's exposed wait, role 7)."""
     if not isinstance(raw, dict):
         raise PatternDecodeError("fn: expected a map")
     names, roles, calls, times = [], [], [], []
     for name, row in raw.items():
         name = _str(name, "function name")
         code, count, total, mx, p50, p99, nbytes = _list(row, f"function {name}", len(_FN_FIELDS))
-        if _int(code, f"{name}.role") not in _ROLE_OF_CODE:
-            raise PatternDecodeError(f"{name}: unknown role code {code}")
+        code = _int(code, f"{name}.role")
+        counts = (_int(count, f"{name}.count"), _int(nbytes, f"{name}.bytes"))
+        seconds = (_seconds(total, f"{name}.total_s"), _seconds(mx, f"{name}.max_s"),
+                   _seconds(p50, f"{name}.p50_s"), _seconds(p99, f"{name}.p99_s"))
+        if code not in _ROLE_OF_CODE:
+            continue
         names.append(name)
         roles.append(_ROLE_OF_CODE[code])
-        calls.append((_int(count, f"{name}.count"), _int(nbytes, f"{name}.bytes")))
-        times.append((_seconds(total, f"{name}.total_s"), _seconds(mx, f"{name}.max_s"),
-                      _seconds(p50, f"{name}.p50_s"), _seconds(p99, f"{name}.p99_s")))
+        calls.append(counts)
+        times.append(seconds)
     return FunctionColumns(tuple(names), tuple(roles), np.array(calls, np.int64).reshape(-1, 2),
                            np.array(times, float).reshape(-1, 4))
 

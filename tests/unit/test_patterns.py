@@ -118,7 +118,8 @@ def _mutated(**changes) -> bytes:
     _mutated(v=SCHEMA_VERSION + 1), _mutated(v=KeyError), _mutated(job=7), _mutated(rank="3"),
     _mutated(rank=-1), _mutated(rank=True), _mutated(pid=1.5), _mutated(host=None), _mutated(start="x"),
     _mutated(end=0), _mutated(state=[]), _mutated(fn=[]), _mutated(fn={"f": [0, 1, 0.1]}),
-    _mutated(fn={"f": [9, 1, 0.1, 0.1, 0.1, 0.1, 0]}), _mutated(fn={"f": [0, 1, float("nan"), 0.1, 0.1, 0.1, 0]}),
+    _mutated(fn={"f": [-1, 1, 0.1, 0.1, 0.1, 0.1, 0]}), _mutated(fn={"f": [9, 1, -0.1, 0.1, 0.1, 0.1, 0]}),
+    _mutated(fn={"f": [0, 1, float("nan"), 0.1, 0.1, 0.1, 0]}),
     _mutated(fn={"f": [0, 1, -0.5, 0.1, 0.1, 0.1, 0]}), _mutated(fn={"f": [0, 1, "0.1", 0.1, 0.1, 0.1, 0]}),
     _mutated(fn={"f": "abc"}), _mutated(fn={"f": None}), _mutated(ops=KeyError), _mutated(ops=[1]),
     _mutated(coll={"a": 1}), _mutated(coll=[[0, 1, 2]]), _mutated(coll=[[5, 1, 2, 3]]), _mutated(coll=[[0, 1, 2.5, 3]]),
@@ -128,6 +129,16 @@ def _mutated(**changes) -> bytes:
 def test_malformed_payloads_raise_decode_error(payload):
     with pytest.raises(PatternDecodeError):
         decode_patterns(payload)
+
+
+def test_a_function_of_a_role_this_analyzer_does_not_know_is_left_out():
+    """A newer agent's role (code 9 here) must not make an older analyzer refuse the whole window."""
+    d = _wire()
+    d["fn"]["FutureKind_wait"] = [9, 3, 0.3, 0.2, 0.1, 0.2, 0]
+    [p] = decode_patterns(msgpack.packb([d]))
+    [expected] = decode_patterns(encode_patterns([typical()]))
+    assert "FutureKind_wait" not in p.functions
+    assert set(p.functions) == set(expected.functions)
 
 
 def test_non_bytes_and_oversized_payloads():
