@@ -1,9 +1,9 @@
-"""The job's own past: its best recent steps, and `regression`, a job slower than that baseline.
+"""The job's own past: its usual recent steps, and `regression`, a job slower than that baseline.
 
 Peers tell a slow rank from the others; they cannot tell that every rank got slower (a new driver, a
 slower dataset, a bigger model). For that a job is compared with itself: each window leaves a StepProfile
-(the job's step time and what each function cost per step, medians over ranks), the baseline is the window
-at the best quarter of the recent ones (never the single fastest), and a job clearly slower than it is a
+(the job's step time and what each function cost per step, medians over ranks), the baseline is the median
+window of the recent ones, and a job clearly slower than it is a
 regression, named by the function whose time per step grew the most, or by the wait for a CPU when the job
 runs as long as before and waits longer (rules/regression.py).
 """
@@ -23,10 +23,12 @@ from rankscope.analyzer.metrics import RankTable
 
 KEEP_WINDOWS = 720  # an hour of 5 s windows: "recent"
 MIN_WINDOWS = 3  # fewer windows are no baseline
-BEST_QUANTILE = 0.25  # the baseline is this quantile of the recent windows' step times: the good steps...
-# ...but never the fastest window alone: of few windows that is one lucky window (mlp-2 stepped 5.5 ms in its
-# first window and 7.4-7.9 ms in the next nine as neighbours' load came on; the 3-window baseline was 5.5 ms)
-NOT_FASTEST = 1
+# The baseline is the median window (the slower of two: in doubt, no finding): the job's usual pace. Not the fastest, one lucky window
+# of few (mlp-2 stepped 5.5 ms in its first window and 7.4-7.9 ms in the next nine as neighbours' load came
+# on), nor the best quarter, which lies below the usual pace by design: healthy jobs drifting 10-13% for
+# three windows were regressions from there (mlp-2 at 9.0, 9.1, 9.5, 9.1, 8.5, 9.8, 8.2 ms, then 10.6, 9.8,
+# 9.8: 3 spreads over the best quarter's 8.5 ms, 1.9 over the median's 9.1). A regression's windows never
+# join it (diagnosis.py), so the median stays the healthy pace.
 # The spread of the windows' step times is the larger of two estimates of a standard deviation: the median
 # absolute deviation's, robust but fragile over few windows (of three, two alike give ~0 whatever the third:
 # lm-2 beside a neighbour's on-and-off load stepped 103.5, 92.5 and 92.2 ms, a 0.4 ms spread, and its next
@@ -43,10 +45,8 @@ SLOWDOWN_THRESHOLD = 0.10  # a job this much slower than its baseline has regres
 # the threshold above it: their mean moves by noise / sqrt(n), so it clears Z_MIN of that where one window
 # need not. A jittery young baseline (lm-2: 197, 160, 136, 157 ms, spread ~20 ms) asked one window to be
 # 80 ms slower, and a +37% regression (207-250 ms) never was three windows running; three such windows' mean
-# needs 46 ms. Measured from the middle of the baseline's windows, not from its best quarter, which lies
-# below it by design (a healthy mlp-2 at 9.0, 9.1, 9.5, 9.1, 8.5, 9.8, 8.2 ms, then 10.6, 9.8, 9.8: 3 spreads
-# over the best quarter's 8.5 ms, 1.9 over the middle). Not longer: a healthy job's pace wanders (slow for a
-# few windows, then not), and a long run's mean would call that lasting.
+# needs 46 ms. Not longer: a healthy job's pace wanders (slow for a few windows, then not), and a long run's
+# mean would call that lasting.
 RUN_WINDOWS = 3
 
 
@@ -85,7 +85,6 @@ class Reference:
     profile: StepProfile
     windows: int  # how many recent windows it was chosen from
     spread_s: float  # robust spread of their step times: how much a step time moves by itself
-    middle_s: float = math.nan  # the median step time of the windows it was chosen from
     running: tuple[float, ...] = ()  # step times of the windows just before, each above it (oldest first)
 
     def above(self, step_s: float, threshold: float = SLOWDOWN_THRESHOLD) -> bool:
@@ -94,14 +93,12 @@ class Reference:
 
     def slower(self, step_s: float, threshold: float = SLOWDOWN_THRESHOLD) -> bool:
         """A step time clearly above the baseline: by `threshold` of it, and beyond the windows' own noise,
-        so that a job whose step time wanders is not called slower for it: Z_MIN robust spreads above it, or
-        the mean of the windows running above it with this one (RUN_WINDOWS at most) Z_MIN of that mean's
-        spread above the middle of its windows."""
+        so that a job whose step time wanders is not called slower for it: the mean of the windows running
+        above it with this one (RUN_WINDOWS at most; alone, this one) Z_MIN of that mean's spread above it."""
         if not self.above(step_s, threshold):
             return False
         run = [*self.running[-(RUN_WINDOWS - 1):], step_s]
-        return (step_s - self.profile.step_s >= Z_MIN * self.noise_s
-                or float(np.mean(run)) - self.middle_s >= Z_MIN * self.noise_s / math.sqrt(len(run)))
+        return float(np.mean(run)) - self.profile.step_s >= Z_MIN * self.noise_s / math.sqrt(len(run))
 
     @property
     def noise_s(self) -> float:
@@ -149,5 +146,4 @@ class Baseline:
         deviation = np.abs(steps - np.median(steps))
         spread = min(max(MAD_TO_SIGMA * float(np.median(deviation)), MEAN_AD_TO_SIGMA * float(np.mean(deviation))),
                      SUCCESSIVE_TO_SIGMA * float(np.mean(np.abs(np.diff(steps)))))
-        best = max(NOT_FASTEST, int(BEST_QUANTILE * (len(ordered) - 1)))
-        return Reference(ordered[best], len(ordered), spread, float(np.median(steps)), tuple(self._running))
+        return Reference(ordered[len(ordered) // 2], len(ordered), spread, tuple(self._running))

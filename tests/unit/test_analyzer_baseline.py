@@ -64,11 +64,12 @@ def test_a_job_still_warming_up_when_watched_is_not_noise():
         extra = dict.fromkeys(range(RANKS), step - 0.048)
         diagnose_job(simulate(RANKS, seed=seed, host_extra=extra), baseline=b)
     ref = b.reference()
-    assert ref.profile.step_s == pytest.approx(0.175, abs=0.003)
+    assert ref.profile.step_s == pytest.approx(0.207, abs=0.003)  # the slower median: still warm
     assert ref.noise_s == pytest.approx(0.8862 * (0.002 + 0.034 + 0.007) / 3, rel=0.1)
-    regressed = diagnose_job(simulate(RANKS, seed=9, host_extra=dict.fromkeys(range(RANKS), 0.175 * 1.38 - 0.048)),
-                             baseline=b)
-    assert [f["kind"] for f in regressed["findings"]] == ["regression"]
+    # 34.5 ms above it, under four spreads (45 ms) alone; three such windows running clear it (26 ms)
+    regressed = [diagnose_job(simulate(RANKS, seed=9 + i, host_extra=dict.fromkeys(range(RANKS), 0.175 * 1.38 - 0.048)),
+                              baseline=b) for i in range(3)]
+    assert [[f["kind"] for f in doc["findings"]] for doc in regressed] == [[], [], ["regression"]]
 
 
 def test_a_lasting_shift_is_judged_on_the_windows_running_above_the_baseline():
@@ -91,13 +92,29 @@ def test_a_lasting_shift_is_judged_on_the_windows_running_above_the_baseline():
     assert [window(b, 30 + i, 0.200)["baseline"]["slower"] for i in range(3)] == [False, False, True]  # 40 > 37
 
 
-def test_the_baseline_is_the_best_quarter_of_recent_windows():
+def test_the_window_the_agent_attached_in_does_not_join_the_baseline():
+    """lm-2 on 2 vCPUs stepped 282 ms while the agent compiled and placed its probes, then 173-177 ms: that
+    window in the baseline made its spread 33 ms, and the +30% that followed was never named."""
     b = Baseline()
-    for seed, extra in enumerate([0.0, 0.01, 0.02, 0.03, 0.04]):
+    for seed, step in enumerate([0.282, 0.1765, 0.1728, 0.1754]):
+        pats = simulate(RANKS, seed=seed, host_extra=dict.fromkeys(range(RANKS), step - 0.048))
+        for p in pats:
+            p.since = p.window_start - (0.0 if seed == 0 else 2.0 * seed)  # watched from the first window's start
+        diagnose_job(pats, baseline=b)
+    ref = b.reference()
+    assert ref.windows == 3 and ref.noise_s < 0.005
+    regressed = diagnose_job(simulate(RANKS, seed=9, host_extra=dict.fromkeys(range(RANKS), 0.224 - 0.048)),
+                             baseline=b)
+    assert [f["kind"] for f in regressed["findings"]] == ["regression"]
+
+
+def test_the_baseline_is_the_median_of_recent_windows():
+    b = Baseline()
+    for seed, extra in enumerate([0.03, 0.0, 0.04, 0.01, 0.02, 0.05]):
         b.add(StepProfile.of(rank_table(simulate(RANKS, seed=seed, host_extra=dict.fromkeys(range(RANKS), extra)))))
     ref = b.reference()
-    assert ref.windows == 5
-    assert ref.profile.step_s == pytest.approx(0.048 + 0.01, abs=0.003)  # the second best of five
+    assert ref.windows == 6
+    assert ref.profile.step_s == pytest.approx(0.048 + 0.03, abs=0.003)  # the slower median of six
 
 
 def test_healthy_windows_make_no_regression():
@@ -198,7 +215,7 @@ def test_a_lasting_regression_does_not_become_the_baseline():
 
 
 def test_a_step_time_that_wanders_is_not_a_regression():
-    """Windows whose step time moves by +-15% by itself: 20% above the best quarter is within that noise."""
+    """Windows whose step time moves by +-15% by itself: 20% above the median is within that noise."""
     b = Baseline()
     for seed, extra in enumerate([0.0, 0.012, 0.004, 0.010, 0.002, 0.008, 0.006, 0.014]):
         diagnose_job(simulate(RANKS, seed=seed, sync_extra=dict.fromkeys(range(RANKS), extra)), baseline=b)
@@ -267,21 +284,34 @@ NEIGHBOURS = [Path(__file__).resolve().parents[1] / "data" / "agent-windows" / f
               for i in range(5)]
 
 
-def _window(i: int) -> list:
-    return decode_patterns(NEIGHBOURS[i].read_bytes())
+def _window(i: int, attached: bool = True) -> list:
+    """The i-th window; `attached=False`: as if watched since before it (the first is the attach window)."""
+    patterns = decode_patterns(NEIGHBOURS[i].read_bytes())
+    for p in patterns if not attached else ():
+        p.since = None
+    return patterns
 
 
 def test_one_fast_window_does_not_set_the_baseline():
     b = Baseline()
-    docs = [diagnose_job(_window(i), baseline=b) for i in range(5)]
+    docs = [diagnose_job(_window(i, attached=False), baseline=b) for i in range(5)]
     assert [d["findings"] for d in docs] == [[]] * 5
-    assert docs[-1]["baseline"]["step_time_s"] == pytest.approx(docs[1]["step_time_s"])  # not the first's 5.5 ms
+    assert docs[-1]["baseline"]["step_time_s"] == pytest.approx(sorted(d["step_time_s"] for d in docs[:4])[2])
+    assert docs[-1]["baseline"]["step_time_s"] > 1.3 * docs[0]["step_time_s"]  # not the first's 5.5 ms
+
+
+def test_the_agents_first_window_does_not_join_the_baseline():
+    b = Baseline()
+    docs = [diagnose_job(_window(i), baseline=b) for i in range(5)]
+    assert docs[3]["baseline"] is None and docs[4]["baseline"]["windows"] == 3  # windows 1-3
+    assert docs[4]["baseline"]["step_time_s"] == pytest.approx(sorted(d["step_time_s"] for d in docs[1:4])[1])
+    assert docs[4]["baseline"]["step_time_s"] > 1.3 * docs[0]["step_time_s"]
 
 
 def test_a_job_that_waits_longer_for_its_cpus_is_a_regression_of_the_host_not_of_its_functions():
     b = Baseline()
     for _ in range(MIN_WINDOWS):  # a baseline of the fast window: the job before its neighbours came
-        diagnose_job(_window(0), baseline=b)
+        diagnose_job(_window(0, attached=False), baseline=b)
     doc = diagnose_job(_window(3), baseline=b)
     assert kinds(doc) == [("regression", None, "cpu")]  # not "gloo_allreduce grew", component link
     f = doc["findings"][0]
@@ -332,7 +362,7 @@ def test_each_window_of_a_lasting_regression_names_what_grew():
 
 
 def test_a_window_above_the_threshold_but_within_the_noise_does_not_join_the_baseline():
-    """A job whose windows swing by ~8% has a wide noise band: a window 14% above its baseline is no
+    """A job whose windows swing by ~8% has a wide noise band: a window 11% above its baseline is no
     regression yet, but it is not its normal either. Joining, such windows would lift the baseline and widen
     the noise until a lasting slowdown could never be named (lm-2-long, 11% slower: unnamed in 40 s)."""
     b = Baseline()
@@ -340,7 +370,7 @@ def test_a_window_above_the_threshold_but_within_the_noise_does_not_join_the_bas
     for seed, extra in enumerate(swing):
         diagnose_job(simulate(RANKS, seed=seed, host_extra=dict.fromkeys(range(RANKS), extra)), baseline=b)
     for seed in range(10, 13):
-        doc = diagnose_job(simulate(RANKS, seed=seed, host_extra=dict.fromkeys(range(RANKS), 0.0055)), baseline=b)
+        doc = diagnose_job(simulate(RANKS, seed=seed, host_extra=dict.fromkeys(range(RANKS), 0.010)), baseline=b)
         assert doc["findings"] == [] and doc["baseline"]["slower"] is False
         assert doc["baseline"]["windows"] == len(swing)  # left out: the baseline is still the healthy windows'
     doc = diagnose_job(simulate(RANKS, seed=20, host_extra=dict.fromkeys(range(RANKS), 0.003)), baseline=b)
