@@ -328,17 +328,19 @@ def window_slowed(run: Run, fault: Fault, healthy_step: float | None) -> None:
 
 def slowed_windows(truth: dict[str, Any] | None) -> dict[int, float]:
     """The windows of an agent run in which the job, by its own step log, ran SLOWED_BY slower than the median
-    of its earlier windows or of its first MIN_WINDOWS (what the agent's baseline is first made of: a lasting
-    slowdown the agent names once it held is otherwise measured against windows it already slowed; lm-2 ran
-    80-86 ms, then 92-106 ms for six windows, named +16% in the sixth, +3% over the median of all before it),
-    each with how much slower."""
+    of its earlier windows or of its first MIN_WINDOWS after the one the agent attached in (what the agent's
+    baseline is first made of: a lasting slowdown the agent names once it held is otherwise measured against
+    windows it already slowed; lm-2 ran 80-86 ms, then 92-106 ms for six windows, named +16% in the sixth,
+    +3% over the median of all before it; and its attach window ran 476 ms, the next 271, 174, 182), each
+    with how much slower."""
     steps = (truth or {}).get("windows_s", [])
     out = {}
     for i in range(1, len(steps)):
         earlier = [x for x in steps[:i] if x]
         if not steps[i] or not earlier:
             continue
-        slower = steps[i] / min(statistics.median(earlier), statistics.median(earlier[:MIN_WINDOWS])) - 1
+        first = earlier[1:1 + MIN_WINDOWS] or earlier
+        slower = steps[i] / min(statistics.median(earlier), statistics.median(first)) - 1
         if slower >= SLOWED_BY:
             out[i] = slower
     return out
