@@ -23,12 +23,12 @@ from rankscope.analyzer.metrics import RankTable
 
 KEEP_WINDOWS = 720  # an hour of 5 s windows: "recent"
 MIN_WINDOWS = 3  # fewer windows are no baseline
-# The baseline is the median window (the slower of two: in doubt, no finding): the job's usual pace. Not the fastest, one lucky window
-# of few (mlp-2 stepped 5.5 ms in its first window and 7.4-7.9 ms in the next nine as neighbours' load came
-# on), nor the best quarter, which lies below the usual pace by design: healthy jobs drifting 10-13% for
-# three windows were regressions from there (mlp-2 at 9.0, 9.1, 9.5, 9.1, 8.5, 9.8, 8.2 ms, then 10.6, 9.8,
-# 9.8: 3 spreads over the best quarter's 8.5 ms, 1.9 over the median's 9.1). A regression's windows never
-# join it (diagnosis.py), so the median stays the healthy pace.
+# The baseline is the median window (the slower of two: in doubt, no finding): the job's usual pace. Not the
+# fastest, one lucky window of few (mlp-2 stepped 5.5 ms in its first window and 7.4-7.9 ms in the next nine
+# as neighbours' load came on), nor the best quarter, which lies below the usual pace by design: healthy
+# jobs drifting 10-13% for three windows were regressions from there (mlp-2 at 9.0, 9.1, 9.5, 9.1, 8.5,
+# 9.8, 8.2 ms, then 10.6, 9.8, 9.8: 3 spreads over the best quarter's 8.5 ms, 1.9 over the median's 9.1). A
+# regression's windows never join it (diagnosis.py), so the median stays the healthy pace.
 # The spread of the windows' step times is the larger of two estimates of a standard deviation: the median
 # absolute deviation's, robust but fragile over few windows (of three, two alike give ~0 whatever the third:
 # lm-2 beside a neighbour's on-and-off load stepped 103.5, 92.5 and 92.2 ms, a 0.4 ms spread, and its next

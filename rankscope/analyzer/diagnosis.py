@@ -147,13 +147,14 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         # A window the threshold above the baseline but within its noise is no regression yet, nor the job's
         # normal: left out, so that a slowdown cannot creep into the baseline and widen its noise (lm-2, its
         # windows swinging +-25% before the onset: +60-90% after it was never named once they had joined).
-        above = reference is not None and profile is not None and reference.above(profile.step_s, slowdown_threshold)
-        if any(map(_attaching, patterns)):
-            pass  # not the job's normal either: the agent's attach shares its CPUs (below)
-        elif not above and not any(f.kind in NOT_BASELINE for f in findings):
-            baseline.add(profile)
-        else:  # a run of windows above the baseline is judged as one too (baseline.RUN_WINDOWS)
-            baseline.left_out(profile.step_s if above else None)
+        # The window the agent attached in neither joins nor continues a run: the attach shared the job's CPUs.
+        if not any(map(_attaching, patterns)):
+            above = reference is not None and profile is not None and reference.above(profile.step_s,
+                                                                                      slowdown_threshold)
+            if not above and not any(f.kind in NOT_BASELINE for f in findings):
+                baseline.add(profile)
+            else:  # a run of windows above the baseline is judged as one too (baseline.RUN_WINDOWS)
+                baseline.left_out(profile.step_s if above else None)
         baseline.regression = next((f for f in listed if f["kind"] == "regression"), None)
     elif baseline is not None and baseline.regression and not hung:
         listed = sorted([*listed, {**baseline.regression, "held": True}], key=lambda f: -f["cost"])
