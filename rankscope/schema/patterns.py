@@ -352,6 +352,10 @@ class RankPattern:
     sched: dict[str, ThreadTimes] = field(default_factory=dict)  # by thread role
     neighbours: list[Neighbour] = field(default_factory=list)  # who took the CPU, most waited first
     major_faults: int = 0
+    # The main thread's minor page faults and its on-CPU time in the kernel (page faults, system calls) this
+    # window, from /proc (system time: tick-sampled, ~4 ms of resolution per window). None: unknown.
+    minor_faults: int | None = None
+    kernel_s: float | None = None
     last_progress: float | None = None  # unix s of the last collective seen completing since attach
     since: float | None = None  # unix s when the agent began watching this rank
     where: str = ""  # of a rank that completed nothing this window: e.g. "futex (futex_wait_queue)"

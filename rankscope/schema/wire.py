@@ -87,6 +87,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         **({"rd": True} if p.raised_detail else {}),
         **({"pyu": p.python_untimed} if p.python_untimed else {}),
         **({"cpu": [p.cpus.count, p.cpus.idle]} if p.cpus is not None else {}),
+        **({"mk": [p.minor_faults, p.kernel_s]} if p.kernel_s is not None and p.minor_faults is not None else {}),
     }
 
 
@@ -138,6 +139,14 @@ def _cpus_from_wire(raw: Any) -> HostCpus | None:
     if idle > 1:
         raise PatternDecodeError(f"cpu idle share {idle!r} is above 1")
     return HostCpus(_int(count, "cpu count", minimum=1), idle)
+
+
+def _main_kernel_from_wire(raw: Any) -> dict[str, Any]:
+    """RankPattern's minor_faults and kernel_s, or nothing (unknown: an older agent)."""
+    if raw is None:
+        return {}
+    faults, kernel = _list(raw, "mk", 2)
+    return {"minor_faults": _int(faults, "minor faults"), "kernel_s": _seconds(kernel, "kernel time")}
 
 
 def _functions_from_wire(raw: Any) -> FunctionColumns:
@@ -327,6 +336,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             raised_detail=d.get("rd", False) is True,
             python_untimed=_str(d.get("pyu", ""), "pyu"),
             cpus=_cpus_from_wire(d.get("cpu")),
+            **_main_kernel_from_wire(d.get("mk")),
         )
     except PatternDecodeError:
         raise

@@ -1,11 +1,13 @@
 """The host facts each pattern carries (agent/sources/host.py): the CPUs' idle share (agent/host/cpu_idle.py,
-read from /proc/stat) and major page faults."""
+read from /proc/stat), major page faults, and the main thread's minor page faults and time in the kernel."""
 import os
 import subprocess
 import sys
+import mmap
 import time
 
 from rankscope.agent.host.cpu_idle import CpuIdle
+from rankscope.agent.host.targets import Target
 from rankscope.agent.sources.host import HostFacts
 from rankscope.schema.patterns import RankPattern
 
@@ -54,3 +56,27 @@ def test_host_facts_count_from_the_first_window_and_forget_a_gone_process(monkey
     again = _pattern(os.getpid())
     facts.fill([again])  # watched anew: counts from here again
     assert again.major_faults == 0
+
+
+def _fault_in(pages: int) -> None:
+    """Touch `pages` fresh anonymous pages: each one a minor fault the kernel handles on this thread."""
+    with mmap.mmap(-1, pages * mmap.PAGESIZE) as m:
+        for i in range(0, pages * mmap.PAGESIZE, mmap.PAGESIZE):
+            m[i] = 1
+
+
+def test_the_main_threads_page_faults_and_kernel_time_count_from_attach():
+    facts = HostFacts()
+    unwatched = _pattern(os.getpid())
+    facts.fill([unwatched])  # never read before: unknown, not zero
+    assert unwatched.minor_faults is None and unwatched.kernel_s is None
+    facts.forget(os.getpid())
+    facts.attach(Target(pid=os.getpid(), name="test", start_time=0))
+    _fault_in(20_000)  # 80 MB: ~20,000 faults, ~50-100 ms of kernel time on this VM
+    first = _pattern(os.getpid())
+    facts.fill([first])
+    assert first.minor_faults >= 20_000
+    assert first.kernel_s > 0.0  # system time is tick-sampled: some, not a figure
+    second = _pattern(os.getpid())
+    facts.fill([second])  # nothing faulted in between
+    assert second.minor_faults < 1_000

@@ -215,6 +215,17 @@ def test_host_cpus_round_trip_may_be_absent_and_are_checked():
             decode_patterns(_mutated(cpu=bad))
 
 
+def test_the_main_threads_faults_and_kernel_time_round_trip_may_be_absent_and_are_checked():
+    p = typical()
+    p.minor_faults, p.kernel_s = 4502, 0.173
+    back = decode_patterns(encode_patterns([p]))[0]
+    assert back.minor_faults == 4502 and back.kernel_s == pytest.approx(0.173, rel=1e-6)  # float32 on the wire
+    assert (decode_patterns(_mutated())[0].minor_faults, decode_patterns(_mutated())[0].kernel_s) == (None, None)
+    for bad in ([-1, 0.1], [10, -0.1], [10, float("nan")], [10], "x", [1.5, 0.1]):
+        with pytest.raises(PatternDecodeError):
+            decode_patterns(_mutated(mk=bad))
+
+
 def with_gpu(p: RankPattern) -> RankPattern:
     """`p` with the GPU views: the shim's top kernels (names at their longest) and NVML health."""
     p.gpu = GpuActivity(busy_s=1.61, kernel_s=1.72, copy_s=0.043, kernels=4980, top=[

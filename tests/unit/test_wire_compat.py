@@ -1,7 +1,8 @@
 """The wire format and /v1/patterns' JSON did not change when collectives became columns: agents and analyzers
 of either side interoperate (since 2026-11-27 a neighbour row carries a fifth field, `job`; rows of four
-still decode). The files under tests/data/wire/ were written by the codec of record objects
-(main at 81db7fd), from the patterns `built()` makes:
+still decode; since 2026-11-29 the JSON spells out a pattern's `minor_faults` and `kernel_s`, null where
+unknown, and the wire carries them only when known, so these bytes stand). The files under tests/data/wire/
+were written by the codec of record objects (main at 81db7fd), from the patterns `built()` makes:
 
     PYTHONPATH=<that checkout> python tests/unit/test_wire_compat.py
 
