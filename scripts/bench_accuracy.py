@@ -165,6 +165,10 @@ FAULTS = [
     # A tenth of the step: the smallest straggler the rules must still name (a 1,000-rank job loses it whole).
     Fault("compute-small", "compute_straggler", onset=True),
     Fault("loader", "input_straggler"),
+    # A rank that faults in half a step's worth of fresh memory each step (the injector's `faults`: ~1.4 ms a MB
+    # in the kernel on this project's VMs): far more than the ranks of one job differ by (rules/stragglers.py,
+    # FAULTS_SPREAD), so a straggler, named for its page faults.
+    Fault("pagefaults", "compute_straggler", onset=True),
     Fault("gc", "python_gc"),
     Fault("hang", "noncomm_hang"),
     Fault("sigstop", "noncomm_hang"),
@@ -407,6 +411,9 @@ def score_found(run: Run, found: dict, window: int, truth: dict[str, Any]) -> No
     run.extra_s = per_rank[0]["excess_s"] if per_rank else found["evidence"].get("function_growth_s")
 
 
+FAULT_S_PER_MB = 0.0014  # the kernel's time to fault in a fresh MB (256 pages) on this project's VMs
+
+
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     """$RANKSCOPE_FAULT for the case: delays scaled to the shape's healthy step time."""
     v = shape.target(fault.injection)
@@ -422,6 +429,7 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
         # A batch fetch must outlast every worker's share of the step to make the rank wait for it.
         "loader": f"loader:{v}:{extra + shape.workers * (healthy_step + extra):.4f}",
         "gc": f"gc:{v}:0.3",
+        "pagefaults": f"faults:{v}:{extra / FAULT_S_PER_MB:.1f}{onset}",
         "hang": f"hang:{v}:0@go",
         "regression": f"compute:*:{extra:.4f}@go",
     }.get(fault.injection, "")

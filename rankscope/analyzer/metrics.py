@@ -44,6 +44,8 @@ class RankTable:
     gc_s: np.ndarray  # in the Python garbage collector
     runq_s: np.ndarray  # the main thread runnable but not running (waiting for a CPU); NaN: no scheduler view
     oncpu_s: np.ndarray  # the main thread running; NaN: no scheduler view
+    kernel_s: np.ndarray  # ...of which in the kernel (page faults, system calls); NaN: unknown (an older agent)
+    faults: np.ndarray  # the main thread's minor page faults; NaN: unknown
     py_names: list[str]  # columns of py_s
     py_s: np.ndarray  # rows x Python functions: self wall time per step; 0 where not among the rank's top
     timed_names: list[str]  # columns of timed_s
@@ -124,6 +126,8 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
         gc_s=in_role(Role.GC),
         runq_s=_main_thread(main, "runq_s") * per_step,
         oncpu_s=_main_thread(main, "on_cpu_s") * per_step,
+        kernel_s=_known(patterns, "kernel_s") * per_step,
+        faults=_known(patterns, "minor_faults") * per_step,
         py_names=list(py_names),
         py_s=py * per_step[:, None],
         timed_names=timed_names,
@@ -151,3 +155,8 @@ def _main_thread(main: list[ThreadTimes | None], field: str) -> np.ndarray:
     """Per rank: one of its main thread's scheduler times in the window (`main`: its ThreadTimes); NaN without
     that view."""
     return np.fromiter((np.nan if t is None else getattr(t, field) for t in main), float, len(main))
+
+
+def _known(patterns: list[RankPattern], field: str) -> np.ndarray:
+    """Per rank: a window total the pattern may lack (None), NaN where it does."""
+    return np.fromiter((np.nan if (x := getattr(p, field)) is None else x for p in patterns), float, len(patterns))

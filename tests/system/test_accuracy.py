@@ -75,6 +75,19 @@ def test_of_two_ranks_the_one_computing_longer_is_the_straggler(job):
     assert_step_time(j, doc)
 
 
+def test_a_rank_late_on_faulting_in_memory_is_a_straggler_named_for_its_page_faults(job):
+    """40 MB of fresh pages a step on rank 1 (~10,000 faults, ~45 ms in the kernel on this VM): far more than
+    the ranks of one job differ by, so a straggler, and its extra time is in the kernel, not its code."""
+    j = job("mlp_regression.py", 2, "faults:1:40")
+    doc = diagnose(j)
+    assert verdict(doc) == [("compute_straggler", [1])], doc["findings"]
+    f = doc["findings"][0]
+    assert (f["component"], f["function"]) == ("host", "page faults"), f
+    rank = f["evidence"]["per_rank"][0]
+    assert rank["minor_faults"] > 9_000 and rank["kernel_s"] > 0.5 * rank["excess_s"], rank
+    assert_step_time(j, doc)
+
+
 def test_a_straggler_late_only_at_the_buffer_broadcast_is_found(job):
     """The transformer's DDP broadcasts its mask buffer at each forward: the root waits there for the rank
     that computes longer after its optimizer step, and both reach the gradient all-reduce together."""

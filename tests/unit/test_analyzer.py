@@ -344,6 +344,39 @@ def test_slow_host_is_a_cpu_straggler():
     assert (f["kind"], f["ranks"], f["component"], f["function"]) == ("compute_straggler", [3], "cpu", None)
 
 
+def _in_the_kernel(patterns: list[RankPattern], kernel: dict[int, float], faults: dict[int, float]) -> None:
+    """Give each rank's main thread 5 ms a step in the kernel on 1,100 page faults, plus `kernel` seconds on
+    `faults` more faults a step to the ranks named."""
+    steps = WINDOW / rank_table(patterns).job_step_s
+    for p in patterns:
+        p.kernel_s = steps * (0.005 + kernel.get(p.rank, 0.0))
+        p.minor_faults = round(steps * (1_100 + faults.get(p.rank, 0)))
+
+
+def test_a_rank_slower_by_its_extra_page_faults_is_not_a_straggler_unless_by_more_than_ranks_differ():
+    # cnn-3's ranks fault in different amounts of memory each step (glibc hands some back to the OS), the
+    # same code otherwise: one 6 ms (11% of the step) longer on a CPU, all of it in the kernel on 1,300 more
+    # faults a step, is within what ranks of one job differ by.
+    ps = simulate(3, host_extra={2: 0.006}, seed=4)
+    assert [f["kind"] for f in findings(ps)] == ["compute_straggler"]  # no kernel view: an older agent
+    _in_the_kernel(ps, {2: 0.006}, {2: 1_300})
+    assert findings(ps) == []
+    _in_the_kernel(ps, {2: 0.006}, {})  # the same kernel time without the faults: its reads, say
+    f, = findings(ps)
+    assert (f["kind"], f["ranks"], f["function"]) == ("compute_straggler", [2], None)
+    assert f["evidence"]["per_rank"][0]["kernel_s"] == pytest.approx(0.011, rel=0.1)
+
+
+def test_a_rank_late_by_far_more_page_faults_than_its_peers_is_a_straggler_named_for_them():
+    ps = simulate(3, host_extra={2: 0.030}, seed=4)
+    _in_the_kernel(ps, {2: 0.030}, {2: 6_600})
+    f, = findings(ps)
+    assert (f["kind"], f["ranks"], f["component"], f["function"]) == ("compute_straggler", [2], "host", "page faults")
+    assert f["evidence"]["per_rank"][0]["excess_s"] == pytest.approx(0.030, abs=0.003)  # all of it: not less the
+    assert f["cost"] == pytest.approx(0.030 / f["evidence"]["step_time_s"], abs=0.05)  # share ranks differ by
+    assert "7,700 page faults a step" in f["summary"], f["summary"]
+
+
 def test_small_excess_is_not_flagged():
     # 1 ms of extra GPU work (2% of the step) is below the 5% bar even though it is consistent.
     assert findings(simulate(8, sync_extra={5: 0.001}, seed=6)) == []

@@ -58,6 +58,10 @@ OTHER_WORK = 0.5  # ...and contention is other work's: at least this share of th
 # neighbours was behind processes outside its job. A job with more busy processes than CPUs waits for itself,
 # each rank in turn (cnn-3's 3 ranks and 6 DataLoader workers on 2 CPUs: rank 0 waited 25 ms a step more than
 # its peers behind rank 2 and two of the workers, and the agent confirmed `cpu_contention` on a healthy job).
+FAULTS_SPREAD = 0.15  # a rank's page faults beyond its peers' are not its work up to this share of the step
+# (faulting): healthy cnn-3 ranks differed by up to 10% of it (72 agent windows; median 5%). Beyond, the rest
+# is: a rank 25% of the step late on faulting in more memory each step is a straggler, named for it.
+PAGE_FAULTS = "page faults"  # the function a straggler's extra time is in when that is mostly faulting
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
 GPU_SHARE = 0.5  # a host-side CUDA call (a copy, a launch) holding a straggler's extra time is its GPU's when
 # the CUPTI shim saw the rank's GPU busy longer than its peers' by at least this share of that time: a copy to
@@ -65,6 +69,23 @@ GPU_SHARE = 0.5  # a host-side CUDA call (a copy, a launch) holding a straggler'
 # products: 7.0 ms more GPU time a step, 4.0 ms more in cudaMemcpyAsync, its GPU time otherwise unexplained)
 
 _HOST_TIME = None  # "function" of time outside every probed function
+
+
+def faulting(t: RankTable) -> np.ndarray:
+    """Per row: the kernel time a step its page faults beyond its peers' cost it (0 where none, or unknown),
+    which is not the rank's work. Ranks running the same code fault in different amounts of memory: glibc's
+    malloc hands freed memory back to the OS or keeps it depending on each process's own history, and the
+    pages it hands back are faulted in again on the next step. Healthy cnn-3 (8 agent runs, 24 ranks, the
+    main threads' /proc): user time 54.5-59.8 ms a step, within 3 ms between the ranks of every run, while
+    time in the kernel ran 4-21 ms on 700-4,750 faults a step (4.2-5.6 us each), a rank 8-11 ms above its
+    peers in 4 runs: on a CPU that much longer and late at the collectives (the false compute stragglers of
+    the eighteenth and nineteenth sessions). Counted as the extra faults at the rank's own cost per fault, at
+    most its extra kernel time: a rank whose kernel time grows without faults (a loader's reads) keeps it."""
+    kernel = peer_deviation(t.kernel_s, 0.0)[1]
+    faults = peer_deviation(t.faults, 0.0)[1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cost = np.minimum(kernel, faults * t.kernel_s / t.faults)
+    return np.clip(np.nan_to_num(cost, nan=0.0, posinf=0.0, neginf=0.0), 0.0, None)
 
 
 def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
@@ -83,7 +104,9 @@ class Straggling:
     small: np.ndarray  # small stragglers: named once seen in SMALL_WINDOWS of twice as many (empty without `a`)...
     held: np.ndarray  # ...but these at once: late all through the window (SMALL_HELD)
     z: np.ndarray  # robust z of the own work per step (step - COMM) against the peers'
-    excess: np.ndarray  # own work per step beyond the peers' median
+    excess: np.ndarray  # own work per step beyond the peers' median, less `excused`...
+    excused: np.ndarray  # ...its extra page faults' time, up to FAULTS_SPREAD of the step (what the others wait
+    # for is both: a finding reports their sum)
     work: np.ndarray
     comm_med: float
 
@@ -94,14 +117,16 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     by at least STRAGGLER_MIN_EXCESS of the step (C4's rule: the others wait for it). That decides two ranks,
     and it keeps collectives that overlap the rank's own work (DDP's buckets all-reduced on gloo's threads
     during backward: COMM then spans most of the step on every rank, and step - COMM is noise) from naming a
-    rank that is in fact the first to arrive."""
+    rank that is in fact the first to arrive. The kernel time of a rank's page faults beyond its peers' is
+    not its work, up to FAULTS_SPREAD of the step (faulting)."""
     if a is not None and a.instances == 0:  # nothing lined up (no collective instants shipped): totals only
         a = None
     valid = decidable(t, PAIR_RANKS if a is not None else min_ranks)
     if valid is None:
         return None
     step = t.job_step_s
-    work = np.where(valid, t.work_s, np.nan)
+    faults = np.minimum(faulting(t), FAULTS_SPREAD * step)
+    work = np.where(valid, t.work_s - faults, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
     small = held = thin = np.zeros(valid.shape, dtype=bool)
@@ -110,7 +135,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
         flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
         if a is not None:
             steps = peers_median(t.window_s[valid]) / step  # in the window
-            last, always, some, thin, late_by = _arrives_last(a, valid, step, steps)
+            last, always, some, thin, late_by = _arrives_last(a, valid, step, steps, faults)
             # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings by
             # 100 ms between the others (cnn-3: -97 and -10 ms, z 1.4-2.6 for a rank late in 99% of the steps
             # by 75-100 ms): the instants decide, when the rank also waits in collectives for less than its
@@ -120,14 +145,14 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             surely = valid & always & (excess > 0) & far_less
             flagged = (flagged & last) | surely
             thin &= flagged & ~surely
-            ran = peer_deviation(t.oncpu_s, 0.0)[1]
+            ran = peer_deviation(t.oncpu_s, 0.0)[1] - faults
             small = valid & some & (~flagged | thin) & (ran >= SMALL_RAN * late_by) & waits_less
             held = small & (a.held_lead >= SMALL_HELD)  # NaN (too few steps to cut): not held
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
-                      z, excess, work, comm_med)
+                      z, excess, faults, work, comm_med)
 
 
-def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float
+def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, faults: np.ndarray | float = 0.0
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row: whether it arrives at the collectives later than its peers (their median) by at least
     STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps, or in many and far more often than
@@ -135,10 +160,11 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float
     compared); whether it does so in nearly every step while its peers rarely are (ALWAYS_LATE); whether it
     does so in more steps than its peers, a small straggler's lateness (SMALL_LATE, SMALL_RATIO); whether the
     first holds only by LATE_RATIO, over fewer than LATE_RATIO_STEPS of the window's `steps` (thin); and how
-    much later than its peers it arrives per step (0 where not compared)."""
+    much later than its peers it arrives per step (0 where not compared), less what its extra page faults
+    cost it (`faults`: faulting)."""
     late = np.where(valid, a.arrival_late_s, np.nan)
     with np.errstate(invalid="ignore"):
-        late_by = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0)
+        late_by = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0) - faults
         later = late_by >= STRAGGLER_MIN_EXCESS * step
         share = np.where(valid, a.late_share, np.nan)
         peers_share = share - peer_deviation(share, 0.0)[1]
@@ -159,7 +185,7 @@ def _runq_excess(t: RankTable) -> np.ndarray:
     return peer_deviation(t.runq_s, 0.0)[1]
 
 
-def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray:
+def _contended(t: RankTable, rows: np.ndarray, found: Straggling) -> np.ndarray:
     """The straggling rows whose extra time is waiting for a CPU, not computing: at least CONTENTION_SHARE of
     it, while the rank ran hardly longer than its peers (under CONTENTION_RAN of it). A hog's victim does
     the same work as its peers (it ran at most 0.06 of its extra time beyond theirs, in 10 windows: lm-2-long
@@ -168,7 +194,8 @@ def _contended(t: RankTable, rows: np.ndarray, excess: np.ndarray) -> np.ndarray
     CPU and 178 ms more runnable a step; a compute straggler, 12.1 and 10.9 ms; those ran at least 0.31 of
     their extra time."""
     runq = _runq_excess(t)[rows]
-    ran = peer_deviation(t.oncpu_s, 0.0)[1][rows]
+    ran = (peer_deviation(t.oncpu_s, 0.0)[1] - found.excused)[rows]
+    excess = found.excess
     with np.errstate(invalid="ignore"):
         return rows[(runq >= CONTENTION_SHARE * excess[rows]) & ~(ran >= CONTENTION_RAN * excess[rows])]
 
@@ -204,14 +231,17 @@ def _timed_evidence(t: RankTable, i: int) -> dict[str, Any]:
 
 
 def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
-    """What the scheduler saw of a rank, per step: it tells 'slow' from 'waiting for a CPU or a disk'."""
+    """What the scheduler and /proc saw of a rank, per step: they tell 'slow' from 'waiting for a CPU or a
+    disk', and from 'faulting in memory' (its main thread's time in the kernel and minor page faults)."""
     p = t.patterns[i]
+    kernel = ({"kernel_s": float(t.kernel_s[i]), "minor_faults": float(t.faults[i])}
+              if np.isfinite(t.kernel_s[i]) and np.isfinite(t.faults[i]) else {})
     if not p.sched:
-        return {}
+        return kernel
     per_step = t.step_s[i] / p.window_s
     return {"runq_s": float(t.runq_s[i]), "io_s": sum(x.io_s for x in p.sched.values()) * per_step,
             "reclaim_s": sum(x.reclaim_s for x in p.sched.values()) * per_step, "major_faults": p.major_faults,
-            **({"cpus": p.cpus.count, "cpus_idle": p.cpus.idle} if p.cpus is not None else {})}
+            **kernel, **({"cpus": p.cpus.count, "cpus_idle": p.cpus.idle} if p.cpus is not None else {})}
 
 
 def _gpu_busy_excess(t: RankTable) -> np.ndarray:
@@ -232,11 +262,11 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     found = straggling(t, a=a)
     if found is None:
         return []
-    small = np.setdiff1d(found.small, _contended(t, found.small, found.excess))
+    small = np.setdiff1d(found.small, _contended(t, found.small, found))
     unheld = _findings(t, a, found, np.setdiff1d(small, found.held))
     for f in unheld:
         f.evidence["confirm_windows"] = SMALL_WINDOWS
-    named = np.setdiff1d(found.rows, np.union1d(found.thin, _contended(t, found.rows, found.excess)))
+    named = np.setdiff1d(found.rows, np.union1d(found.thin, _contended(t, found.rows, found)))
     return _findings(t, a, found, np.union1d(named, np.intersect1d(small, found.held))) + unheld
 
 
@@ -258,11 +288,14 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         waited_in = t.fn_names[comm_cols[int(np.argmax(np.median(t.fn_s[valid][:, comm_cols], axis=0)))]]
 
     gpu_excess = _gpu_busy_excess(t)
+    paging = faulting(t) - found.excused  # the page faults' time beyond what is excused: in `excess`
     groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
     for i in flagged:
         fn_excess = t.fn_s[i, cols] - fn_med
         host_excess = t.host_s[i] - host_med
-        if fn_excess.size and fn_excess.max() > host_excess:
+        if paging[i] >= 0.5 * excess[i]:  # mostly faulting in memory, in the kernel
+            function, component, where = PAGE_FAULTS, "host", float(paging[i] + found.excused[i])
+        elif fn_excess.size and fn_excess.max() > host_excess:
             j = cols[int(np.argmax(fn_excess))]
             function, component, where = t.fn_names[j], t.fn_roles[j].component, float(fn_excess.max())
             if component == "host" and gpu_excess[i] >= GPU_SHARE * where:
@@ -278,7 +311,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
             if DATA_LOADING.search(named):
                 kind, component = "input_straggler", "input"
         groups.setdefault((kind, component, function), []).append({
-            "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i]),
+            "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i] + found.excused[i]),
             "work_s": float(work[i]), "comm_s": float(t.comm_s[i]), "sync_s": float(t.sync_s[i]),
             "host_s": float(t.host_s[i]), "function_excess_s": where, "python_function": python,
             **({"gpu_busy_excess_s": float(gpu_excess[i])} if np.isfinite(gpu_excess[i]) else {}),
@@ -304,7 +337,8 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
                  "cpu": f"host work in {function}" if function else "host work outside CUDA and NCCL calls",
                  "input": f"loading input in {function}",
                  "python": "Python garbage collection pauses" + (f" triggered in {caller}" if caller else ""),
-                 "host": f"host-side CUDA calls, in {function}"}[component]
+                 "host": _faulting_in(per_rank[0]) if function == PAGE_FAULTS
+                 else f"host-side CUDA calls, in {function}"}[component]
         who = "it" if len(ranks) == 1 else "them"
         waits = f"in {waited_in}" if waited_in else "in collectives"
         verb = {"input_straggler": "spend", "python_gc": "stall"}.get(kind, "compute") + ("s" if len(ranks) == 1 else "")
@@ -320,6 +354,11 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     return out
 
 
+def _faulting_in(r: dict[str, Any]) -> str:
+    """Where a straggler's extra time lies when that is its page faults (its evidence: `_host_evidence`)."""
+    return f"faulting in memory: {r['minor_faults']:,.0f} page faults a step, {ms(r['kernel_s'])} in the kernel"
+
+
 def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Finding], set[int]]:
     """Straggling ranks whose extra time is waiting for a CPU (runnable, not running): the scheduler gave
     their CPU to other tasks, named from the kernel's view of who ran while they waited. Also the ranks that
@@ -332,7 +371,7 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
     runq_excess = _runq_excess(t)
     out = []
     own: set[int] = set()
-    for i in _contended(t, found.rows, excess):
+    for i in _contended(t, found.rows, found):
         p = t.patterns[i]
         if _other_work(p) < OTHER_WORK:
             own.add(int(t.rank[i]))

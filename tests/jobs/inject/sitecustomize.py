@@ -13,6 +13,8 @@ once torch.optim.optimizer is imported:
     compute:R:S   the rank computes S seconds longer each step (spins on its CPU before optimizer.step)
     loader:R:S    every batch fetch sleeps S seconds (in the main process or in the DataLoader's workers)
     gc:R:M        the rank keeps M million objects alive and runs a full garbage collection each step
+    faults:R:MB   the rank faults in MB megabytes of fresh memory each step (maps them, touches every page,
+                  unmaps them: what glibc's malloc does to memory it hands back to the OS between steps)
     hang:R:0      the rank blocks for good before its next collective (in optimizer.step)
   SIGSTOP, a CPU hog and a slow link are injected from outside (scripts/bench_accuracy.py).
 """
@@ -22,6 +24,7 @@ import atexit
 import gc
 import importlib.abc
 import importlib.util
+import mmap
 import os
 import sys
 import time
@@ -76,6 +79,10 @@ class _Rank:
                     a.append(b)
                     b.append(a)
             gc.collect()
+        if (mb := self.active("faults")) is not None:
+            with mmap.mmap(-1, int(mb * 2**20)) as fresh:
+                for page in range(0, len(fresh), mmap.PAGESIZE):
+                    fresh[page] = 1
         if self.active("hang") is not None:
             print(f"inject: rank {self.rank} blocks before its next collective", file=sys.stderr, flush=True)
             self.log.write()
