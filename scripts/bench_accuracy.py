@@ -353,15 +353,21 @@ def slowed_windows(truth: dict[str, Any] | None) -> dict[int, float]:
 def borne_out(by_window: list[list[dict]], truth: dict[str, Any] | None) -> tuple[list[dict], list[str]]:
     """A healthy agent run's findings less the regressions its job's own log bears out (slowed_windows): what
     is left to score, and those as labels ("regression[0, 1] (the job's log: +25%)"). A regression held
-    through the deep windows it raised ("held") is the earlier window's finding again, scored there."""
+    through the deep windows it raised ("held") is the earlier window's finding again, scored there; one the
+    agent first reported in a deep window (confirmed there, unconfirmed before) is scored in the window it
+    was measured in (measured_in): skipped, it went unscored, false or not (cnn-3: confirmed in window 8,
+    measured in 7, where the job's log ran +11%)."""
     slowed = slowed_windows(truth)
     left, shown = [], []
+    reported = set()
     for i, findings in enumerate(by_window):
         for f in findings:
-            if f.get("held"):
+            if f.get("held") and label(f) in reported:
                 continue
-            if f["kind"] == "regression" and i in slowed:
-                shown.append(f"{label(f)} (the job's log: {slowed[i]:+.0%})")
+            reported.add(label(f))
+            at = measured_in(f, i, by_window)
+            if f["kind"] == "regression" and at in slowed:
+                shown.append(f"{label(f)} (the job's log: {slowed[at]:+.0%})")
             else:
                 left.append(f)
     return left, shown

@@ -138,6 +138,9 @@ def test_a_healthy_runs_regression_counts_only_where_the_jobs_own_log_slowed():
     held = {**regression, "held": True}  # repeated through the deep windows it raised: window 3's finding again
     assert bench.borne_out([[], [], [], [regression], [held]], truth) == ([], shown)
     assert bench.borne_out([[], [regression]], None) == ([regression], [])  # no truth kept: counted as before
+    # Confirmed first in a deep window: scored where it was measured (window 3), not skipped.
+    assert bench.borne_out([[], [], [], [], [held], [held]], truth) == ([], shown)
+    assert bench.borne_out([[], [], [], [], [held]], {"windows_s": [0.0045] * 5}) == ([held], [])
     # A lasting slowdown, named once it held: against its first windows, not the slow ones since.
     drift = {"windows_s": [0.0834, 0.0796, 0.0824, 0.0859, 0.1057, 0.0976, 0.0924, 0.104, 0.0959, 0.0948]}
     assert bench.borne_out([[]] * 9 + [[regression]], drift) == ([], ["regression[0, 1] (the job's log: +15%)"])
