@@ -51,9 +51,10 @@ class Target:
         return start == self.start_time and state not in "ZX"  # a zombie has exited, unreaped
 
 
-def stat_fields(pid: int) -> list[str]:
-    """/proc/PID/stat from the state field on (the name before it may hold spaces and parentheses)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
+def stat_fields(pid: int, tid: int | None = None) -> list[str]:
+    """/proc/PID/stat (or thread TID's, /proc/PID/task/TID/stat) from the state field on (the name before it
+    may hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat", "rb") as f:
         stat = f.read().decode(errors="replace")
     return stat[stat.rindex(")") + 2 :].split()
 
@@ -81,11 +82,9 @@ def main_thread_faults(pid: int) -> tuple[int, float] | None:
     window is good to a few ticks (4 ms at HZ=250): enough to tell a rank that spends 10 ms more a step in the
     kernel than its peers, which is what it is for."""
     try:
-        with open(f"/proc/{pid}/task/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
+        fields = stat_fields(pid, pid)
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[7]), int(fields[12]) / CLOCK_TICKS
 
 

@@ -107,6 +107,7 @@ class Straggling:
     excess: np.ndarray  # own work per step beyond the peers' median, less `excused`...
     excused: np.ndarray  # ...its extra page faults' time, up to FAULTS_SPREAD of the step (what the others wait
     # for is both: a finding reports their sum)
+    paged: np.ndarray  # its extra page faults' time, whole (faulting): beyond `excused`, part of `excess`
     work: np.ndarray
     comm_med: float
 
@@ -125,7 +126,8 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     if valid is None:
         return None
     step = t.job_step_s
-    faults = np.minimum(faulting(t), FAULTS_SPREAD * step)
+    paged = faulting(t)
+    faults = np.minimum(paged, FAULTS_SPREAD * step)
     work = np.where(valid, t.work_s - faults, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
@@ -149,7 +151,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             small = valid & some & (~flagged | thin) & (ran >= SMALL_RAN * late_by) & waits_less
             held = small & (a.held_lead >= SMALL_HELD)  # NaN (too few steps to cut): not held
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
-                      z, excess, faults, work, comm_med)
+                      z, excess, faults, paged, work, comm_med)
 
 
 def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, faults: np.ndarray | float = 0.0
@@ -288,7 +290,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         waited_in = t.fn_names[comm_cols[int(np.argmax(np.median(t.fn_s[valid][:, comm_cols], axis=0)))]]
 
     gpu_excess = _gpu_busy_excess(t)
-    paging = faulting(t) - found.excused  # the page faults' time beyond what is excused: in `excess`
+    paging = found.paged - found.excused  # the page faults' time beyond what is excused: in `excess`
     groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
     for i in flagged:
         fn_excess = t.fn_s[i, cols] - fn_med
