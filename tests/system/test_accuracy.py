@@ -85,6 +85,7 @@ def test_a_rank_late_on_faulting_in_memory_is_a_straggler_named_for_its_page_fau
     assert (f["component"], f["function"]) == ("host", "page faults"), f
     rank = f["evidence"]["per_rank"][0]
     assert rank["minor_faults"] > 9_000 and rank["kernel_s"] > 0.5 * rank["excess_s"], rank
+    assert rank["peers_minor_faults"] < 0.5 * rank["minor_faults"], rank  # what the summary compares it with
     assert_step_time(j, doc)
 
 

@@ -375,6 +375,7 @@ def test_a_rank_late_by_far_more_page_faults_than_its_peers_is_a_straggler_named
     assert f["evidence"]["per_rank"][0]["excess_s"] == pytest.approx(0.030, abs=0.003)  # all of it: not less the
     assert f["cost"] == pytest.approx(0.030 / f["evidence"]["step_time_s"], abs=0.05)  # share ranks differ by
     assert "7,700 page faults a step" in f["summary"], f["summary"]
+    assert "its peers 1,100, 5.0 ms" in f["summary"], f["summary"]  # what it is compared with
 
 
 def test_small_excess_is_not_flagged():

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
+from rankscope.analyzer.differential import LEAVE_ONE_OUT_MAX, Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
 from rankscope.analyzer.metrics import DATA_LOADING, RankTable
 from rankscope.analyzer.rules.wording import ms, range_ms, rank_list
 from rankscope.schema.finding import Finding
@@ -52,6 +52,12 @@ SMALL_HELD = 0.15  # ...unless it was the late one all through the window: its l
 # this much in each piece of it (Alignment.held_lead). Kept 10 s windows with a tenth of the step spun: 0.15-0.5
 # in 25 of the 36 that named it only as a suspect (2-rank MLP and LM, 3-rank MLP with storage latency); the
 # healthy suspects above (cnn-3's, 3 of 217 healthy windows of 6 shapes) 0.07 at most.
+SMALL_USER = 0.05  # ...or where its own work shows in user time: its main thread ran in user mode this share of
+# the step longer than its peers' (on a CPU less in the kernel: neither waiting for a CPU nor faulting in memory
+# counts), in a window long enough to cut (HELD_STEPS). On hosts the job oversubscribes every rank is late in a
+# third of the steps and none leads steadily (mlp-4, 4 ranks on 2 CPUs: held lead 0.07-0.19, 1 of 5 windows
+# named, the job +30-40% slower), while a tenth of the step spun shows 6-10% more user time (mlp-4, cnn-3, the
+# pipeline's stage peers) against healthy ranks' 0-2% (30 windows of the three shapes, twenty-first session).
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
 CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
 OTHER_WORK = 0.5  # ...and contention is other work's: at least this share of the rank's wait behind its top
@@ -102,7 +108,8 @@ class Straggling:
     rows: np.ndarray  # the others wait for them...
     thin: np.ndarray  # ...these by being late in some steps of a window of few (LATE_RATIO_STEPS): small ones
     small: np.ndarray  # small stragglers: named once seen in SMALL_WINDOWS of twice as many (empty without `a`)...
-    held: np.ndarray  # ...but these at once: late all through the window (SMALL_HELD)
+    held: np.ndarray  # ...but these at once: late all through the window (SMALL_HELD), or longer in user time
+    # (SMALL_USER)
     z: np.ndarray  # robust z of the own work per step (step - COMM) against the peers'
     excess: np.ndarray  # own work per step beyond the peers' median, less `excused`...
     excused: np.ndarray  # ...its extra page faults' time, up to FAULTS_SPREAD of the step (what the others wait
@@ -133,7 +140,9 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
     small = held = thin = np.zeros(valid.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
-        waits_less = t.comm_s < comm_med
+        # Against the others only, as its work is: of three ranks, a straggler whose peer is late too (a broadcast's
+        # root it holds up) is the median and would wait no less than itself.
+        waits_less = peer_deviation(np.where(valid, t.comm_s, np.nan), 0.0)[1] < 0
         flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
         if a is not None:
             steps = peers_median(t.window_s[valid]) / step  # in the window
@@ -148,8 +157,14 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             flagged = (flagged & last) | surely
             thin &= flagged & ~surely
             ran = peer_deviation(t.oncpu_s, 0.0)[1] - faults
-            small = valid & some & (~flagged | thin) & (ran >= SMALL_RAN * late_by) & waits_less
-            held = small & (a.held_lead >= SMALL_HELD)  # NaN (too few steps to cut): not held
+            user = peer_deviation(np.where(valid, t.oncpu_s - t.kernel_s, np.nan), 0.0)[1]  # NaN: no kernel view
+            busier = np.isfinite(a.held_lead) & (user >= SMALL_USER * step)  # NaN (too few steps to cut): not
+            # Its own work longer both ways, step - COMM and user time: the one the others wait for, however little
+            # later it arrives. A pipeline stage's spinner is late at its stage's all-reduce by 2-6% of the step
+            # in 40-50% of them: its peer waits for it there through the other stage's ranks, along the sends.
+            worked = busier & (excess >= STRAGGLER_MIN_EXCESS * step) & (late_by > 0)
+            small = valid & (some | worked) & (~flagged | thin) & (ran >= SMALL_RAN * late_by) & waits_less
+            held = small & ((a.held_lead >= SMALL_HELD) | busier)
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
                       z, excess, faults, paged, work, comm_med)
 
@@ -209,19 +224,30 @@ def _other_work(p: RankPattern) -> float:
     return sum(n.waited_s for n in p.neighbours if not n.job) / waited if waited > 0 else 1.0
 
 
-def _python_excess(names: list[str], per_step: np.ndarray, i: int, valid: np.ndarray, excess: float) -> str | None:
-    """The Python function holding most of a straggler's extra time, if any: of the sampled main-thread
-    functions (t.py_names, t.py_s) or of the exactly timed ones (t.timed_names, t.timed_s)."""
+def _python_excess(names: list[str], per_step: np.ndarray, i: int, valid: np.ndarray,
+                   excess: float) -> tuple[str, float] | None:
+    """The Python function holding most of a straggler's extra time, if any, and that time per step: of the
+    sampled main-thread functions (t.py_names, t.py_s) or of the exactly timed ones (t.timed_names, t.timed_s)."""
     if not names:
         return None
     known = valid & np.isfinite(per_step).all(axis=1)  # NaN rows: ranks not timed at all
     if not known[i] or known.sum() < 2:  # a rank timed among untimed peers would look slow in all it was timed in
         return None
-    others = known.copy()
-    others[i] = False  # against its peers only: of two ranks, a median over both halves the difference
-    extra = per_step[i] - np.median(per_step[others], axis=0)
+    extra = per_step[i] - np.median(per_step[_peers_of(known, i)], axis=0)
     j = int(np.argmax(extra))
-    return names[j] if extra[j] >= PYTHON_SHARE * excess else None
+    return (names[j], float(extra[j])) if extra[j] >= PYTHON_SHARE * excess else None
+
+
+def _peers_of(valid: np.ndarray, i: int) -> np.ndarray:
+    """The rows row `i` is compared with where its extra time lies: the others in a small job, as its work is
+    (peer_deviation; of two ranks, a median over both halves the difference). Of three ranks, with itself among
+    them, a straggler whose one peer is slow too is the median:
+    no time beyond its peers' outside probed functions, and a garbage collector's microsecond more named it
+    python_gc (cnn-3, a tenth of the step spun)."""
+    peers = valid.copy()
+    if np.count_nonzero(valid) <= LEAVE_ONE_OUT_MAX:
+        peers[i] = False
+    return peers
 
 
 def _timed_evidence(t: RankTable, i: int) -> dict[str, Any]:
@@ -236,8 +262,11 @@ def _host_evidence(t: RankTable, i: int) -> dict[str, Any]:
     """What the scheduler and /proc saw of a rank, per step: they tell 'slow' from 'waiting for a CPU or a
     disk', and from 'faulting in memory' (its main thread's time in the kernel and minor page faults)."""
     p = t.patterns[i]
-    kernel = ({"kernel_s": float(t.kernel_s[i]), "minor_faults": float(t.faults[i])}
-              if np.isfinite(t.kernel_s[i]) and np.isfinite(t.faults[i]) else {})
+    kernel = {}
+    if np.isfinite(t.kernel_s[i]) and np.isfinite(t.faults[i]):  # and its peers' (the median of the others)
+        kernel = {"kernel_s": float(t.kernel_s[i]), "minor_faults": float(t.faults[i]),
+                  "peers_kernel_s": float(t.kernel_s[i] - peer_deviation(t.kernel_s, 0.0)[1][i]),
+                  "peers_minor_faults": float(t.faults[i] - peer_deviation(t.faults, 0.0)[1][i])}
     if not p.sched:
         return kernel
     per_step = t.step_s[i] / p.window_s
@@ -260,7 +289,7 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
     that only waits longer for a CPU is cpu_contention's); the small ones are marked in their evidence with
     the windows they must be seen in (`confirm_windows`, see stability.py) unless they held all through
-    this one (SMALL_HELD)."""
+    this one (SMALL_HELD, SMALL_USER)."""
     found = straggling(t, a=a)
     if found is None:
         return []
@@ -282,8 +311,6 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
 
     # Where the excess lies: the function (or host time outside probes) furthest above its peers' median.
     cols = [j for j, r in enumerate(t.fn_roles) if r != Role.COMM]
-    fn_med = np.median(t.fn_s[valid][:, cols], axis=0) if cols else np.zeros(0)
-    host_med = peers_median(np.where(valid, t.host_s, np.nan))
     comm_cols = [j for j, r in enumerate(t.fn_roles) if r == Role.COMM]
     waited_in = None  # the collective the peers spend most time in: where they wait for the straggler
     if comm_cols:
@@ -293,8 +320,9 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     paging = found.paged - found.excused  # the page faults' time beyond what is excused: in `excess`
     groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
     for i in flagged:
-        fn_excess = t.fn_s[i, cols] - fn_med
-        host_excess = t.host_s[i] - host_med
+        peers = _peers_of(valid, i)
+        fn_excess = t.fn_s[i, cols] - np.median(t.fn_s[peers][:, cols], axis=0) if cols else np.zeros(0)
+        host_excess = t.host_s[i] - np.median(t.host_s[peers])
         if paging[i] >= 0.5 * excess[i]:  # mostly faulting in memory, in the kernel
             function, component, where = PAGE_FAULTS, "host", float(paging[i] + found.excused[i])
         elif fn_excess.size and fn_excess.max() > host_excess:
@@ -307,7 +335,11 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         python = _python_excess(t.py_names, t.py_s, i, valid, excess[i])
         timed = _python_excess(t.timed_names, t.timed_s, i, valid, excess[i])
         kind = "python_gc" if component == "python" else "compute_straggler"
-        named = timed or python  # an exactly timed function that grew beats a sampled estimate
+        # The one holding more of the extra time; of two alike, the exactly timed one (a sampled estimate is
+        # noisier). Not the timed one whatever it holds: of 4 ranks on 2 CPUs, the loader's timed __next__ of a
+        # rank spinning before its optimizer step grew 0.4 ms a step, waiting for a CPU, where the sampled spin
+        # held 1.8 ms, and the rank was named an input straggler.
+        named = max(filter(None, (timed, python)), key=lambda x: x[1], default=(None, 0.0))[0]
         if named is not None and component == "cpu":  # time outside CUDA/NCCL: the Python function is the where
             function = named
             if DATA_LOADING.search(named):
@@ -315,9 +347,9 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         groups.setdefault((kind, component, function), []).append({
             "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i] + found.excused[i]),
             "work_s": float(work[i]), "comm_s": float(t.comm_s[i]), "sync_s": float(t.sync_s[i]),
-            "host_s": float(t.host_s[i]), "function_excess_s": where, "python_function": python,
+            "host_s": float(t.host_s[i]), "function_excess_s": where, "python_function": python and python[0],
             **({"gpu_busy_excess_s": float(gpu_excess[i])} if np.isfinite(gpu_excess[i]) else {}),
-            "timed_function": timed,
+            "timed_function": timed and timed[0],
             "arrival_lateness_s": float(a.arrival_late_s[i]) if a is not None else None,
             **_host_evidence(t, i),
             **_timed_evidence(t, i),
@@ -358,7 +390,8 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
 
 def _faulting_in(r: dict[str, Any]) -> str:
     """Where a straggler's extra time lies when that is its page faults (its evidence: `_host_evidence`)."""
-    return f"faulting in memory: {r['minor_faults']:,.0f} page faults a step, {ms(r['kernel_s'])} in the kernel"
+    return (f"faulting in memory: {r['minor_faults']:,.0f} page faults a step, {ms(r['kernel_s'])} in the kernel; "
+            f"its peers {r['peers_minor_faults']:,.0f}, {ms(r['peers_kernel_s'])}")
 
 
 def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Finding], set[int]]:
