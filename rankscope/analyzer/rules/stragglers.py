@@ -158,7 +158,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             thin &= flagged & ~surely
             ran = peer_deviation(t.oncpu_s, 0.0)[1] - faults
             user = peer_deviation(np.where(valid, t.oncpu_s - t.kernel_s, np.nan), 0.0)[1]  # NaN: no kernel view
-            busier = np.isfinite(a.held_lead) & (user >= SMALL_USER * step)  # NaN (too few steps to cut): not
+            busier = np.isfinite(a.held_lead) & (user >= SMALL_USER * step)  # held lead NaN: too few steps to cut
             # Its own work longer both ways, step - COMM and user time: the one the others wait for, however little
             # later it arrives. A pipeline stage's spinner is late at its stage's all-reduce by 2-6% of the step
             # in 40-50% of them: its peer waits for it there through the other stage's ranks, along the sends.
@@ -241,9 +241,8 @@ def _python_excess(names: list[str], per_step: np.ndarray, i: int, valid: np.nda
 def _peers_of(valid: np.ndarray, i: int) -> np.ndarray:
     """The rows row `i` is compared with where its extra time lies: the others in a small job, as its work is
     (peer_deviation; of two ranks, a median over both halves the difference). Of three ranks, with itself among
-    them, a straggler whose one peer is slow too is the median:
-    no time beyond its peers' outside probed functions, and a garbage collector's microsecond more named it
-    python_gc (cnn-3, a tenth of the step spun)."""
+    them, a straggler whose one peer is slow too is the median: no time beyond its peers' outside probed
+    functions, and a garbage collector's microsecond more named it python_gc (cnn-3, a tenth of the step spun)."""
     peers = valid.copy()
     if np.count_nonzero(valid) <= LEAVE_ONE_OUT_MAX:
         peers[i] = False
