@@ -173,8 +173,8 @@ def test_a_replayed_small_straggler_is_scored_where_the_agent_names_it(tmp_path)
     """mlp-3-io, a tenth of the step spun on rank 2 from window 4: named in window 10 (4 of the last 8), its
     step against the job's own in that window, its extra time per step against the 1.93 ms spun."""
     bench = bench_accuracy()
-    windows = [(ROOT / "tests" / "data" / "agent-windows" / f"mlp-3-io-compute-small-{i}.msgpack").read_bytes()
-               for i in range(13)]
+    windows = [(ROOT / "tests" / "data" / "agent-windows" / "runs" / "mlp-3-io-compute-small" / f"{i}.msgpack")
+               .read_bytes() for i in range(13)]
     steps = [0.019216, 0.018532, 0.020808, 0.021358, 0.02116, 0.019588, 0.019964, 0.019842, 0.019452, 0.020439,
              0.02045, 0.019686, 0.019807]  # the job's own, in each window
     truth = {"before_s": 0.019965, "windows_s": steps}

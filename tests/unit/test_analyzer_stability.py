@@ -1,9 +1,5 @@
 """Stable verdicts: services report a finding only once it held in consecutive windows over HOLD_S, or often."""
-from pathlib import Path
-
-from rankscope.analyzer.diagnosis import diagnose
 from rankscope.analyzer.stability import Confirmer
-from rankscope.schema.wire import decode_patterns
 
 
 def doc(*findings: tuple[str, list[int]]) -> dict:
@@ -106,18 +102,3 @@ def test_a_finding_that_asks_for_more_windows_is_reported_once_seen_in_that_many
     # a healthy job's: 2 windows in 10 (cnn-3), or 4 spread over more than 8
     assert reported([small, None, None, small] + [None] * 6) == [0] * 10
     assert reported([small, None, None, small, None, None, small, None, None, small]) == [0] * 10
-
-
-def test_the_agent_names_a_small_straggler_once_seen_in_4_of_8_windows():
-    """An agent's 2 s windows of mlp-3-io (3 ranks, idle CPU, 20 ms steps; bench accuracy, compute-small-agent):
-    rank 2 spins a tenth of the step more from window 4 on. One window's rules do not name it; it is a small
-    straggler's suspect in windows 6-8 and 10-12, reported from window 10 (4 of the last 8), nothing before."""
-    windows = Path(__file__).resolve().parents[1] / "data" / "agent-windows"
-    c, baselines, reported = Confirmer(), {}, []
-    for i in range(13):
-        docs = diagnose(decode_patterns((windows / f"mlp-3-io-compute-small-{i}.msgpack").read_bytes()),
-                        baselines=baselines)
-        c.confirm(docs)
-        reported.append([(f["kind"], f["ranks"]) for doc in docs.values() for f in doc["findings"]])
-    assert reported[:10] == [[]] * 10
-    assert reported[10:] == [[("compute_straggler", [2])]] * 3
