@@ -67,6 +67,7 @@ from rankscope.analyzer.stability import Confirmer  # noqa: E402
 from rankscope.schema.patterns import RankPattern  # noqa: E402
 from rankscope.schema.wire import decode_patterns  # noqa: E402
 from rankscope.sim.harness import free_port, wait_until  # noqa: E402
+from rankscope.sim.rank import GPU_S_PER_STEP  # noqa: E402
 
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
 WARMUP_S = 8.0
@@ -300,10 +301,12 @@ def added_s(healthy_step: float, fault: str = "compute") -> float:
 
 
 def injected_s(shape: Shape, fault: str, healthy_step: float) -> float | None:
-    """Where the fault is a known delay each step, that delay (None where it is not one: a slower GPU, a loader
-    behind worker processes, a GC storm)."""
+    """Where the fault is a known delay each step, that delay (None where it is not one: a loader behind worker
+    processes, a GC storm); a slower simulated GPU's is its kernels' extra time a step."""
     if fault in ("compute", "compute-small") and not shape.sim:
         return added_s(healthy_step, fault)  # the rank spins that long before optimizer.step
+    if fault in SLOW_GPU and shape.sim:
+        return (SLOW_GPU[fault] - 1) * GPU_S_PER_STEP  # its kernels run that much longer a step
     if fault == "loader" and not shape.workers:
         return added_s(healthy_step) * (1 if shape.sim else shape.fetches)  # slept in each batch's fetch
     if fault == "regression":
@@ -417,6 +420,7 @@ def score_found(run: Run, found: dict, window: int, truth: dict[str, Any]) -> No
     run.extra_s = per_rank[0]["excess_s"] if per_rank else found["evidence"].get("function_growth_s")
 
 
+SLOW_GPU = {"compute": 1.5, "compute-small": 1.15}  # the simulated job's faults: its GPU that many times slower
 FAULT_S_PER_MB = 0.0014  # the kernel's time to fault in a fresh MB (256 pages) on this project's VMs
 
 
@@ -425,7 +429,7 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     v = shape.target(fault.injection)
     extra = added_s(healthy_step, fault.injection)
     if shape.sim:  # GPU-side equivalents: a slower GPU, input stall, a slower link
-        return {"compute": f"slow-gpu:{v}:1.5", "compute-small": f"slow-gpu:{v}:1.15",
+        return {**{f: f"slow-gpu:{v}:{x}" for f, x in SLOW_GPU.items()},
                 "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
                 "slowlink": f"slow-link:{v}:4"}.get(fault.injection, "")
     onset = "@go" if fault.onset or fault.mode == "agent" else ""  # an agent case switches it on itself

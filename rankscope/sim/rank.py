@@ -46,6 +46,7 @@ BACKWARD = (("cross_entropy_loss_backward", 0.5, False), ("sm90_xmma_gemm_dgrad_
             ("layer_norm_bwd_kernel", 1.0, True), ("sm90_xmma_gemm_dgrad_qkv", 2.0, False),
             ("sm90_xmma_gemm_wgrad_qkv", 1.0, True), ("reduce_kernel_grad_norm", 1.0, False))
 OPTIMIZER = (("multi_tensor_apply_kernel_adam", 1.2, True), ("multi_tensor_apply_kernel_scale", 0.8, False))
+GPU_S_PER_STEP = sum(ms for _, ms, _ in FORWARD + BACKWARD + OPTIMIZER) / 1e3  # kernel time a step at factor 1
 BLOCK = (16, 16, 1)  # 256 threads; 1 thread = 1 ns of GPU time
 GRAD_ELEMENTS = 25_000_000  # float32: 100 MB all-reduced per step
 BATCH_BYTES = 32 << 20  # host-to-device copy per step (1.6 ms at 20 GB/s)

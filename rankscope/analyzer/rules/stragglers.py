@@ -40,14 +40,14 @@ ALWAYS_LATE_BY = 0.2  # are late in at most PEERS_RARELY, is the one the others 
 PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.70 against 0.16; 174 faulty
 # ones did). By a fifth of the step: a GPU a few ms slower than its peers, persistently, is within their spread.
 SMALL_LATE = 0.55  # A small straggler: late in this share of the steps, SMALL_RATIO times as often as its
-SMALL_RATIO = 1.5  # peers, by STRAGGLER_MIN_EXCESS of the step, while on a CPU longer than its peers by
-SMALL_RAN = 0.5  # SMALL_RAN of that lateness (it works; a pipeline stage late waiting for the other stage ran no
-SMALL_WINDOWS = 4  # longer than its peer). Kept windows with a tenth of the step spun: late in 0.56-0.88 of
-# the steps by 7-19% of it, on a CPU 3-13% more, 23 of the 26 the rules above missed. But a healthy rank does as
-# much now and then: 2 of 67 kept healthy 10 s windows (cnn-3's rank 0, 9 processes on 2 CPUs: late in 59% by
-# 10%, 11% more on a CPU), 19 of 664 agent windows of 74 healthy or regressed runs, in at most 2 of any 8 of a
-# run. So it is reported once seen in SMALL_WINDOWS of twice as many windows (stability.py: the agent), and
-# a single look (`diagnose`) lists it as unconfirmed...
+SMALL_RATIO = 1.5  # peers, by STRAGGLER_MIN_EXCESS of the step, while on a CPU or waiting for its own GPU longer
+SMALL_RAN = 0.5  # than its peers by SMALL_RAN of that lateness (it works; a pipeline stage late waiting for the
+SMALL_WINDOWS = 4  # other stage ran no longer than its peer). Kept windows with a tenth of the step spun: late
+# in 0.56-0.88 of the steps by 7-19% of it, on a CPU 3-13% more, 23 of the 26 the rules above missed. But a
+# healthy rank does as much now and then: 2 of 67 kept healthy 10 s windows (cnn-3's rank 0, 9 processes on 2
+# CPUs: late in 59% by 10%, 11% more on a CPU), 19 of 664 agent windows of 74 healthy or regressed runs, in at
+# most 2 of any 8 of a run. So it is reported once seen in SMALL_WINDOWS of twice as many windows (stability.py:
+# the agent), and a single look (`diagnose`) lists it as unconfirmed...
 SMALL_HELD = 0.15  # ...unless it was the late one all through the window: its late share led every peer's by
 # this much in each piece of it (Alignment.held_lead). Kept 10 s windows with a tenth of the step spun: 0.15-0.5
 # in 25 of the 36 that named it only as a suspect (2-rank MLP and LM, 3-rank MLP with storage latency); the
@@ -173,7 +173,11 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             # later it arrives. A pipeline stage's spinner is late at its stage's all-reduce by 2-6% of the step
             # in 40-50% of them: its peer waits for it there through the other stage's ranks, along the sends.
             worked = busier & (excess >= STRAGGLER_MIN_EXCESS * step) & (late_by > 0)
-            works = ran >= SMALL_RAN * late_by
+            # Its own work is also its host's wait for its own GPU: a slower GPU keeps the host no longer on a CPU,
+            # longer in its synchronizations (the simulated job's GPU 15% slower: 7.6% of the step longer in
+            # cuStreamSynchronize, on a CPU no longer, late by 5.8% in 58-60% of the steps: 2 of 5 windows unnamed).
+            own_gpu = np.fmax(peer_deviation(np.where(valid, t.sync_s, np.nan), 0.0)[1], _gpu_busy_excess(t))
+            works = ran + np.clip(np.nan_to_num(own_gpu, nan=0.0), 0.0, None) >= SMALL_RAN * late_by
             # ...or a suspect at least where its user time is longer by SMALL_USER: along a pipeline its lateness
             # grows beyond its own extra work (pipe-4's spinner, 2 s windows: late by 15-23% of the step, 5-8%
             # longer in user mode: missed in 1 of 2 agent runs). Not on a CPU longer alone: a healthy cnn-3 rank
