@@ -43,7 +43,7 @@ def render(doc: dict[str, Any]) -> str:
     for u in suspects:
         lines.append(f"suspect: {u['kind']} of {_ranks(u['ranks'])}, seen in this window; a difference this small "
                      f"shows now and then on a healthy job too: `rankscope agent` reports it once seen in "
-                     f"{u['needs']} of {SPAN * u['needs']} windows")
+                     f"{u['needs']} of {u.get('of', SPAN * u['needs'])} windows")
         lines.append(f"   {u['summary']}")
     for u in pending:
         held = (f"{REGRESSION_WINDOWS} windows running" if u["kind"] == "regression" else

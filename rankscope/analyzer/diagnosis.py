@@ -18,7 +18,7 @@ from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
 from rankscope.analyzer.rules.regression import regression, restated
 from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
-from rankscope.analyzer.stability import confirm_windows
+from rankscope.analyzer.stability import confirm_span, confirm_windows
 from rankscope.schema.finding import Finding, plain
 from rankscope.schema.patterns import RankPattern
 
@@ -161,6 +161,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     # One look, no past (`diagnose`): what must hold several windows is seen once, so it is unconfirmed.
     once = [] if baseline is not None else [f for f in listed if confirm_windows(f["evidence"]) > 1]
     suspects = [{"kind": f["kind"], "ranks": f["ranks"], "windows": 1, "needs": confirm_windows(f["evidence"]),
+                 "of": confirm_span(f["evidence"]),
                  "summary": f["summary"]} for f in once]
     return {
         "job": patterns[0].job,

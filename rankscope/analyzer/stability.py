@@ -40,9 +40,16 @@ HISTORY = 64  # windows kept per job: SPAN * K for any K a finding asks (a few s
 
 
 def confirm_windows(evidence: dict[str, Any]) -> int:
-    """The windows a finding asks to be seen in, of the last SPAN times as many, before it is reported (a
-    small straggler's: rules/stragglers.py, SMALL_WINDOWS); 1 where it asks none (the services' own rule)."""
+    """The windows a finding asks to be seen in, of the last SPAN times as many (or of `confirm_span`), before
+    it is reported (a small straggler's: rules/stragglers.py, SMALL_WINDOWS); 1 where it asks none (the
+    services' own rule)."""
     return int(evidence.get("confirm_windows", 1))
+
+
+def confirm_span(evidence: dict[str, Any]) -> int:
+    """The last windows a finding's `confirm_windows` are counted in: SPAN times as many unless it says
+    (`confirm_span`: a steady straggler's, most of a few, rules/stragglers.py STEADY_SPAN)."""
+    return int(evidence.get("confirm_span", SPAN * max(confirm_windows(evidence), OFTEN)))
 
 
 Key = tuple[str, tuple[int, ...]]
@@ -80,7 +87,7 @@ class Confirmer:
         key, asks = _key(f), confirm_windows(f.get("evidence", {}))
         often = max(asks, OFTEN)
         windows = list(seen)
-        times = sum(key in window.keys for window in windows[-SPAN * often:])
+        times = sum(key in window.keys for window in windows[-confirm_span(f.get("evidence", {})):])
         in_row = next((i for i, window in enumerate(reversed(windows)) if key not in window.keys), len(windows))
         regression = f["kind"] == "regression"
         row = max(self.windows, REGRESSION_WINDOWS if regression else 1)

@@ -102,3 +102,25 @@ def test_a_finding_that_asks_for_more_windows_is_reported_once_seen_in_that_many
     # a healthy job's: 2 windows in 10 (cnn-3), or 4 spread over more than 8
     assert reported([small, None, None, small] + [None] * 6) == [0] * 10
     assert reported([small, None, None, small, None, None, small, None, None, small]) == [0] * 10
+
+
+def test_a_finding_that_names_its_span_is_counted_in_that_span():
+    """A steady straggler's (confirm_windows 8, confirm_span 10): working longer in windows too short to tell
+    who arrives last, reported once seen in 8 of the last 10, not in 8 spread over 16."""
+    steady = {"kind": "compute_straggler", "ranks": [3], "cost": 0.1,
+              "evidence": {"confirm_windows": 8, "confirm_span": 10}}
+
+    def reported(windows: list[dict | None]) -> list[int]:
+        c, out = Confirmer(), []
+        for i, f in enumerate(windows):
+            d = {"j": {"findings": [dict(f)] if f else []}}
+            c.confirm(d)
+            out.append(len(d["j"]["findings"]))
+            if f and not d["j"]["findings"]:
+                assert d["j"]["unconfirmed"][0]["windows"] == sum(w is not None for w in windows[max(0, i - 9):i + 1])
+        return out
+
+    assert reported([steady] * 9) == [0] * 7 + [1, 1]
+    assert reported([steady] * 3 + [None] + [steady] * 4 + [None, steady]) == [0] * 9 + [1]
+    assert reported([steady, None] * 8) == [0] * 16  # 5 of any 10
+    assert reported(([None] * 7 + [steady] * 3) * 3) == [0] * 30  # a healthy rank's: at most 3 of any 10

@@ -22,6 +22,16 @@ def test_a_small_stragglers_suspect_is_shown_with_what_would_confirm_it():
     assert "rank 0 computes" in text
 
 
+def test_a_steady_stragglers_suspect_is_shown_with_the_span_that_would_confirm_it():
+    """pipe-4, a 2 s agent window of 30 steps after rank 3 began to spin: working longer, not late in most steps"""
+    path = WINDOWS.parent / "agent-windows" / "runs" / "pipe-4-compute-small-steady" / "6.msgpack"
+    doc = next(iter(diagnose(decode_patterns(path.read_bytes())).values()))
+    assert [(u["kind"], u["ranks"], u["needs"], u["of"]) for u in doc["unconfirmed"]] == [
+        ("compute_straggler", [3], 8, 10)]
+    suspect = next(line for line in render(doc).splitlines() if line.startswith("suspect:"))
+    assert "compute_straggler of rank 3" in suspect and "8 of 10 windows" in suspect
+
+
 def test_a_finding_is_listed_without_suspects():
     text = render(one_look("lm-2-compute-small"))  # late in 82% of the steps: named from one window
     assert "1. compute_straggler: rank 1 (" in text and "suspect" not in text

@@ -58,6 +58,15 @@ SMALL_USER = 0.05  # ...or where its own work shows in user time: its main threa
 # third of the steps and none leads steadily (mlp-4, 4 ranks on 2 CPUs: held lead 0.07-0.19, 1 of 5 windows
 # named, the job +30-40% slower), while a tenth of the step spun shows 6-10% more user time (mlp-4, cnn-3, the
 # pipeline's stage peers) against healthy ranks' 0-2% (30 windows of the three shapes, twenty-first session).
+STEADY_WINDOWS = 8  # A rank working longer than its peers in a window too short to tell who arrives last (too
+STEADY_SPAN = 10  # few steps to cut it: Alignment.held_lead NaN), by STRAGGLER_MIN_EXCESS of the step both as
+# its own work (step - COMM, a robust outlier) and in user mode (SMALL_USER), while it waits less in collectives:
+# a suspect reported once seen in STEADY_WINDOWS of the last STEADY_SPAN windows. Along a pipeline a spinner's
+# lateness at its stage's all-reduce comes and goes (pipe-4's, 2 s windows of 30 steps: late in 0-70% of the
+# steps, by -13% to +13% of it: 1 of 2 agent runs of the matrix unnamed), its extra work does not (6-16% of the
+# step, 6-10% in user mode, in every window after its onset). A healthy rank works as much more in some
+# windows (a 2-rank LM of 95 ms steps: 5-14%, 5-11% in user mode), in at most 3 of any 10 of a run (22 healthy
+# agent runs of 6 shapes, kept by the matrix).
 CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
 CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
 OTHER_WORK = 0.5  # ...and contention is other work's: at least this share of the rank's wait behind its top
@@ -120,6 +129,8 @@ class Straggling:
     small: np.ndarray  # small stragglers: named once seen in SMALL_WINDOWS of twice as many (empty without `a`)...
     held: np.ndarray  # ...but these at once: late all through the window (SMALL_HELD), or longer in user time
     # (SMALL_USER)
+    steady: np.ndarray  # working longer in a window too short to cut, none of the above: named once seen in
+    # STEADY_WINDOWS of STEADY_SPAN (empty without `a`)
     z: np.ndarray  # robust z of the own work per step (step - COMM) against the peers'
     excess: np.ndarray  # own work per step beyond the peers' median, less `excused`...
     excused: np.ndarray  # ...its extra page faults' time within the ranks' usual spread (excused_faults; what the
@@ -148,7 +159,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     work = np.where(valid, t.work_s - faults, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
-    small = held = thin = np.zeros(valid.shape, dtype=bool)
+    small = held = thin = steady = np.zeros(valid.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
         # Against the others only, as its work is: of three ranks, a straggler whose peer is late too (a broadcast's
         # root it holds up) is the median and would wait no less than itself.
@@ -190,8 +201,10 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             # ranks on 2 CPUs lent to other guests a quarter of the time, the spinner 6-8% of the step longer in
             # user mode and late by 20% of it (5 windows of 5 unnamed), healthy ranks within 2%.
             held = small & ((works & (a.held_lead >= SMALL_HELD)) | busier)
+            steady = valid & ~np.isfinite(a.held_lead) & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step)
+            steady &= waits_less & (user >= SMALL_USER * step) & ~flagged & ~small
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
-                      z, excess, faults, paged, work, comm_med)
+                      np.flatnonzero(steady), z, excess, faults, paged, work, comm_med)
 
 
 def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, faults: np.ndarray | float = 0.0
@@ -321,7 +334,8 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     """Ranks that compute longer than their peers while the others wait for them in collectives (a rank
     that only waits longer for a CPU is cpu_contention's); the small ones are marked in their evidence with
     the windows they must be seen in (`confirm_windows`, see stability.py) unless they held all through
-    this one (SMALL_HELD, SMALL_USER)."""
+    this one (SMALL_HELD, SMALL_USER), the steady ones with those windows and the span they count in
+    (`confirm_span`)."""
     found = straggling(t, a=a)
     if found is None:
         return []
@@ -329,8 +343,11 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     unheld = _findings(t, a, found, np.setdiff1d(small, found.held))
     for f in unheld:
         f.evidence["confirm_windows"] = SMALL_WINDOWS
+    steady = _findings(t, a, found, np.setdiff1d(found.steady, _contended(t, found.steady, found)))
+    for f in steady:
+        f.evidence.update(confirm_windows=STEADY_WINDOWS, confirm_span=STEADY_SPAN)
     named = np.setdiff1d(found.rows, np.union1d(found.thin, _contended(t, found.rows, found)))
-    return _findings(t, a, found, np.union1d(named, np.intersect1d(small, found.held))) + unheld
+    return _findings(t, a, found, np.union1d(named, np.intersect1d(small, found.held))) + unheld + steady
 
 
 def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.ndarray) -> list[Finding]:
