@@ -51,7 +51,9 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -82,6 +84,9 @@ AGENT_HEALTHY_WINDOWS = 10
 FINDING_TIMEOUT_S = 40.0  # an agent case: from the onset to the fault's finding
 ONSET_WINDOWS = 4  # an agent case's windows before its fault's onset
 GUESSED_STEP_S = 0.05  # a shape's step where no healthy run measured it first: it scales the faults
+SMALL_SHARE = 0.1  # compute-small: the rank spins this share of its own pace longer a step (tests/jobs/inject)
+Injected = Callable[[float | None], float | None]  # a case's injected_s, given a window's own step
+SLOW_GPU = {"compute": 1.5, "compute-small": 1.15}  # the simulated job's faults: its GPU that many times slower
 # Issue #13's bar, per case: every fault case right in 19 of 20 runs, no finding in 20 healthy runs, step time
 # within 5% of the job's own, cost within 30% of the injected share (the what-if where no delay is injected).
 BAR_RUNS = 20
@@ -292,19 +297,21 @@ def log(msg: str) -> None:
     print(f"[accuracy {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def added_s(healthy_step: float, fault: str = "compute") -> float:
-    """Seconds a faulty rank adds per step: half the healthy step, within 20-300 ms; for compute-small a
-    tenth of it."""
-    if fault == "compute-small":
-        return 0.1 * healthy_step
+def added_s(healthy_step: float) -> float:
+    """Seconds a faulty rank adds per step: half the healthy step, within 20-300 ms."""
     return min(max(0.02, 0.5 * healthy_step), 0.3)
 
 
-def injected_s(shape: Shape, fault: str, healthy_step: float) -> float | None:
-    """Where the fault is a known delay each step, that delay (None where it is not one: a loader behind worker
-    processes, a GC storm); a slower simulated GPU's is its kernels' extra time a step."""
-    if fault in ("compute", "compute-small") and not shape.sim:
-        return added_s(healthy_step, fault)  # the rank spins that long before optimizer.step
+def injected_s(shape: Shape, fault: str, healthy_step: float | None, step: float | None) -> float | None:
+    """Where the fault is a known delay each step, that delay in a window whose step (the job's own) is `step`
+    (None where it is not one: a loader behind worker processes, a GC storm; or where the delay is scaled to
+    an unknown `healthy_step`); a slower simulated GPU's is its kernels' extra time a step."""
+    if fault == "compute-small" and not shape.sim:  # SMALL_SHARE of its own pace: of the step, that share
+        return SMALL_SHARE / (1 + SMALL_SHARE) * step if step else None
+    if healthy_step is None:
+        return None
+    if fault == "compute" and not shape.sim:
+        return added_s(healthy_step)  # the rank spins that long before optimizer.step
     if fault in SLOW_GPU and shape.sim:
         return (SLOW_GPU[fault] - 1) * GPU_S_PER_STEP  # its kernels run that much longer a step
     if fault == "loader" and not shape.workers:
@@ -314,14 +321,14 @@ def injected_s(shape: Shape, fault: str, healthy_step: float) -> float | None:
     return None
 
 
-def score_figures(run: Run, doc: dict, healthy_step: float, injected: float | None) -> None:
+def score_figures(run: Run, doc: dict, healthy_step: float, injected: Injected) -> None:
     """A right verdict's cost against the what-if (the job's step against `healthy_step`) and against the
     `injected` delay's share of the faulty step (the issue's own measure), and its extra time per step against
     that delay."""
     finding = doc["findings"][0]
     run.cost = finding["cost"]
     run.truth_cost = max(1 - healthy_step / run.truth_step_s, 0.0)
-    run.injected_s = injected
+    run.injected_s = injected(run.truth_step_s)
     run.injected_cost = None if run.injected_s is None else min(run.injected_s / run.truth_step_s, 1.0)
     per_rank = finding["evidence"].get("per_rank")
     run.extra_s = per_rank[0]["excess_s"] if run.injected_s and per_rank else None
@@ -405,7 +412,7 @@ def job_slowed(truth: dict[str, Any] | None, onset_window: int) -> float | None:
     return statistics.fmean(after) / before - 1 if after and before else None
 
 
-def score_found(run: Run, found: dict, window: int, truth: dict[str, Any]) -> None:
+def score_found(run: Run, found: dict, window: int, truth: dict[str, Any], injected: Injected) -> None:
     """A fault an agent named in window `window` of the run: its step time against the job's in that window,
     its cost against the what-if 1 - step before the onset / step in that window, and the delay it reports
     against the delay injected (run.injected_s): a regression's growth per step of the part it names ("...
@@ -415,19 +422,19 @@ def score_found(run: Run, found: dict, window: int, truth: dict[str, Any]) -> No
         return
     run.step_s, run.truth_step_s = found["evidence"]["step_time_s"], after
     run.cost, run.truth_cost = found["cost"], max(1 - before / after, 0.0)
+    run.injected_s = injected(after)
     run.injected_cost = None if run.injected_s is None else min(run.injected_s / after, 1.0)
     per_rank = found["evidence"].get("per_rank")
     run.extra_s = per_rank[0]["excess_s"] if per_rank else found["evidence"].get("function_growth_s")
 
 
-SLOW_GPU = {"compute": 1.5, "compute-small": 1.15}  # the simulated job's faults: its GPU that many times slower
 FAULT_S_PER_MB = 0.0014  # the kernel's time to fault in a fresh MB (256 pages) on this project's VMs
 
 
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     """$RANKSCOPE_FAULT for the case: delays scaled to the shape's healthy step time."""
     v = shape.target(fault.injection)
-    extra = added_s(healthy_step, fault.injection)
+    extra = added_s(healthy_step)
     if shape.sim:  # GPU-side equivalents: a slower GPU, input stall, a slower link
         return {**{f: f"slow-gpu:{v}:{x}" for f, x in SLOW_GPU.items()},
                 "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
@@ -435,7 +442,7 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     onset = "@go" if fault.onset or fault.mode == "agent" else ""  # an agent case switches it on itself
     spec = {
         "compute": f"compute:{v}:{extra:.4f}{onset}",
-        "compute-small": f"compute:{v}:{extra:.4f}{onset}",
+        "compute-small": f"spin:{v}:{SMALL_SHARE}{onset}",
         # A batch fetch must outlast every worker's share of the step to make the rank wait for it.
         "loader": f"loader:{v}:{extra + shape.workers * (healthy_step + extra):.4f}",
         "gc": f"gc:{v}:0.3",
@@ -503,7 +510,7 @@ def score_agent(shape: Shape, fault: Fault, findings: list[dict], found: dict | 
 
 
 def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun,
-                  healthy_step: float | None, injected: float | None, misses: Evidence, window: int = 0) -> Run:
+                  healthy_step: float | None, injected: Injected, misses: Evidence, window: int = 0) -> Run:
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     hog = hog_on(VICTIM_CPU) if fault.name == "hog" else None
     saved = job.truth.parent / f"{job.run_id}-{window}.msgpack"
@@ -544,7 +551,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
 
 
 def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun, tmp: Path, misses: Evidence,
-               healthy_step: float | None, injected: float | None) -> Run:
+               healthy_step: float | None, injected: Injected) -> Run:
     """The agent over the job, window after window; a wrong verdict keeps every window's document and patterns
     and the agent's log in `misses`."""
     port = free_port()
@@ -605,10 +612,10 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             right, false = score_agent(shape, fault, findings, found)
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings] + shown,
                       to_finding_s=time.time() - onset if found else None, job=job.run_id,
-                      injected_s=injected, job_slowed=job_slowed(truth, ONSET_WINDOWS))
+                      job_slowed=job_slowed(truth, ONSET_WINDOWS))
             if found:
                 window = measured_in(found, len(docs) - 1, [d["findings"] for d in docs])
-                score_found(run, found, window, truth)
+                score_found(run, found, window, truth, injected)
         if misses.wanted(run):
             name = f"{shape.name}-{fault.name}-{job.run_id}"
             for i, raw in enumerate(patterns):
@@ -675,7 +682,7 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
         if onset:
             job.go()
             launch.settle(job, ONSET_SETTLE_S)
-        injected = injected_s(shape, fault.injection, scale)
+        injected = partial(injected_s, shape, fault.injection, scale)
         if fault.mode == "agent":
             return [agent_case(shape, fault, job, tmp, misses, healthy_step, injected)]
         once = fault.expect == "noncomm_hang"
@@ -762,10 +769,7 @@ def replay(dirs: list[Path]) -> list[Run]:
         healthy = (1 - run.truth_cost) * run.truth_step_s if run.truth_cost is not None and run.truth_step_s else None
         if healthy is None and not fault.pinned:  # a hog's reference is its own job's, pinned before the hog
             healthy = healthy_step.get(shape.name)
-        # The delay the kept run had injected, where it was scored (scaled to its batch's healthy step).
-        injected = run.injected_s
-        if injected is None and healthy:
-            injected = injected_s(shape, fault.injection, healthy)
+        injected = kept_injected(shape, fault, run, healthy)
         run.cost = run.injected_cost = run.extra_s = run.injected_s = None
         window_slowed(run, fault, healthy)
         timeout = HANG_TIMEOUT_S if fault.expect == "noncomm_hang" else DEFAULT_HANG_TIMEOUT_S
@@ -776,6 +780,13 @@ def replay(dirs: list[Path]) -> list[Run]:
             score_figures(run, doc, healthy, injected)
         runs.append(run)
     return runs
+
+
+def kept_injected(shape: Shape, fault: Fault, run: Run, healthy: float | None) -> Injected:
+    """A kept run's injected delay: the one it was scored against where it was, else the case's (scaled to
+    `healthy`, its batch's healthy step)."""
+    kept = run.injected_s
+    return partial(injected_s, shape, fault.injection, healthy) if kept is None else lambda _step: kept
 
 
 def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], truth: dict[str, Any] | None) -> Run:
@@ -797,10 +808,11 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], trut
     run.right, run.false = score_agent(shape, fault, findings, found)
     run.findings = [label(f) for f in findings] + shown
     if fault.expect is not None:
+        injected = kept_injected(shape, fault, run, None)
         run.step_s = run.truth_step_s = run.cost = run.truth_cost = run.injected_cost = run.extra_s = None
         run.job_slowed = job_slowed(truth, ONSET_WINDOWS)
         if found and truth and found_in < len(truth["windows_s"]):
-            score_found(run, found, measured_in(found, found_in, by_window), truth)
+            score_found(run, found, measured_in(found, found_in, by_window), truth, injected)
     return run
 
 

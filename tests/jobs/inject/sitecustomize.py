@@ -11,6 +11,8 @@ once torch.optim.optimizer is imported:
   fault once rankscope is attached). A kind given twice for a rank adds up from each one's onset (a shape's
   own storage latency, then a slow loader injected on top of it):
     compute:R:S   the rank computes S seconds longer each step (spins on its CPU before optimizer.step)
+    spin:R:F      ...F times its own pace longer: the median of its last PACE_STEPS steps, less their spins (a
+                  tenth stays a tenth of the step when the host slows the job; the spin is F/(1+F) of the step)
     loader:R:S    every batch fetch sleeps S seconds (in the main process or in the DataLoader's workers)
     gc:R:M        the rank keeps M million objects alive and runs a full garbage collection each step
     faults:R:MB   the rank faults in MB megabytes of fresh memory each step (maps them, touches every page,
@@ -27,9 +29,13 @@ import importlib.util
 import mmap
 import os
 import sys
+import statistics
 import time
+from collections import deque
 
 from rankscope.sim.steplog import StepLog
+
+PACE_STEPS = 32  # spin's pace: the median of this many steps (a second or three of the test jobs')
 
 
 def _faults_here(rank: int) -> dict[str, list[tuple[float, str]]]:
@@ -54,6 +60,8 @@ class _Rank:
         directory = os.environ.get("RANKSCOPE_TRUTH_DIR")
         self.log = StepLog(directory, rank)
         self.go = os.path.join(directory, "go") if directory else None
+        self.spun = 0.0  # this step's spin (compute, spin), and the steps' durations without it
+        self.paces: deque[float] = deque(maxlen=PACE_STEPS)
 
     def active(self, kind: str) -> float | None:
         """The sum of the values of `kind` whose onset has come; None while none has."""
@@ -68,10 +76,11 @@ class _Rank:
     def before_step(self, *_args) -> None:
         if self.first is None:
             self.first = time.time()
-        if (spin := self.active("compute")) is not None:
-            end = time.perf_counter() + spin
-            while time.perf_counter() < end:
-                pass
+        spin = (self.active("compute") or 0.0) + (self.active("spin") or 0.0) * self._pace()
+        self.spun = spin
+        end = time.perf_counter() + spin
+        while time.perf_counter() < end:
+            pass
         if (millions := self.active("gc")) is not None:
             if not self.heap:  # long-lived objects in reference cycles: each full collection walks them all
                 self.heap = [[i] for i in range(int(millions * 1e6))]
@@ -89,8 +98,13 @@ class _Rank:
             while True:
                 time.sleep(1)
 
+    def _pace(self) -> float:
+        return statistics.median(self.paces) if self.paces else 0.0
+
     def after_step(self, *_args) -> None:
         self.log.step_ended()
+        if len(self.log.ends) > 1:
+            self.paces.append(self.log.ends[-1] - self.log.ends[-2] - self.spun)
 
     def slow_fetch(self, fetch):
         """Wraps a DataLoader fetcher's fetch: the batch takes `loader` seconds longer to read."""
