@@ -49,11 +49,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np

@@ -85,10 +85,11 @@ class Confirmer:
         """Whether `f` held long enough: in a row over HOLD_S (unless it asks for more), or often (OFTEN of
         the last SPAN * OFTEN windows, or as many as it asks); and in how many windows it was seen (in a row,
         or of that span where it asks for more)."""
-        key, asks = _key(f), confirm_windows(f.get("evidence", {}))
+        evidence = f.get("evidence", {})
+        key, asks = _key(f), confirm_windows(evidence)
         often = max(asks, OFTEN)
         windows = list(seen)
-        times = sum(key in window.keys for window in windows[-confirm_span(f.get("evidence", {})):])
+        times = sum(key in window.keys for window in windows[-confirm_span(evidence):])
         in_row = next((i for i, window in enumerate(reversed(windows)) if key not in window.keys), len(windows))
         regression = f["kind"] == "regression"
         row = max(self.windows, REGRESSION_WINDOWS if regression else 1)

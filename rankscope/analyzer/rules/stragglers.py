@@ -136,6 +136,7 @@ class Straggling:
     excused: np.ndarray  # ...its extra page faults' time within the ranks' usual spread (excused_faults; what the
     # others wait for is both: a finding reports their sum)
     paged: np.ndarray  # its extra page faults' time, whole (faulting): beyond `excused`, part of `excess`
+    gpu_excess: np.ndarray  # its GPU busy longer than its peers' a step (_gpu_busy_excess; NaN: not measured)
     work: np.ndarray
     comm_med: float
 
@@ -159,6 +160,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     work = np.where(valid, t.work_s - faults, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
+    gpu_excess = _gpu_busy_excess(t)
     small = held = thin = steady = np.zeros(valid.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
         # Against the others only, as its work is: of three ranks, a straggler whose peer is late too (a broadcast's
@@ -187,7 +189,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             # Its own work is also its host's wait for its own GPU: a slower GPU keeps the host no longer on a CPU,
             # longer in its synchronizations (the simulated job's GPU 15% slower: 7.6% of the step longer in
             # cuStreamSynchronize, on a CPU no longer, late by 5.8% in 58-60% of the steps: 2 of 5 windows unnamed).
-            own_gpu = np.fmax(peer_deviation(np.where(valid, t.sync_s, np.nan), 0.0)[1], _gpu_busy_excess(t))
+            own_gpu = np.fmax(peer_deviation(np.where(valid, t.sync_s, np.nan), 0.0)[1], gpu_excess)
             works = ran + np.clip(np.nan_to_num(own_gpu, nan=0.0), 0.0, None) >= SMALL_RAN * late_by
             # ...or a suspect at least where its user time is longer by SMALL_USER: along a pipeline its lateness
             # grows beyond its own extra work (pipe-4's spinner, 2 s windows: late by 15-23% of the step, 5-8%
@@ -204,7 +206,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             steady = valid & ~np.isfinite(a.held_lead) & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step)
             steady &= waits_less & (user >= SMALL_USER * step) & ~flagged & ~small
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
-                      np.flatnonzero(steady), z, excess, faults, paged, work, comm_med)
+                      np.flatnonzero(steady), z, excess, faults, paged, gpu_excess, work, comm_med)
 
 
 def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, faults: np.ndarray | float = 0.0
@@ -365,7 +367,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     if comm_cols:
         waited_in = t.fn_names[comm_cols[int(np.argmax(np.median(t.fn_s[valid][:, comm_cols], axis=0)))]]
 
-    gpu_excess = _gpu_busy_excess(t)
+    gpu_excess = found.gpu_excess
     paging = found.paged - found.excused  # the page faults' time beyond what is excused: in `excess`
     # Per flagged row: its peers' host time (column 0) and functions' (the rest), their kernel time and faults
     own = np.column_stack([t.host_s, t.fn_s[:, cols]])

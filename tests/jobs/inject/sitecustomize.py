@@ -28,8 +28,8 @@ import importlib.abc
 import importlib.util
 import mmap
 import os
-import sys
 import statistics
+import sys
 import time
 from collections import deque
 
