@@ -432,7 +432,7 @@ def test_a_rank_late_all_through_the_window_leads_its_peers_in_every_piece():
 def _late(late_ms: list[float], share: list[float], step: float = 0.060, steps: float = 150) -> list[bool]:
     a = Alignment.empty(len(share))
     a.arrival_late_s[:], a.late_share[:] = np.array(late_ms) / 1e3, share
-    last, _always, _some, thin, _by = _arrives_last(a, np.ones(len(share), dtype=bool), step, steps)
+    last, _always, _some, _most, thin, _by = _arrives_last(a, np.ones(len(share), dtype=bool), step, steps)
     return (last & ~thin).tolist()  # named from this window
 
 

@@ -58,6 +58,10 @@ SMALL_USER = 0.05  # ...or where its own work shows in user time: its main threa
 # third of the steps and none leads steadily (mlp-4, 4 ranks on 2 CPUs: held lead 0.07-0.19, 1 of 5 windows
 # named, the job +30-40% slower), while a tenth of the step spun shows 6-10% more user time (mlp-4, cnn-3, the
 # pipeline's stage peers) against healthy ranks' 0-2% (30 windows of the three shapes, twenty-first session).
+SMALL_MOST = 0.5  # ...late in this share of the steps, SMALL_RATIO times as often as its peers, it is named so
+# however little later it arrives (below): of 488 kept 10 s windows (88 healthy), no rank but a fault's was
+# longer by SMALL_USER in user mode (healthy at most 4.7%: lm-2), and no agent window of 993 named a rank so
+# that the rules above did not.
 STEADY_WINDOWS = 8  # A rank working longer than its peers in a window too short to tell who arrives last (too
 STEADY_SPAN = 10  # few steps to cut it: Alignment.held_lead NaN), by STRAGGLER_MIN_EXCESS of the step both as
 # its own work (step - COMM, a robust outlier) and in user mode (SMALL_USER), while it waits less in collectives:
@@ -169,7 +173,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
         flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
         if a is not None:
             steps = peers_median(t.window_s[valid]) / step  # in the window
-            last, always, some, thin, late_by = _arrives_last(a, valid, step, steps, faults)
+            last, always, some, most, thin, late_by = _arrives_last(a, valid, step, steps, faults)
             # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings by
             # 100 ms between the others (cnn-3: -97 and -10 ms, z 1.4-2.6 for a rank late in 99% of the steps
             # by 75-100 ms): the instants decide, when the rank also waits in collectives for less than its
@@ -186,6 +190,11 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             # later it arrives. A pipeline stage's spinner is late at its stage's all-reduce by 2-6% of the step
             # in 40-50% of them: its peer waits for it there through the other stage's ranks, along the sends.
             worked = busier & (excess >= STRAGGLER_MIN_EXCESS * step) & (late_by > 0)
+            # ...or the late one in most steps (SMALL_MOST), however little later and whatever it waits: where a
+            # rank had slack, its extra work fills it first (cnn-3, 9 processes on 2 CPUs: the spinner 7-8% of the
+            # step longer in user mode, late in 53-62% of the steps against its peers' 21-28%, by 1-6% of the
+            # step, waiting as long as they did in one window: 2 of 5 windows unnamed).
+            leads = busier & most
             # Its own work is also its host's wait for its own GPU: a slower GPU keeps the host no longer on a CPU,
             # longer in its synchronizations (the simulated job's GPU 15% slower: 7.6% of the step longer in
             # cuStreamSynchronize, on a CPU no longer, late by 5.8% in 58-60% of the steps: 2 of 5 windows unnamed).
@@ -197,8 +206,8 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             # ran 5-7% longer than its peers in four 2 s windows running (9 processes on 2 CPUs, faulting). Nor
             # named from one window: a healthy cnn-3 rank on a host loaded 5 deep was late by 17% running 7%
             # longer, its held lead 0.17.
-            small = valid & (some | worked) & (~flagged | thin) & (works | (user >= SMALL_USER * step))
-            small &= waits_less
+            small = valid & (some | worked | leads) & (~flagged | thin) & (works | (user >= SMALL_USER * step))
+            small &= waits_less | leads
             # Named at once where its user time is longer in a window long enough to cut, however late it is: 2
             # ranks on 2 CPUs lent to other guests a quarter of the time, the spinner 6-8% of the step longer in
             # user mode and late by 20% of it (5 windows of 5 unnamed), healthy ranks within 2%.
@@ -215,10 +224,11 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, fa
     STRAGGLER_MIN_EXCESS of the step, per step, and does so in most steps, or in many and far more often than
     its peers (LATE_STEPS; LATE_SOME, LATE_RATIO: a rank of a busy CPU is late in some; False where not
     compared); whether it does so in nearly every step while its peers rarely are (ALWAYS_LATE); whether it
-    does so in more steps than its peers, a small straggler's lateness (SMALL_LATE, SMALL_RATIO); whether the
-    first holds only by LATE_RATIO, over fewer than LATE_RATIO_STEPS of the window's `steps` (thin); and how
-    much later than its peers it arrives per step (0 where not compared), less what its extra page faults
-    cost it (`faults`: faulting)."""
+    does so in more steps than its peers, a small straggler's lateness (SMALL_LATE, SMALL_RATIO); whether it
+    is later at all in most steps, SMALL_RATIO times as often as its peers (SMALL_MOST); whether the first
+    holds only by LATE_RATIO, over fewer than LATE_RATIO_STEPS of the window's `steps` (thin); and how much
+    later than its peers it arrives per step (0 where not compared), less what its extra page faults cost it
+    (`faults`: faulting)."""
     late = np.where(valid, a.arrival_late_s, np.nan)
     with np.errstate(invalid="ignore"):
         late_by = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0) - faults
@@ -230,9 +240,11 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, fa
         surely = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (late_by >= FAR_LATE_BY * step) & rarely)
         ratio = (share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share))
         always = (share >= ALWAYS_LATE) & rarely
-        some = later & (share >= SMALL_LATE) & (share >= SMALL_RATIO * np.nan_to_num(peers_share, nan=1.0))
+        ahead = share >= SMALL_RATIO * np.nan_to_num(peers_share, nan=1.0)
+        some = later & (share >= SMALL_LATE) & ahead
+        most = (share >= SMALL_MOST) & ahead & (late_by > 0)
         thin = later & ratio & ~surely & (share * steps < LATE_RATIO_STEPS)
-        return later & (surely | ratio), (late_by >= ALWAYS_LATE_BY * step) & always, some, thin, late_by
+        return later & (surely | ratio), (late_by >= ALWAYS_LATE_BY * step) & always, some, most, thin, late_by
 
 
 def _runq_excess(t: RankTable) -> np.ndarray:
@@ -360,7 +372,9 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     step = t.job_step_s
     valid = np.isfinite(t.step_s)
 
-    # Where the excess lies: the function (or host time outside probes) furthest above its peers' median.
+    # Where the excess lies: the function (or host time outside probes) furthest above its peers' median, a
+    # function where it holds PYTHON_SHARE of the excess at least: where a straggler's host time is no longer
+    # than its peers', a garbage collector 0.02 us longer named a spinner python_gc (cnn-3, 5.5 ms spun a step).
     cols = [j for j, r in enumerate(t.fn_roles) if r != Role.COMM]
     comm_cols = [j for j, r in enumerate(t.fn_roles) if r == Role.COMM]
     waited_in = None  # the collective the peers spend most time in: where they wait for the straggler
@@ -378,7 +392,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         host_excess, fn_excess = own[i, 0] - med[0], own[i, 1:] - med[1:]
         if paging[i] >= 0.5 * excess[i]:  # mostly faulting in memory, in the kernel
             function, component, where = PAGE_FAULTS, "host", float(paging[i] + found.excused[i])
-        elif fn_excess.size and fn_excess.max() > host_excess:
+        elif fn_excess.size and fn_excess.max() > host_excess and fn_excess.max() >= PYTHON_SHARE * excess[i]:
             j = cols[int(np.argmax(fn_excess))]
             function, component, where = t.fn_names[j], t.fn_roles[j].component, float(fn_excess.max())
             if component == "host" and gpu_excess[i] >= GPU_SHARE * where:
