@@ -307,12 +307,12 @@ def injected_s(shape: Shape, fault: str, healthy_step: float | None, step: float
     an unknown `healthy_step`); a slower simulated GPU's is its kernels' extra time a step."""
     if fault == "compute-small" and not shape.sim:  # SMALL_SHARE of its own pace: of the step, that share
         return SMALL_SHARE / (1 + SMALL_SHARE) * step if step else None
+    if fault in SLOW_GPU and shape.sim:
+        return (SLOW_GPU[fault] - 1) * GPU_S_PER_STEP  # its kernels run that much longer a step
     if healthy_step is None:
         return None
     if fault == "compute" and not shape.sim:
         return added_s(healthy_step)  # the rank spins that long before optimizer.step
-    if fault in SLOW_GPU and shape.sim:
-        return (SLOW_GPU[fault] - 1) * GPU_S_PER_STEP  # its kernels run that much longer a step
     if fault == "loader" and not shape.workers:
         return added_s(healthy_step) * (1 if shape.sim else shape.fetches)  # slept in each batch's fetch
     if fault == "regression":

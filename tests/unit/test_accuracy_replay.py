@@ -58,6 +58,14 @@ def test_a_kept_window_without_a_reference_is_scored_against_the_shapes_healthy_
     assert slow.truth_cost == pytest.approx(1 - 0.048 / 0.064) and slow.cost is not None
 
 
+def test_a_slower_simulated_gpu_is_scored_against_its_kernels_extra_time_without_a_reference():
+    """The delay is the job's own model (its kernels' time a step), known whatever the healthy step."""
+    bench = bench_accuracy()
+    sim = next(s for s in bench.SHAPES if s.sim)
+    assert bench.injected_s(sim, "compute-small", None, 0.05) == pytest.approx(0.15 * bench.GPU_S_PER_STEP)
+    assert bench.injected_s(sim, "loader", None, 0.05) is None  # scaled to the healthy step: unknown
+
+
 def test_a_missed_window_reads_beside_what_its_fault_cost_the_job(tmp_path):
     """A slow link hidden behind a CPU-bound step slows its job by nothing: its missed windows show that, as an
     agent case's misses do (the table's "job slowed (missed)"), and a right one its slowdown too."""
