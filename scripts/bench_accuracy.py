@@ -75,6 +75,13 @@ WARMUP_S = 8.0
 VICTIM_CPU = 1  # pinned cases: the victim's CPU, the hog's too
 OWN_REFERENCE_S = 6.0  # pinned and onset cases: the job's own step before the hog or the fault, the what-if
 ONSET_SETTLE_S = 1.0  # onset cases: from switching the fault on to the diagnose window (steps of 0.4 s at most)
+# Onset cases: what the fault costs the job by its own log (Run.lost), the fault switched off and on AB_PAIRS
+# times for AB_PHASE_S each, the first AB_SETTLE_S of each phase not counted (a spin's pace follows the last 32
+# steps). 39 s a job. On a host the ranks oversubscribe the job lost 33-54% of the spin a tenth of the step
+# (2026-12-02: mlp-3-io 4.0% of the step, mlp-4 4.9%, cnn-3 3.0%, pipe-4 3.3%; lm-2, a core a rank, 10.6%).
+AB_PHASE_S = 3.0
+AB_PAIRS = 6
+AB_SETTLE_S = 0.6
 DURATION_S = 10.0
 HANG_TIMEOUT_S = 4.0
 AGENT_WINDOW_S = 2.0  # the agent's window in the matrix (its default is 5 s)...
@@ -225,6 +232,9 @@ class Run:
     # longest of its three), and so can a slow link whose transfers hide behind a CPU-bound step (cnn-3 on a
     # slower host: 124-141 ms steps with the link slowed, 127-141 without), so a miss is read beside its cost.
     job_slowed: float | None = None
+    # What the fault costs the job by its own log, the fault switched off and on (measured_loss): the truth
+    # the cost answers to ("costs N% of step time": what the job would gain without it). Onset cases only.
+    lost: float | None = None
     error: str = ""
     job: str = ""  # the job's run id: runs of one job are its consecutive diagnose windows
     # A diagnose window's link pace: the median throughput of the links that set it (analyzer/rules/links.py's
@@ -271,8 +281,14 @@ class Run:
             return None
         return self.extra_s / self.injected_s - 1
 
+    @property
+    def lost_err(self) -> float | None:
+        if self.cost is None or not self.lost or self.lost <= 0:
+            return None
+        return self.cost / self.lost - 1
 
-DERIVED = ("step_err", "cost_err", "injected_err", "extra_err")  # Run's properties, saved beside its fields
+
+DERIVED = ("step_err", "cost_err", "injected_err", "extra_err", "lost_err")  # Run's properties, saved beside its fields
 
 
 @dataclass(frozen=True)
@@ -509,7 +525,8 @@ def score_agent(shape: Shape, fault: Fault, findings: list[dict], found: dict | 
 
 
 def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun,
-                  healthy_step: float | None, injected: Injected, misses: Evidence, window: int = 0) -> Run:
+                  healthy_step: float | None, injected: Injected, misses: Evidence, window: int = 0,
+                  lost: float | None = None) -> Run:
     pids = ",".join(str(job.pids[r]) for r in range(shape.ranks))
     hog = hog_on(VICTIM_CPU) if fault.name == "hog" else None
     saved = job.truth.parent / f"{job.run_id}-{window}.msgpack"
@@ -534,7 +551,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
     doc = json.loads(out)
     right, false = score(shape, fault, doc["findings"])
     run = Run(shape.name, fault.name, right, false, [label(f) for f in doc["findings"]], step_s=doc["step_time_s"],
-              job=job.run_id, links_Bps=link_pace(decode_patterns(saved.read_bytes())))
+              job=job.run_id, links_Bps=link_pace(decode_patterns(saved.read_bytes())), lost=lost)
     if fault.expect not in ("noncomm_hang",):
         w = doc["window"]
         job.wait_written(w["end"])
@@ -550,7 +567,7 @@ def diagnose_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.S
 
 
 def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimRun, tmp: Path, misses: Evidence,
-               healthy_step: float | None, injected: Injected) -> Run:
+               healthy_step: float | None, injected: Injected, lost: float | None = None) -> Run:
     """The agent over the job, window after window; a wrong verdict keeps every window's document and patterns
     and the agent's log in `misses`."""
     port = free_port()
@@ -611,7 +628,7 @@ def agent_case(shape: Shape, fault: Fault, job: launch.TorchrunJob | launch.SimR
             right, false = score_agent(shape, fault, findings, found)
             run = Run(shape.name, fault.name, right, false, [label(f) for f in findings] + shown,
                       to_finding_s=time.time() - onset if found else None, job=job.run_id,
-                      job_slowed=job_slowed(truth, ONSET_WINDOWS))
+                      job_slowed=job_slowed(truth, ONSET_WINDOWS), lost=lost)
             if found:
                 window = measured_in(found, len(docs) - 1, [d["findings"] for d in docs])
                 score_found(run, found, window, truth, injected)
@@ -654,6 +671,28 @@ def slow_link(shape: Shape, fault: Fault, healthy_pace_Bps: float | None) -> lau
     return None
 
 
+def measured_loss(job: launch.TorchrunJob) -> float | None:
+    """Run.lost: the fault's `go` file removed and made again, AB_PAIRS times (inject/sitecustomize.py checks
+    it every step), each on phase's step against the mean of the off phases either side (a host's pace drifts
+    over the 39 s), 1 - off/on, their median; the fault left off. Read phase by phase: a rank's log keeps its
+    last 4,096 steps (16 s of mlp-2's)."""
+    go = job.truth / "go"
+    steps: list[float | None] = []
+    for phase in range(2 * AB_PAIRS + 1):
+        if phase % 2:
+            go.touch()
+        else:
+            go.unlink(missing_ok=True)
+        start = time.time()
+        launch.settle(job, AB_PHASE_S)
+        end = time.time()
+        job.wait_written(end)
+        steps.append(job.step_time(start + AB_SETTLE_S, end))
+    losses = [1 - (before + after) / 2 / on for before, on, after in zip(steps[::2], steps[1::2], steps[2::2])
+              if before and on and after]
+    return statistics.median(losses) if losses else None
+
+
 def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, misses: Evidence,
              windows: int = 1, healthy_pace_Bps: float | None = None) -> list[Run]:
     """One fresh job of the shape with the fault: its agent run, or `windows` diagnose runs in a row (a hang
@@ -678,14 +717,16 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
             end = time.time()
             job.wait_written(end)
             healthy_step = job.step_time(start, end) or healthy_step
+        switched = not shape.sim and fault.expect is not None and (fault.onset or fault.mode == "agent")
+        lost = measured_loss(job) if switched else None  # its fault's onset is `go`: fault_spec
+        injected = partial(injected_s, shape, fault.injection, scale)
+        if fault.mode == "agent":
+            return [agent_case(shape, fault, job, tmp, misses, healthy_step, injected, lost)]
         if onset:
             job.go()
             launch.settle(job, ONSET_SETTLE_S)
-        injected = partial(injected_s, shape, fault.injection, scale)
-        if fault.mode == "agent":
-            return [agent_case(shape, fault, job, tmp, misses, healthy_step, injected)]
         once = fault.expect == "noncomm_hang"
-        return [diagnose_case(shape, fault, job, healthy_step, injected, misses, w)
+        return [diagnose_case(shape, fault, job, healthy_step, injected, misses, w, lost)
                 for w in range(1 if once else windows)]
     finally:
         job.kill()
@@ -700,6 +741,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         cost = [r.cost_err for r in rs if r.cost_err is not None]
         injected = [r.injected_err for r in rs if r.injected_err is not None]
         extra = [r.extra_err for r in rs if r.extra_err is not None]
+        lost = [r.lost_err for r in rs if r.lost_err is not None]
         ttf = [r.to_finding_s for r in rs if r.to_finding_s is not None]
         truth = [r.truth_step_s for r in rs if r.truth_step_s]
         rows.append({"shape": key[0], "fault": key[1], "runs": len(rs), "jobs": len({r.job for r in rs}),
@@ -707,7 +749,8 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                      "right": sum(r.right for r in rs), "step_err_worst": max(step) if step else None,
                      "false": sum(len(r.false) for r in rs), "errors": sum(bool(r.error) for r in rs),
                      "step_err": med(step), "cost_err": med(cost), "injected_err": med(injected),
-                     "extra_err": med(extra),
+                     "extra_err": med(extra), "lost_err": med(lost),
+                     "lost": med([r.lost for r in rs if r.lost is not None]),
                      "to_finding_s": med(ttf),
                      "job_slowed": med([r.job_slowed for r in rs if r.job_slowed is not None]),
                      "missed_slowed": [r.job_slowed for r in rs if not r.right and r.job_slowed is not None],
@@ -818,8 +861,9 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], trut
 def table(rows: list[dict[str, Any]]) -> str:
     pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
     lines = ["| shape | fault | step | right | jobs | false findings | step-time error (worst) | cost error | "
-             "extra time vs injected | time to finding | job slowed (missed) | seen | bar |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "extra time vs injected | cost vs the job's loss (its loss) | time to finding | job slowed (missed) | "
+             "seen | bar |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ttf = "-" if r["to_finding_s"] is None else f"{r['to_finding_s']:.1f} s"
         step = "-" if r["step_err"] is None else f"{r['step_err']:.0%} ({r['step_err_worst']:.0%})"
@@ -828,8 +872,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                                      else "")
         missed = ", ".join(pct(x) for x in r.get("missed_slowed", []))
         slowed = pct(r.get("job_slowed")) + (f" ({missed})" if missed else "")
+        lost = pct(r.get("lost_err")) + ("" if r.get("lost") is None else f" ({r['lost']:.1%})")
         lines.append(f"| {r['shape']} | {r['fault']} | {truth} | {r['right']}/{r['runs']} | {r['jobs']} | "
-                     f"{r['false']} | {step} | {cost} | {pct(r.get('extra_err'))} | {ttf} | {slowed} | "
+                     f"{r['false']} | {step} | {cost} | {pct(r.get('extra_err'))} | {lost} | {ttf} | {slowed} | "
                      f"{'; '.join(r['seen'])[:80]} | {r['bar']} |")
     return "\n".join(lines)
 

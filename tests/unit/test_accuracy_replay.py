@@ -327,3 +327,31 @@ def test_slowlink_4x_caps_the_victims_links_at_a_quarter_of_the_healthy_links_pa
     with pytest.raises(RuntimeError, match="healthy case first"):
         bench.slow_link(shapes["cnn-3"], faults["slowlink-4x"], None)
     assert shapes["cnn-3"].takes(faults["slowlink-4x"]) and not shapes["mlp-2"].takes(faults["slowlink-4x"])
+
+
+def test_a_faults_loss_is_the_jobs_own_step_with_it_switched_off_and_on(tmp_path, monkeypatch):
+    """Run.lost: the fault's go file made and removed in turn, each on phase's step against the off phases either
+    side (the host drifting from 10 to 12 ms meanwhile), their median; the fault left off. The table shows the
+    cost against it beside the loss."""
+    bench = bench_accuracy()
+    on_phases = []
+
+    class Job:
+        truth = tmp_path
+
+        def wait_written(self, after):
+            pass
+
+        def step_time(self, start, end):
+            on = (tmp_path / "go").exists()
+            on_phases.append(on)
+            off = 0.010 + 0.002 * len(on_phases) / (2 * bench.AB_PAIRS + 1)  # the host's pace drifts
+            return off * 1.05 if on else off
+
+    monkeypatch.setattr(bench.launch, "settle", lambda job, seconds: None)
+    lost = bench.measured_loss(Job())
+    assert on_phases == [False, True] * bench.AB_PAIRS + [False] and not (tmp_path / "go").exists()
+    assert lost == pytest.approx(1 - 1 / 1.05, rel=1e-3)
+    run = bench.Run("mlp-4", "compute", right=True, false=[], findings=[], cost=0.1, lost=0.08)
+    assert run.lost_err == pytest.approx(0.25)
+    assert "| +25% (8.0%) |" in bench.table(bench.summarize([run]))
