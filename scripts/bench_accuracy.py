@@ -23,7 +23,9 @@ median over the same window: median and worst), cost error (the finding's cost a
 straggler, on the same job before the fault is switched on; for a hog, on the same pinned job before the hog
 starts; for an agent case, the job's step before the onset against its step in the window that names it), the
 extra time per step the finding reports for its rank against the delay injected (compute and in-process loader
-faults; a regression's growth against the delay on every rank), for agent cases time to the finding, and
+faults; a regression's growth against the delay on every rank), the cost against what the fault costs the job
+by its own log where it is switched on in the running job (the fault switched off and on: measured_loss), for
+agent cases time to the finding, and
 last what the case lacks against issue #13's bar ("met", or "15 more runs", "right 3/5", "cost -32%":
 short_of_bar). A healthy job watched by the agent can still slow down (the machine's other
 work): a regression named in a window where the job's own log shows it 10% slower than the median of its
