@@ -77,10 +77,11 @@ WARMUP_S = 8.0
 VICTIM_CPU = 1  # pinned cases: the victim's CPU, the hog's too
 OWN_REFERENCE_S = 6.0  # pinned and onset cases: the job's own step before the hog or the fault, the what-if
 ONSET_SETTLE_S = 1.0  # onset cases: from switching the fault on to the diagnose window (steps of 0.4 s at most)
-# Onset cases: what the fault costs the job by its own log (Run.lost), the fault switched off and on AB_PAIRS
-# times for AB_PHASE_S each, the first AB_SETTLE_S of each phase not counted (a spin's pace follows the last 32
-# steps). 39 s a job. On a host the ranks oversubscribe the job lost 33-54% of the spin a tenth of the step
-# (2026-12-02: mlp-3-io 4.0% of the step, mlp-4 4.9%, cnn-3 3.0%, pipe-4 3.3%; lm-2, a core a rank, 10.6%).
+# Faults switched on in the running job (Fault.switched): what the fault costs the job by its own log (Run.lost),
+# the fault switched off and on AB_PAIRS times for AB_PHASE_S each, the first AB_SETTLE_S of each phase not
+# counted (a spin's pace follows the last 32 steps). 39 s a job. On a host the ranks oversubscribe the job lost
+# 33-54% of the spin a tenth of the step (2026-12-02: mlp-3-io 4.0% of the step, mlp-4 4.9%, cnn-3 3.0%, pipe-4
+# 3.3%; lm-2, a core a rank, 10.6%).
 AB_PHASE_S = 3.0
 AB_PAIRS = 6
 AB_SETTLE_S = 0.6
@@ -172,6 +173,12 @@ class Fault:
     def injection(self) -> str:
         return self.injects or self.name
 
+    @property
+    def switched(self) -> bool:
+        """Whether the bench switches the fault on in the running job (its onset `go`): an onset case, or an agent
+        case, which starts its fault itself."""
+        return self.onset or self.mode == "agent"
+
 
 FAULTS = [
     Fault("healthy", None),
@@ -235,7 +242,8 @@ class Run:
     # slower host: 124-141 ms steps with the link slowed, 127-141 without), so a miss is read beside its cost.
     job_slowed: float | None = None
     # What the fault costs the job by its own log, the fault switched off and on (measured_loss): the truth
-    # the cost answers to ("costs N% of step time": what the job would gain without it). Onset cases only.
+    # the cost answers to ("costs N% of step time": what the job would gain without it). Faults switched on in
+    # the running job only (Fault.switched; not the simulated job's).
     lost: float | None = None
     error: str = ""
     job: str = ""  # the job's run id: runs of one job are its consecutive diagnose windows
@@ -456,7 +464,7 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
         return {**{f: f"slow-gpu:{v}:{x}" for f, x in SLOW_GPU.items()},
                 "loader": f"input-stall:{v}:{extra:.4f}", "gc": f"gc:{v}",
                 "slowlink": f"slow-link:{v}:4"}.get(fault.injection, "")
-    onset = "@go" if fault.onset or fault.mode == "agent" else ""  # an agent case switches it on itself
+    onset = "@go" if fault.switched else ""
     spec = {
         "compute": f"compute:{v}:{extra:.4f}{onset}",
         "compute-small": f"spin:{v}:{SMALL_SHARE}{onset}",
@@ -682,7 +690,7 @@ def measured_loss(job: launch.TorchrunJob) -> float | None:
     steps: list[float | None] = []
     for phase in range(2 * AB_PAIRS + 1):
         if phase % 2:
-            go.touch()
+            job.go()
         else:
             go.unlink(missing_ok=True)
         start = time.time()
@@ -719,8 +727,7 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
             end = time.time()
             job.wait_written(end)
             healthy_step = job.step_time(start, end) or healthy_step
-        switched = not shape.sim and fault.expect is not None and (fault.onset or fault.mode == "agent")
-        lost = measured_loss(job) if switched else None  # its fault's onset is `go`: fault_spec
+        lost = measured_loss(job) if fault.switched and fault.expect is not None and not shape.sim else None
         injected = partial(injected_s, shape, fault.injection, scale)
         if fault.mode == "agent":
             return [agent_case(shape, fault, job, tmp, misses, healthy_step, injected, lost)]

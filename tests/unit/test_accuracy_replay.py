@@ -342,6 +342,9 @@ def test_a_faults_loss_is_the_jobs_own_step_with_it_switched_off_and_on(tmp_path
         def wait_written(self, after):
             pass
 
+        def go(self):
+            (tmp_path / "go").touch()
+
         def step_time(self, start, end):
             on = (tmp_path / "go").exists()
             on_phases.append(on)
