@@ -94,6 +94,8 @@ FINDING_TIMEOUT_S = 40.0  # an agent case: from the onset to the fault's finding
 ONSET_WINDOWS = 4  # an agent case's windows before its fault's onset
 GUESSED_STEP_S = 0.05  # a shape's step where no healthy run measured it first: it scales the faults
 SMALL_SHARE = 0.1  # compute-small: the rank spins this share of its own pace longer a step (tests/jobs/inject)
+FAULTS_SHARE = 0.25  # pagefaults: the rank faults in fresh memory this share of its own pace longer a step
+PACED = {"compute-small": SMALL_SHARE, "pagefaults": FAULTS_SHARE}  # faults sized by the rank's own pace
 Injected = Callable[[float | None], float | None]  # a case's injected_s, given a window's own step
 SLOW_GPU = {"compute": 1.5, "compute-small": 1.15}  # the simulated job's faults: its GPU that many times slower
 # Issue #13's bar, per case: every fault case right in 19 of 20 runs, no finding in 20 healthy runs, step time
@@ -186,9 +188,10 @@ FAULTS = [
     # A tenth of the step: the smallest straggler the rules must still name (a 1,000-rank job loses it whole).
     Fault("compute-small", "compute_straggler", onset=True),
     Fault("loader", "input_straggler"),
-    # A rank that faults in half a step's worth of fresh memory each step (the injector's `faults`: ~1.4 ms a MB
-    # in the kernel on this project's VMs): far more than the ranks of one job differ by (rules/stragglers.py,
-    # FAULTS_SPREAD), so a straggler, named for its page faults.
+    # A rank that faults in fresh memory a quarter of its own pace longer each step (the injector's `pagein`, timed
+    # as compute-small's spin is: a MB faults in 0.55 ms on one host, 1.4 ms on another): a fifth of the step, within
+    # the ranks' usual spread of page faults (rules/stragglers.py, FAULTS_SPREAD) but steadily the late one, so
+    # a straggler, named for its page faults.
     Fault("pagefaults", "compute_straggler", onset=True),
     Fault("gc", "python_gc"),
     Fault("hang", "noncomm_hang"),
@@ -331,8 +334,8 @@ def injected_s(shape: Shape, fault: str, healthy_step: float | None, step: float
     """Where the fault is a known delay each step, that delay in a window whose step (the job's own) is `step`
     (None where it is not one: a loader behind worker processes, a GC storm; or where the delay is scaled to
     an unknown `healthy_step`); a slower simulated GPU's is its kernels' extra time a step."""
-    if fault == "compute-small" and not shape.sim:  # SMALL_SHARE of its own pace: of the step, that share
-        return SMALL_SHARE / (1 + SMALL_SHARE) * step if step else None
+    if fault in PACED and not shape.sim:  # a share of its own pace longer: of the step, that share
+        return PACED[fault] / (1 + PACED[fault]) * step if step else None
     if fault in SLOW_GPU and shape.sim:
         return (SLOW_GPU[fault] - 1) * GPU_S_PER_STEP  # its kernels run that much longer a step
     if healthy_step is None:
@@ -453,9 +456,6 @@ def score_found(run: Run, found: dict, window: int, truth: dict[str, Any], injec
     run.extra_s = per_rank[0]["excess_s"] if per_rank else found["evidence"].get("function_growth_s")
 
 
-FAULT_S_PER_MB = 0.0014  # the kernel's time to fault in a fresh MB (256 pages) on this project's VMs
-
-
 def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
     """$RANKSCOPE_FAULT for the case: delays scaled to the shape's healthy step time."""
     v = shape.target(fault.injection)
@@ -471,7 +471,7 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
         # A batch fetch must outlast every worker's share of the step to make the rank wait for it.
         "loader": f"loader:{v}:{extra + shape.workers * (healthy_step + extra):.4f}",
         "gc": f"gc:{v}:0.3",
-        "pagefaults": f"faults:{v}:{extra / FAULT_S_PER_MB:.1f}{onset}",
+        "pagefaults": f"pagein:{v}:{FAULTS_SHARE}{onset}",
         "hang": f"hang:{v}:0@go",
         "regression": f"compute:*:{extra:.4f}@go",
     }.get(fault.injection, "")
@@ -837,6 +837,8 @@ def kept_injected(shape: Shape, fault: Fault, run: Run, healthy: float | None) -
     """A kept run's injected delay: the one it was scored against where it was, else the case's (scaled to
     `healthy`, its batch's healthy step)."""
     kept = run.injected_s
+    if kept is None and fault.injection == "pagefaults":  # sized in megabytes before 2026-12-04, timed since: a
+        return lambda _step: None  # kept run's share is the one it recorded, if any
     return partial(injected_s, shape, fault.injection, healthy) if kept is None else lambda _step: kept
 
 

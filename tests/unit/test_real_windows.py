@@ -1,6 +1,7 @@
 """Windows of real torchrun jobs, kept by the accuracy matrix (scripts/bench accuracy --keep-all), each one a
 case the rules once got wrong: the analyzer must keep its verdict on them, its step time within 5% of the
-job's own log, and its cost within 30% of the what-if where the host was not oversubscribed by the job.
+job's own log, and its cost within 30% of its truth (the what-if, or the injected share where the fault is a known
+delay) where the host was not oversubscribed by the job.
 
 tests/data/windows/: NAME.msgpack (the window's patterns, as `diagnose --save-patterns` writes them) and
 windows.json (per window: shape, fault, the expected finding, the one seen but unconfirmed where there is one,

@@ -15,8 +15,10 @@ once torch.optim.optimizer is imported:
                   tenth stays a tenth of the step when the host slows the job; the spin is F/(1+F) of the step)
     loader:R:S    every batch fetch sleeps S seconds (in the main process or in the DataLoader's workers)
     gc:R:M        the rank keeps M million objects alive and runs a full garbage collection each step
-    faults:R:MB   the rank faults in MB megabytes of fresh memory each step (maps them, touches every page,
-                  unmaps them: what glibc's malloc does to memory it hands back to the OS between steps)
+    pagein:R:F    the rank faults in fresh memory for F times its own pace each step (maps a MB, touches every
+                  page, unmaps it, again until that long has passed: what glibc's malloc does to memory it hands
+                  back to the OS between steps). Timed, not sized: a MB faults in 0.55 ms on one host and 1.4 ms
+                  on another, and a fixed size was a different fault on each
     hang:R:0      the rank blocks for good before its next collective (in optimizer.step)
   SIGSTOP, a CPU hog and a slow link are injected from outside (scripts/bench_accuracy.py).
 """
@@ -35,7 +37,8 @@ from collections import deque
 
 from rankscope.sim.steplog import StepLog
 
-PACE_STEPS = 32  # spin's pace: the median of this many steps (a second or three of the test jobs')
+PACE_STEPS = 32  # spin's and pagein's pace: the median of this many steps (a second or three of the test jobs')
+FAULT_CHUNK = 2**20  # pagein maps this much fresh memory at a time, faults it in page by page, unmaps it
 
 
 def _faults_here(rank: int) -> dict[str, list[tuple[float, str]]]:
@@ -60,7 +63,7 @@ class _Rank:
         directory = os.environ.get("RANKSCOPE_TRUTH_DIR")
         self.log = StepLog(directory, rank)
         self.go = os.path.join(directory, "go") if directory else None
-        self.spun = 0.0  # this step's spin (compute, spin), and the steps' durations without it
+        self.spun = 0.0  # this step's spin and faulting (compute, spin, pagein), the steps' durations without it
         self.paces: deque[float] = deque(maxlen=PACE_STEPS)
 
     def active(self, kind: str) -> float | None:
@@ -76,11 +79,19 @@ class _Rank:
     def before_step(self, *_args) -> None:
         if self.first is None:
             self.first = time.time()
-        spin = (self.active("compute") or 0.0) + (self.active("spin") or 0.0) * self._pace()
-        self.spun = spin
-        end = time.perf_counter() + spin
+        pace = self._pace()
+        start = time.perf_counter()
+        end = start + (self.active("compute") or 0.0) + (self.active("spin") or 0.0) * pace
         while time.perf_counter() < end:
             pass
+        end += (self.active("pagein") or 0.0) * pace
+        while time.perf_counter() < end:
+            with mmap.mmap(-1, FAULT_CHUNK) as fresh:
+                for page in range(0, FAULT_CHUNK, mmap.PAGESIZE):
+                    fresh[page] = 1
+                    if time.perf_counter() >= end:  # a page's fault (2-6 us) past it at most
+                        break
+        self.spun = time.perf_counter() - start
         if (millions := self.active("gc")) is not None:
             if not self.heap:  # long-lived objects in reference cycles: each full collection walks them all
                 self.heap = [[i] for i in range(int(millions * 1e6))]
@@ -88,10 +99,6 @@ class _Rank:
                     a.append(b)
                     b.append(a)
             gc.collect()
-        if (mb := self.active("faults")) is not None:
-            with mmap.mmap(-1, int(mb * 2**20)) as fresh:
-                for page in range(0, len(fresh), mmap.PAGESIZE):
-                    fresh[page] = 1
         if self.active("hang") is not None:
             print(f"inject: rank {self.rank} blocks before its next collective", file=sys.stderr, flush=True)
             self.log.write()
