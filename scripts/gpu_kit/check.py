@@ -20,13 +20,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the gpu_kit package
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: rankscope
 
-from gpu_kit import bundle, steps  # noqa: E402
+from gpu_kit import accuracy, bundle, steps  # noqa: E402
 
 VALUE_CHARS = 110  # of a row's figures in the table
 # Seconds a step may take at most (the last ones get what the deadline leaves): a hung job costs one step.
-STEP_BUDGET_S = {"environment": 120, "bcc": 150, "diagnose_straggler": 180, "overhead": 300}
+STEP_BUDGET_S = {"environment": 120, "bcc": 150, "diagnose_straggler": 180, "overhead": 300, "gpu_accuracy": 420}
 DEFAULT_BUDGET_S = 150
 MIN_STEP_S = 20
+STEPS = (*steps.STEPS, accuracy.gpu_accuracy)  # the accuracy matrix's GPU rows last: the longest step
 
 
 @dataclass
@@ -101,7 +102,7 @@ def main(argv: list[str]) -> int:
     wanted = {s for s in args.only.split(",") if s} | {"environment", "bcc"}
     results: list[StepResult] = []
     try:
-        for step in steps.STEPS:
+        for step in STEPS:
             if args.only and step.__name__ not in wanted:
                 continue
             left = args.deadline - (time.monotonic() - started)

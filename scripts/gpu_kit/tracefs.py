@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankscope.agent.host import procfs
+from rankscope.agent.host import tracefs as host_tracefs
 from rankscope.agent.host.symbols import SdtProbe, file_offset
 
-ROOTS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 # x86-64 SDT operand registers -> the names uprobe_events fetches (regs_query_register_offset's).
 _REGISTERS = {f"%{r}": f"%{r[1:]}" for r in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp", "rip")}
 _REGISTERS.update({f"%r{n}": f"%r{n}" for n in range(8, 16)})
@@ -41,14 +40,11 @@ class TracefsError(RuntimeError):
 
 
 def root() -> Path:
-    """The tracefs mount, mounted at /sys/kernel/tracing when nothing is (a bare machine, as root)."""
-    for path in ROOTS:
-        if (path / "uprobe_events").exists():
-            return path
-    subprocess.run(["mount", "-t", "tracefs", "tracefs", str(ROOTS[0])], capture_output=True, timeout=30)
-    if (ROOTS[0] / "uprobe_events").exists():
-        return ROOTS[0]
-    raise TracefsError("no tracefs with uprobe_events (mount -t tracefs tracefs /sys/kernel/tracing failed)")
+    """The tracefs mount (rankscope's: mounted when nothing is), with uprobe events."""
+    path = host_tracefs.root()
+    if not (path / "uprobe_events").exists():
+        raise TracefsError(f"{path} has no uprobe_events (a kernel without CONFIG_UPROBE_EVENTS)")
+    return path
 
 
 def fetch_arg(operand: str) -> str:

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from rankscope.agent.loader.bcc import COMPILER_LIBRARIES, clean_mappings, compile_bpf
 
+ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = """
 BPF_ARRAY(counts, u64, 1);
 int on_call(void *ctx) { int k = 0; u64 *v = counts.lookup(&k); if (v) __sync_fetch_and_add(v, 1); return 0; }
@@ -55,3 +58,23 @@ def test_only_clean_read_only_mappings_are_dropped(tmp_path: Path):
         "Rss: 400 kB\nAnonymous: 0 kB\n")
     assert clean_mappings(COMPILER_LIBRARIES, str(smaps)) == [
         (0x7F0000000000, 0x7F0000100000), (0x7F0000400000, 0x7F0000500000)]
+
+
+def test_the_agents_program_loads_on_a_machine_without_tracefs_mounted():
+    """A bare machine (the H200 image of 2026-12-04) boots without tracefs: the agent mounts it rather than fail
+    to compile every tracepoint. Here in a mount namespace of its own, tracefs unmounted first."""
+    script = (
+        "from pathlib import Path\n"
+        "from rankscope.agent.host import tracefs\n"
+        "assert not any((r / 'events').is_dir() for r in tracefs.ROOTS), 'tracefs still mounted'\n"
+        "from rankscope.agent.loader.program import ProbeProgram\n"
+        "program = ProbeProgram()\n"
+        "program.bpf\n"
+        "print(sorted(k.name for k in program.kinds), (tracefs.ROOTS[0] / 'events' / 'sched').is_dir())\n")
+    unmount = " ; ".join(f"umount {r} 2>/dev/null" for r in ("/sys/kernel/debug/tracing", "/sys/kernel/tracing"))
+    result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             f'{unmount}; exec "$0" -c "$1"', sys.executable, script],
+                            capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    kinds, mounted = result.stdout.strip().rsplit(" ", 1)
+    assert mounted == "True" and "'sched'" in kinds and "'net'" in kinds, result.stdout

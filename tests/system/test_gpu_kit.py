@@ -15,10 +15,10 @@ from test_cupti_shim import KERNEL, driver_binary, line, start_driver  # noqa: F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_kit import bundle, jobs, steps, tracefs  # noqa: E402
+from gpu_kit import bundle, check, jobs, steps, tracefs  # noqa: E402
 from rankscope.cupti_shim.build import build_shim  # noqa: E402
 
-GPU_STEPS = ("shim_vs_profiler", "nccl_spans", "late_attach", "overhead")
+GPU_STEPS = ("shim_vs_profiler", "nccl_spans", "late_attach", "overhead", "gpu_accuracy")
 
 
 def test_tracefs_reads_the_shims_records_and_arms_its_semaphore(line, start_driver):  # noqa: F811
@@ -67,7 +67,7 @@ def test_kit_runs_against_the_stand_ins(tmp_path):
     doc = json.loads((out / "results.json").read_text())
     by_name = {s["name"]: s for s in doc["steps"]}
     assert doc["mode"] == "stand-ins" and doc["gpu"] is None and doc["agent"] == "runs"
-    assert [s.__name__ for s in steps.STEPS] == list(by_name)
+    assert [s.__name__ for s in check.STEPS] == list(by_name)
     for name in GPU_STEPS:
         assert by_name[name]["status"] == "skipped" and by_name[name]["reason"].startswith("no GPU: "), by_name[name]
     assert by_name["nvml"]["status"] == "skipped"

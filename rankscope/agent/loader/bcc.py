@@ -17,6 +17,8 @@ import re
 from functools import cache
 from typing import Any
 
+from rankscope.agent.host import tracefs
+
 log = logging.getLogger(__name__)
 
 COMPILER_LIBRARIES = re.compile(r"/lib(LLVM|clang)[^/]*\.so[^/]*$")
@@ -27,7 +29,8 @@ _MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \S+\s*(.*)$")
 def compile_bpf(text: str, cflags: list[str]) -> Any:
     """bcc's BPF object for `text` (maps created): from the node's cache of compiled programs
     (loader/bpf_cache.py) where it holds this one, else compiled and kept there. Raises what bcc raises (a
-    bare Exception)."""
+    bare Exception, or TracefsError: no tracefs for its tracepoints)."""
+    tracefs.root()  # bcc types and attaches tracepoints through it: mounted first where a machine lacks it
     try:
         from bcc import BPF
 

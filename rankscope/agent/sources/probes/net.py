@@ -11,13 +11,14 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
+from rankscope.agent.host import tracefs
 from rankscope.agent.host.kernel_btf import BTFError, kernel_bit_offset, kernel_offset
+from rankscope.agent.host.tracefs import TracefsError
 from rankscope.agent.loader.maps import entries
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.base import KindUnavailable, ProbeKind
 from rankscope.schema.patterns import TcpFlow
 
-TRACEPOINTS = ("/sys/kernel/tracing/events/sock/sock_send_length", "/sys/kernel/debug/tracing/events/sock/sock_send_length")
 _FIELDS = {  # define -> (struct, field)
     "SK_DADDR": ("sock_common", "skc_daddr"),
     "SK_RCV_SADDR": ("sock_common", "skc_rcv_saddr"),
@@ -35,12 +36,12 @@ _FIELDS = {  # define -> (struct, field)
 
 def kernel_defines() -> dict[str, int]:
     """The offsets net.bpf.c reads at. struct sock begins with its sock_common, and a tcp_sock with its sock."""
-    if not any(os.path.isdir(p) for p in TRACEPOINTS):
-        raise KindUnavailable("this kernel has no sock:sock_send_length tracepoint (Linux >= 6.4)")
     try:
+        if not tracefs.has_event("sock", "sock_send_length"):
+            raise KindUnavailable("this kernel has no sock:sock_send_length tracepoint (Linux >= 6.4)")
         defines = {name: kernel_offset(*where) for name, where in _FIELDS.items()}
         defines["TP_CHRONO_TYPE_BIT"] = kernel_bit_offset("tcp_sock", "chrono_type")
-    except BTFError as e:
+    except (BTFError, TracefsError) as e:
         raise KindUnavailable(str(e)) from e
     return defines
 
