@@ -12,7 +12,7 @@ from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline, Comparison
 from rankscope.analyzer.differential import align_collectives
 from rankscope.analyzer.metrics import RankTable, rank_table
 from rankscope.analyzer.peers import peer_groups
-from rankscope.analyzer.rules.gpu import gpu_throttle, launch_bound
+from rankscope.analyzer.rules.gpu import gpu_straggler, gpu_throttle, launch_bound
 from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
 from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
@@ -80,7 +80,9 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
                       if not (f.component == "gpu" and set(f.ranks) <= explained)]
         small += [f for f in stragglers if confirm_windows(f.evidence) > 1]
         stragglers = [f for f in stragglers if confirm_windows(f.evidence) == 1] + contended
-        found += stragglers + throttled + node_fault(peers)
+        # Where the host shows nothing, the GPU may: NCCL's peers wait for a straggler inside its kernels.
+        on_gpu = gpu_straggler(peers, explained | {r for f in stragglers + small for r in f.ranks})
+        found += stragglers + on_gpu + throttled + node_fault(peers)
         timed += slow_link(peers, alignment, {r for f in found for r in f.ranks} | self_contended)
     found += launch_bound(table)
     # The link matrix (NCCL profiler plugin) names the precise link or node; the timing-based rule, from

@@ -31,7 +31,11 @@ from rankscope.schema.patterns import RankPattern, Role
 
 MIN_REPEATS = 2  # a period must be seen at least twice to be believed
 WHOLE_STEPS = 0.5  # share of the runs of k collectives that must hold a whole step (order varies at the edges)
-LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times the median one is long
+LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times the median one is long...
+# ...and at least this share of the mean gap: NCCL's calls only enqueue, so a step's bucket all-reduces leave
+# gaps of 5-160 us between them, and one of 0.16 ms among 0.01 ms ones was "long" (the sim's 12 buckets: no
+# burst seen, its step read at a twelfth). A step's long gap is never under the mean (it holds the rest).
+LONG_MEAN = 0.25
 BURSTS_SEEN = 3  # bursts a one-kind sequence must show to be believed...
 SHORT_SEQUENCE = 64  # ...unless it is this short (a light pattern's collectives): then two
 WINDOW_STEPS = 20  # steps in the window for the call counts to give the step (edges cost at most 1/20)
@@ -111,12 +115,13 @@ def _periods(enter: np.ndarray, candidates: list[_Candidate]) -> tuple[np.ndarra
 
 
 def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
-    """Per row of one kind of collective: K when its long gaps (LONG_GAP x the median gap) recur exactly every
+    """Per row of one kind of collective: K when its long gaps (LONG_GAP x the median gap, LONG_MEAN x the mean
+    at least) recur exactly every
     K calls from within the first K, at least BURSTS_SEEN times (twice in a short sequence); else 1. Any two
     long gaps recur at some spacing: two hiccups of a one-call step 218 calls apart made a 218-step "burst"
     (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three."""
     gaps = np.diff(enter, axis=1)
-    long = gaps > LONG_GAP * row_medians(gaps)[:, None]
+    long = gaps > np.maximum(LONG_GAP * row_medians(gaps), LONG_MEAN * gaps.mean(axis=1))[:, None]
     seen = 2 if enter.shape[1] <= SHORT_SEQUENCE else BURSTS_SEEN
     out = np.ones(enter.shape[0], np.intp)
     # Only rows with enough long gaps can be bursts: a steady job's rows have none, and leave the loop below.

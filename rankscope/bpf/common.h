@@ -192,7 +192,10 @@ static __always_inline int collective_return(u32 fn, bool blocking) {
 }
 
 // A host sync returned. If collectives were pending, this sync is where the host waited for them:
-// the wait is charged to the collective (time waiting for peers plus transfer), not to the sync.
+// the wait is charged to the collective (time waiting for peers plus transfer), not to the sync. Every
+// pending one completes here, up to the ring's RING_SLOTS: a step of DDP buckets or per-tensor all-reduces
+// enqueues 10-100 before its one sync (completing only the last 8 left an H200 NCCL job's 14 a step at 8
+// records, and its step read at half the job's). A bounded loop, not unrolled: ~40 instructions a slot.
 static __always_inline int sync_return(u32 fn) {
     struct proc_state *p = watched_proc();
     if (!p)
@@ -211,8 +214,7 @@ static __always_inline int sync_return(u32 fn) {
     p->pending_last = 0;
     u32 pid = bpf_get_current_pid_tgid() >> 32;
     u32 last_fn = 0;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < RING_SLOTS; i++) {
         u64 seq = last - i;
         if (seq < first || seq == 0)
             break;

@@ -262,6 +262,9 @@ class GpuActivity:
     launches: int | None = None
     queue_p50_s: float = 0.0
     queue_p99_s: float = 0.0
+    # NCCL's kernels' share of kernel_s: where collectives run on the GPU, a rank waiting for a peer waits inside
+    # them, so kernel_s less this is the rank's own GPU work (None: an agent from before it was measured).
+    comm_kernel_s: float | None = None
 
 
 @dataclass
@@ -326,6 +329,9 @@ class CollectiveGpu:
 
 
 TOP_KERNELS = 3
+# NCCL's collective kernels, by short name (ncclDevKernel_AllReduce_Sum_f32_RING_LL; ncclKernel_* before 2.19):
+# the agent sums them into GpuActivity.comm_kernel_s, the analyzer leaves them out of a rank's own GPU work.
+NCCL_KERNELS = ("ncclDevKernel", "ncclKernel")
 KERNEL_NAME_CHARS = 30
 MAX_LINKS = 8  # link rows per pattern, most bytes first (a ring or tree rank has 2-6 per communicator)
 

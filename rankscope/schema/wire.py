@@ -77,6 +77,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         "py": [[f.name, f.self_s, f.total_s, f.cpu_s] for f in p.python],
         "pyt": [[f.name, f.count, f.total_s, f.max_s] for f in p.python_timed],
         "gpu": None if p.gpu is None else _gpu_to_wire(p.gpu),
+        **({"gck": p.gpu.comm_kernel_s} if p.gpu is not None and p.gpu.comm_kernel_s is not None else {}),
         "gh": None if p.gpu_health is None else [getattr(p.gpu_health, f) for f in _HEALTH_FIELDS],
         # Optional keys (absent without the NCCL profiler plugin), so other patterns stay byte-identical.
         **({"lk": [[k.comm, k.rank, k.peer, int(k.send), k.steps, k.bytes, k.wire_s, k.peer_wait_s]
@@ -242,7 +243,8 @@ def _call_totals_from_wire(raw: Any, key: str, what: str, last: str) -> list[tup
     return out
 
 
-def _gpu_from_wire(raw: Any) -> GpuActivity | None:
+def _gpu_from_wire(raw: Any, comm_kernel_s: Any = None) -> GpuActivity | None:
+    """`comm_kernel_s`: the pattern's "gck" (NCCL's kernel time), absent from older agents' patterns."""
     if raw is None:
         return None
     row = _list(raw, "gpu")
@@ -261,6 +263,8 @@ def _gpu_from_wire(raw: Any) -> GpuActivity | None:
     if len(row) == 8:
         gpu.launches = _int(row[5], "gpu launches")
         gpu.queue_p50_s, gpu.queue_p99_s = _seconds(row[6], "gpu queue p50"), _seconds(row[7], "gpu queue p99")
+    if comm_kernel_s is not None:
+        gpu.comm_kernel_s = _seconds(comm_kernel_s, "gpu comm kernel time")
     return gpu
 
 
@@ -327,7 +331,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             python=_python_from_wire(d["py"]),
             python_timed=[PyTimed(*r) for r in _call_totals_from_wire(d.get("pyt", []), "pyt", "timed python function",
                                                                       "max_s")],
-            gpu=_gpu_from_wire(d.get("gpu")),  # optional: patterns from agents without GPU views lack them
+            gpu=_gpu_from_wire(d.get("gpu"), d.get("gck")),  # optional: agents without GPU views lack them
             gpu_health=_health_from_wire(d.get("gh")),
             links=_links_from_wire(d.get("lk", [])),
             collectives_gpu=[CollectiveGpu(*r) for r in _call_totals_from_wire(d.get("cg", []), "cg", "collective gpu",

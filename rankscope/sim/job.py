@@ -144,7 +144,7 @@ def _stop_leftover_jobs() -> None:
 def start_job(ranks: int, faults: list[str | Fault] | tuple[str | Fault, ...] = (), steps: int | None = None,
               hold_file: Path | None = None, python: str = sys.executable, *, log_dir: Path | None = None,
               nccl_id: bytes | None = None, host_cpu_s: float | None = None,
-              truth_dir: Path | None = None) -> SimJob:
+              truth_dir: Path | None = None, buckets: int = 1) -> SimJob:
     """Builds the stand-ins and starts `ranks` rank processes (one process group); returns at once.
 
     faults: SPEC strings (see faults.GRAMMAR) or Fault objects; ValueError if malformed or naming a rank the
@@ -156,6 +156,7 @@ def start_job(ranks: int, faults: list[str | Fault] | tuple[str | Fault, ...] = 
     nccl_id: the 128-byte ncclUniqueId (default: 128 random bytes, as ncclGetUniqueId makes them).
     host_cpu_s: CPU work of every rank's load_batch per step (default 1 ms): a host-heavier job.
     truth_dir: where each rank keeps its own step log, r<RANK>.json (steplog.py), for tests to check against.
+    buckets: the gradients' all-reduces a step, enqueued before one synchronization (DDP's buckets).
     """
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, not {ranks!r}")
@@ -186,6 +187,8 @@ def start_job(ranks: int, faults: list[str | Fault] | tuple[str | Fault, ...] = 
         cmd = [python, str(RANK_SCRIPT)]
     if steps is not None:
         cmd += ["--steps", str(steps)]
+    if buckets != 1:
+        cmd += ["--buckets", str(buckets)]
     for f in parsed:
         cmd += ["--fault", f.spec()]
     base_env = dict(os.environ, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0",

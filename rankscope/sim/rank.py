@@ -91,6 +91,7 @@ class Sim:
     gc_on: bool = False
     gc_live: list = field(default_factory=list)
     hang_step: int | None = None
+    buckets: int = 1  # all-reduces of the gradients a step, before one synchronization (DDP's buckets)
 
 
 SIM: Sim | None = None
@@ -155,8 +156,10 @@ def loss_item() -> float:
 
 def allreduce_gradients() -> None:
     sim = SIM
-    sim.nccl.ncclAllReduce(c_void_p(sim.grads.value), c_void_p(sim.grads.value), GRAD_ELEMENTS, NCCL_FLOAT32,
-                           NCCL_SUM, sim.comm, sim.stream)
+    per = GRAD_ELEMENTS // sim.buckets
+    for b in range(sim.buckets):  # enqueued one after another, waited for once: NCCL's calls return at once
+        at = c_void_p(sim.grads.value + 4 * per * b)
+        sim.nccl.ncclAllReduce(at, at, per, NCCL_FLOAT32, NCCL_SUM, sim.comm, sim.stream)
     sim.cuda.cuStreamSynchronize(sim.stream)
 
 
@@ -349,9 +352,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="steps to run, then exit (default: forever)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="KIND:RANK[:ARG][@SECONDS]; faults of other ranks are ignored")
+    p.add_argument("--buckets", type=int, default=1, help="all-reduces of the gradients a step (default 1)")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 0:
         p.error("--steps must be >= 0")
+    if args.buckets < 1:
+        p.error("--buckets must be >= 1")
     try:
         args.faults = [parse_fault(s) for s in args.fault]
     except ValueError as e:
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cuda, nccl = load(_lib_dir())
         _interruptible_waits(cuda)
-        SIM = sim = Sim(cuda, nccl)
+        SIM = sim = Sim(cuda, nccl, buckets=args.buckets)
         sim.cpu_work = _calibrate_cpu_work(float(os.environ.get("RANKSCOPE_SIM_HOST_CPU_S", LOAD_CPU_S)))
         hold = os.environ.get("RANKSCOPE_SIM_HOLD")
         if hold:

@@ -7,6 +7,7 @@ OUT/gpu-windows.tar.xz, so the analyzer can be replayed on real GPU windows wher
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import tarfile
 import time
@@ -154,13 +155,15 @@ def gpu_accuracy(kit: Kit) -> dict:
     """Every GpuCase diagnosed WINDOWS times on the GPU; fails where a verdict is wrong or a finding false."""
     kit.need_gpu()
     kit.need_agent()
+    wanted = os.environ.get("RANKSCOPE_KIT_CASES")  # e.g. nccl-2,nccl-4: some shapes (a rerun's device time)
+    cases = [c for c in CASES if not wanted or c.shape in wanted.split(",")]
     windows = kit.work / "gpu-windows"
     windows.mkdir(exist_ok=True)
     scored: list[Scored] = []
     healthy: dict[str, float] = {}
     broken: dict[str, str] = {}
     try:
-        for case in CASES:
+        for case in cases:
             try:
                 rows = run_case(kit, case, healthy.get(case.shape), windows)
             except (RuntimeError, TimeoutError, OSError, ValueError) as e:  # one case's job or agent: the rest run

@@ -250,7 +250,8 @@ def test_gpu_views_fill_patterns_from_shim_and_nvml(start_driver):
         wait_until(lambda: sum(a.count for a in views._shim[driver.pid][0].activity()) == 12, 5, "records")
         views.fill([pattern])
         assert pattern.gpu == GpuActivity(busy_s=291333e-9, kernel_s=4 * 250333e-9, copy_s=4 * 41000e-9, kernels=4,
-                                          top=[GpuKernel("gemm_tile", 4, 4 * 250333e-9)])
+                                          top=[GpuKernel("gemm_tile", 4, 4 * 250333e-9)],
+                                          comm_kernel_s=0.0)  # no NCCL kernel among them
         assert pattern.gpu_health.index == 2 and pattern.gpu_health.throttle_reasons == 0x20
 
         nvml.advance()

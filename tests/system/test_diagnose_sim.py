@@ -1,4 +1,7 @@
 """End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
+import json
+import statistics
+
 import pytest
 from conftest import diagnose_json, wait_until
 
@@ -158,3 +161,18 @@ def test_gc_pauses_are_python_gc(sim_job):
     top = doc["findings"][0]
     assert (top["kind"], top["ranks"], top["component"]) == ("python_gc", [2], "python"), doc["findings"]
     assert top["function"] == "gc_collect_main"
+
+
+def test_step_time_holds_with_more_collectives_enqueued_than_one_sync_completed_before(sim_job, tmp_path):
+    """NCCL's calls only enqueue: a step's 12 bucket all-reduces all complete at its one synchronization. The
+    kernel completed the last 8 there, so the analyzer saw 8 a step among 12 calls and read the step as 2/3 of
+    the job's (an H200 NCCL job with 14 a step: half)."""
+    truth = tmp_path / "truth"
+    truth.mkdir()
+    job = sim_job(4, buckets=12, truth_dir=truth)
+    doc = diagnose_json(job.pids, OBSERVE_S)
+    assert doc["findings"] == []
+    start, end = doc["window"]["start"], doc["window"]["end"]
+    ends = [e for e in json.loads((truth / "r0.json").read_text())["ends"] if start <= e <= end]
+    own = statistics.median(b - a for a, b in zip(ends, ends[1:]))
+    assert abs(doc["step_time_s"] / own - 1) < 0.05, (doc["step_time_s"], own)

@@ -352,3 +352,13 @@ def test_malformed_nccl_plugin_views_raise_decode_error(field, value):
     wire[0][field] = value
     with pytest.raises(PatternDecodeError):
         decode_patterns(msgpack.packb(wire))
+
+
+def test_nccl_kernel_time_round_trips_and_older_agents_lack_it():
+    p = with_gpu(typical())
+    assert decode_patterns(encode_patterns([p]))[0].gpu.comm_kernel_s is None
+    p.gpu.comm_kernel_s = 1.25
+    assert decode_patterns(encode_patterns([p]))[0].gpu.comm_kernel_s == pytest.approx(1.25)
+    for bad in (-1.0, "x", float("nan")):
+        with pytest.raises(PatternDecodeError):
+            decode_patterns(_mutated(gpu=[1.0, 1.0, 0.0, 10, []], gck=bad))

@@ -1,4 +1,5 @@
-"""What the GPU itself says: throttled clocks (NVML) and a GPU left idle by its host's launches (CUPTI)."""
+"""What the GPU itself says: throttled clocks (NVML), a rank whose GPU works longer than its peers' where the
+host cannot see it (CUPTI), and a GPU left idle by its host's launches (CUPTI)."""
 from __future__ import annotations
 
 from itertools import compress
@@ -6,12 +7,12 @@ from operator import attrgetter
 
 import numpy as np
 
-from rankscope.analyzer.differential import peers_median
+from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, peer_deviation, peers_median
 from rankscope.analyzer.metrics import HOST_COLLECTIVES, RankTable
-from rankscope.analyzer.rules.stragglers import MIN_RANKS, straggling
+from rankscope.analyzer.rules.stragglers import MIN_RANKS, PAIR_RANKS, STRAGGLER_MIN_EXCESS, straggling
 from rankscope.analyzer.rules.wording import ms, rank_list
 from rankscope.schema.finding import Finding
-from rankscope.schema.patterns import Role
+from rankscope.schema.patterns import NCCL_KERNELS, Role
 
 CLOCK_DROP = 0.10  # a GPU whose SM clock is this far below its peers' (as a fraction of max) is throttled
 THROTTLE_REASONS = {0x4: "software power cap", 0x8: "hardware slowdown", 0x10: "sync boost",
@@ -62,6 +63,56 @@ def gpu_throttle(t: RankTable) -> list[Finding]:
                       "max_sm_clock_mhz": h.max_sm_clock_mhz, "peers_clock_ratio": peers,
                       "throttle_reasons": reasons, "temperature_c": h.temperature_c, "power_w": h.power_w,
                       "xids": h.xids, "excess_s": float(excess[i])},
+        ))
+    return out
+
+
+def gpu_work(t: RankTable) -> np.ndarray:
+    """Per row, the rank's own GPU work a step: its kernel time less NCCL's kernels' (NaN: not measured)."""
+    out = np.full(len(t), np.nan)
+    for i, p in enumerate(t.patterns):
+        g = p.gpu
+        if g is not None and g.comm_kernel_s is not None:
+            out[i] = max(g.kernel_s - g.comm_kernel_s, 0.0) / p.window_s * t.job_step_s
+    return out
+
+
+def gpu_straggler(t: RankTable, named: set[int]) -> list[Finding]:
+    """Ranks whose GPU works longer a step than their peers' (gpu_work) by STRAGGLER_MIN_EXCESS of the step,
+    where no host-side rule named them (`named`). NCCL runs collectives on the GPU: the peers wait for a
+    straggler inside NCCL's kernels and every host blocks in the same synchronization for as long, so step - COMM
+    and the collectives' instants are alike on every rank (an H200, four NCCL ranks sharing it, one with 8x
+    the matrix products: nothing named in 3 windows of 3; its GPU worked 19-37 ms a step, its peers' 1-3.5).
+    Two ranks are decidable: the one that works longer is the one waited for."""
+    step = t.job_step_s
+    work = gpu_work(t)
+    measured = np.count_nonzero(np.isfinite(work))
+    if measured < PAIR_RANKS or not np.isfinite(step) or step <= 0:
+        return []
+    z, excess = peer_deviation(work, Z_FLOOR * step)
+    out = []
+    with np.errstate(invalid="ignore"):
+        rows = np.flatnonzero((z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step))
+    for i in rows:
+        rank = int(t.rank[i])
+        if rank in named:
+            continue
+        top = next((k for k in t.patterns[i].gpu.top if not k.name.startswith(NCCL_KERNELS)), None)
+        peers = float(work[i] - excess[i])
+        cost = float(np.clip(excess[i] / step, 0.0, 1.0))  # what-if: the step without its extra GPU work
+        kernel = f", mostly in {top.name}" if top else ""
+        others = ("its peer's", "the other rank waits") if measured == PAIR_RANKS else \
+            ("its peers'", "the other ranks wait")
+        out.append(Finding(
+            kind="compute_straggler", ranks=[rank], function=top.name if top else None, component="gpu",
+            score=float(z[i]), cost=cost,
+            summary=(f"rank {rank}'s GPU works {ms(float(excess[i]))} longer per step than {others[0]} "
+                     f"({ms(float(work[i]))} against {ms(peers)}{kernel}); {others[1]} for it inside NCCL's "
+                     f"kernels; costs {cost:.0%} of step time"),
+            evidence={"step_time_s": step, "gpu_work_s": float(work[i]), "peers_gpu_work_s": peers,
+                      "excess_s": float(excess[i]),
+                      "per_rank": [{"rank": int(t.rank[j]), "gpu_work_s": float(work[j])}
+                                   for j in np.flatnonzero(np.isfinite(work))]},
         ))
     return out
 

@@ -34,7 +34,7 @@ from rankscope.agent.loader.trace_stream import TRACE_GPU, TRACE_NCCL, Labels, T
 from rankscope.agent.loader.uprobe_links import Uprobes
 from rankscope.agent.sources.deltas import Deltas
 from rankscope.agent.sources.probes.nccl_profiler import COLL_PROBE, LINK_PROBE, CollTotals, LinkTotals
-from rankscope.schema.patterns import KERNEL_NAME_CHARS, TOP_KERNELS, GpuActivity, GpuKernel
+from rankscope.schema.patterns import KERNEL_NAME_CHARS, NCCL_KERNELS, TOP_KERNELS, GpuActivity, GpuKernel
 
 # One shim per CUDA major (librankscope_cupti12.so, ...13.so); the same probes in each. Unnumbered: a shim built
 # before there were two lines, still loaded by a running job.
@@ -319,20 +319,24 @@ class ActivityWindow:
              launches: LaunchStats | None = None) -> GpuActivity:
         """`launches`: the reader's joined launches while its launch probe is on, else None (not measured)."""
         kernel_ns: dict[str, list[int]] = {}  # short name -> [count, ns]
-        copy_ns = 0
+        copy_ns = comm_ns = 0
         added = self._activity.read(((a.kind, a.name), (a.count, a.total_ns)) for a in activity)
         for a, (count, ns) in zip(activity, added):
             if a.kind in KERNEL_KINDS:
-                entry = kernel_ns.setdefault(short_kernel_name(a.name), [0, 0])
+                name = short_kernel_name(a.name)
+                entry = kernel_ns.setdefault(name, [0, 0])
                 entry[0] += count
                 entry[1] += ns
+                if name.startswith(NCCL_KERNELS):
+                    comm_ns += ns
             else:
                 copy_ns += ns
         busy_ns = sum(b for b, in self._busy.read((dev, (b,)) for dev, b in busy.items()))
         top = sorted(((ns, name, count) for name, (count, ns) in kernel_ns.items() if count), reverse=True)
         gpu = GpuActivity(busy_s=busy_ns / 1e9, kernel_s=sum(ns for _, ns in kernel_ns.values()) / 1e9,
                           copy_s=copy_ns / 1e9, kernels=sum(c for c, _ in kernel_ns.values()),
-                          top=[GpuKernel(name, count, ns / 1e9) for ns, name, count in top[:TOP_KERNELS]])
+                          top=[GpuKernel(name, count, ns / 1e9) for ns, name, count in top[:TOP_KERNELS]],
+                          comm_kernel_s=comm_ns / 1e9)
         if launches is not None:
             gpu.launches, hist = self._launches.step(None, (launches.joined, launches.hist))
             gpu.queue_p50_s, gpu.queue_p99_s = percentile_s(hist, 0.5), percentile_s(hist, 0.99)

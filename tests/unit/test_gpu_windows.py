@@ -1,0 +1,51 @@
+"""Windows of real NCCL and gloo jobs on an H200 (the GPU kit's gpu_accuracy, 2026-12-04): four or two ranks
+time-sharing the GPU, one of them with 8x the matrix products in the straggler cases. Under NCCL every host
+blocks in the same synchronization for as long, so only the GPU's own work tells the straggler (gpu_straggler).
+
+tests/data/gpu-windows/: NAME.msgpack and windows.json (the expected finding, the job's own step, the share the
+heavy rank cost it). The gloo window comes from an agent that did not yet ship NCCL's kernel time: it is 0 there
+(no NCCL kernel among its ranks' top ones)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from rankscope.analyzer.diagnosis import diagnose
+from rankscope.schema.wire import decode_patterns
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "gpu-windows"
+WINDOWS = json.loads((DATA / "windows.json").read_text())
+
+
+def _diagnosed(name: str) -> dict:
+    return next(iter(diagnose(decode_patterns((DATA / f"{name}.msgpack").read_bytes())).values()))
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWS))
+def test_the_verdict_and_step_on_a_real_gpu_window(name):
+    w = WINDOWS[name]
+    doc = _diagnosed(name)
+    assert [[f["kind"], f["ranks"]] for f in doc["findings"]] == ([w["expect"]] if w["expect"] else []), w["note"]
+    if w["expect"]:
+        assert doc["findings"][0]["component"] == "gpu", w["note"]
+    assert doc["step_time_s"] == pytest.approx(w["step_s"], rel=0.05)
+
+
+def test_the_gpu_rule_reads_each_ranks_own_gpu_work():
+    f = _diagnosed("nccl-4-gpu-0")["findings"][0]
+    assert f["function"] == "Kernel2"  # cutlass's matrix product, the heavy rank's extra work
+    per_rank = {r["rank"]: r["gpu_work_s"] for r in f["evidence"]["per_rank"]}
+    assert per_rank[2] > 10 * max(per_rank[r] for r in (0, 1, 3))
+    # What its extra GPU work takes of the step: 13%. The job lost 33% to it, its kernels time-sharing the GPU
+    # with three ranks spinning in NCCL's (with a GPU of its own per rank they would not).
+    assert f["cost"] == pytest.approx(f["evidence"]["excess_s"] / f["evidence"]["step_time_s"], abs=1e-5)
+    assert "than its peers'" in f["summary"]
+    assert "than its peer's" in _diagnosed("nccl-2-gpu-0")["findings"][0]["summary"]
+
+
+def test_without_nccls_kernel_time_the_gpu_rule_stays_silent():
+    """Patterns of an older agent (no comm_kernel_s): the NCCL kernels' waiting would read as GPU work."""
+    patterns = decode_patterns((DATA / "nccl-4-gpu-0.msgpack").read_bytes())
+    for p in patterns:
+        p.gpu.comm_kernel_s = None
+    assert next(iter(diagnose(patterns).values()))["findings"] == []
