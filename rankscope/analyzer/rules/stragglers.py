@@ -213,7 +213,15 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             # longer in its synchronizations (the simulated job's GPU 15% slower: 7.6% of the step longer in
             # cuStreamSynchronize, on a CPU no longer, late by 5.8% in 58-60% of the steps: 2 of 5 windows unnamed).
             own_gpu = np.fmax(peer_deviation(np.where(valid, t.sync_s, np.nan), 0.0)[1], gpu_excess)
-            works = ran + np.clip(np.nan_to_num(own_gpu, nan=0.0), 0.0, None) >= SMALL_RAN * late_by
+            # Page faults not excused are its own work, and on a host short of CPUs they take longer in wall time
+            # than on a CPU: at its share of the CPU while runnable (mlp-4, 4 ranks on 2 CPUs: faulting 14% of
+            # the step more at a 58% share, late by 31% of it, unnamed). Its faults only, not all its time on a
+            # CPU: scaled so, a healthy cnn-3 rank on a host loaded 5 deep (7% longer at a 36% share, late by 17%
+            # of the step) was named.
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = np.clip(np.nan_to_num(t.oncpu_s / (t.oncpu_s + t.runq_s), nan=1.0), 0.1, 1.0)
+            waited = (paged - faults) * (1.0 / share - 1.0)
+            works = ran + waited + np.clip(np.nan_to_num(own_gpu, nan=0.0), 0.0, None) >= SMALL_RAN * late_by
             # ...or a suspect at least where its user time is longer by SMALL_USER: along a pipeline its lateness
             # grows beyond its own extra work (pipe-4's spinner, 2 s windows: late by 15-23% of the step, 5-8%
             # longer in user mode: missed in 1 of 2 agent runs). Not on a CPU longer alone: a healthy cnn-3 rank
