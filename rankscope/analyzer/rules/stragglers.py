@@ -173,13 +173,13 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
         return None
     step = t.job_step_s
     paged = faulting(t)
-    user = peer_deviation(np.where(valid, t.oncpu_s - t.kernel_s, np.nan), 0.0)[1]  # NaN: no kernel view
-    faults = excused_faults(paged, step, _faults_why_late(a, valid, step, user))
+    faults = excused_faults(paged, step, None if a is None else np.where(valid, a.held_lead, np.nan))
     work = np.where(valid, t.work_s - faults, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
     gpu_excess = _gpu_busy_excess(t)
     ran = peer_deviation(t.oncpu_s, 0.0)[1] - faults
+    user = peer_deviation(np.where(valid, t.oncpu_s - t.kernel_s, np.nan), 0.0)[1]  # NaN: no kernel view
     small = held = thin = steady = np.zeros(valid.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
         # Against the others only, as its work is: of three ranks, a straggler whose peer is late too (a broadcast's
@@ -238,20 +238,6 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             steady &= waits_less & (user >= SMALL_USER * step) & ~flagged & ~small
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
                       np.flatnonzero(steady), z, excess, faults, paged, gpu_excess, ran, user, work, comm_med)
-
-
-def _faults_why_late(a: Alignment | None, valid: np.ndarray, step: float, user: np.ndarray) -> np.ndarray | None:
-    """The held lead excused_faults withdraws the excuse by (NaN: the excuse stands): the page faults are why a
-    rank late all through its window is late unless its own work shows in user time, SMALL_USER of the step
-    longer than its peers'. cnn-3's small spinner, late all through and 6-7% of the step longer in user mode,
-    also faulted 3,100-4,400 pages a step to its peers' 20-610 (allocator noise): not excused, they were counted
-    in its cost (+70% of the injected share) and named where its time went in 2 of 5 windows. The ranks faulting
-    in fresh memory ran 0.3% longer in user mode. (Its lateness net of the excuse does not tell them apart: 12%
-    of the step for cnn-3's, late by 25% faulting 17% more.) None without the collectives lined up."""
-    if a is None:
-        return None
-    with np.errstate(invalid="ignore"):
-        return np.where(valid & ~(user >= SMALL_USER * step), a.held_lead, np.nan)
 
 
 class Arrivals(NamedTuple):
@@ -456,7 +442,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
                 kind, component = "input_straggler", "input"
         groups.setdefault((kind, component, function), []).append({
             "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": float(excess[i] + found.excused[i]),
-            "cost_s": float(np.nanmax([excess[i], found.ran[i], found.user[i]])),
+            "cost_s": float(np.nanmax([excess[i], found.ran[i], found.user[i]]) + found.excused[i]),
             "work_s": float(work[i]), "comm_s": float(t.comm_s[i]), "sync_s": float(t.sync_s[i]),
             "host_s": float(t.host_s[i]), "function_excess_s": where, "python_function": python and python[0],
             **({"gpu_busy_excess_s": float(gpu_excess[i])} if np.isfinite(gpu_excess[i]) else {}),
