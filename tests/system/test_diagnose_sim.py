@@ -1,7 +1,5 @@
 """End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
-import json
-import statistics
-
+import numpy as np
 import pytest
 from conftest import diagnose_json, wait_until
 
@@ -163,16 +161,15 @@ def test_gc_pauses_are_python_gc(sim_job):
     assert top["function"] == "gc_collect_main"
 
 
-def test_step_time_holds_with_more_collectives_enqueued_than_one_sync_completed_before(sim_job, tmp_path):
+def test_every_collective_enqueued_before_a_sync_completes_there(sim_job, tmp_path):
     """NCCL's calls only enqueue: a step's 12 bucket all-reduces all complete at its one synchronization. The
-    kernel completed the last 8 there, so the analyzer saw 8 a step among 12 calls and read the step as 2/3 of
-    the job's (an H200 NCCL job with 14 a step: half)."""
-    truth = tmp_path / "truth"
-    truth.mkdir()
-    job = sim_job(4, buckets=12, truth_dir=truth)
-    doc = diagnose_json(job.pids, OBSERVE_S)
-    assert doc["findings"] == []
-    start, end = doc["window"]["start"], doc["window"]["end"]
-    ends = [e for e in json.loads((truth / "r0.json").read_text())["ends"] if start <= e <= end]
-    own = statistics.median(b - a for a, b in zip(ends, ends[1:]))
-    assert abs(doc["step_time_s"] / own - 1) < 0.05, (doc["step_time_s"], own)
+    kernel completed the last 8 there, so the analyzer saw 8 a step among 12 calls (an H200 NCCL job with 14 a
+    step: its step read at half the job's)."""
+    job = sim_job(4, buckets=12)
+    saved = tmp_path / "window.msgpack"
+    diagnose_json(job.pids, OBSERVE_S, "--save-patterns", str(saved))
+    for p in decode_patterns(saved.read_bytes()):
+        done = p.collectives.instants[:, 1]
+        _, per_sync = np.unique(done[done > 0], return_counts=True)
+        # Whole steps only: the shipped records' first step may be cut, the last one still pending.
+        assert len(per_sync) >= 3 and (per_sync[1:-1] == 12).all(), per_sync

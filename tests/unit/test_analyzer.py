@@ -155,6 +155,14 @@ def test_step_time_of_equal_buckets_is_the_step_not_the_gap_between_buckets():
     assert step_time(_pattern(recs[:48])) == pytest.approx(0.048, rel=0.01)
 
 
+def test_step_time_of_nccl_buckets_enqueued_microseconds_apart_with_jitter():
+    # 12 all-reduces that only enqueue: 10 us apart, one gap of 0.16 ms among them (16x the median gap), then the
+    # forward pass. The sim's 12 buckets read a twelfth of the step before a long gap had to be LONG_MEAN of the mean.
+    gaps = [0.04, 0.00016] + [0.00001] * 10
+    recs = _bursts(6, [8_333_332] * 12, gaps, 0.05)
+    assert step_time(_pattern(recs[:64])) == pytest.approx(0.05, rel=0.01)
+
+
 def test_step_time_holds_with_reordered_buckets_and_a_noisy_cpu_starved_step():
     recs = _bursts(8, [4_000_000, 1_000_000, 2_500_000, 1_000_000, 3_000_000, 500_000], [0.01, 0.004, 0.003, 0.006,
                    0.002, 0.005], 0.05, jitter=0.15, seed=3, swap=0.15)
