@@ -195,7 +195,7 @@ static __always_inline int collective_return(u32 fn, bool blocking) {
 // the wait is charged to the collective (time waiting for peers plus transfer), not to the sync. Every
 // pending one completes here, up to the ring's RING_SLOTS: a step of DDP buckets or per-tensor all-reduces
 // enqueues 10-100 before its one sync (completing only the last 8 left an H200 NCCL job's 14 a step at 8
-// records, and its step read at half the job's). A bounded loop, not unrolled: ~40 instructions a slot.
+// records, and its step read at half the job's). A bounded loop, not unrolled (the verifier walks it).
 static __always_inline int sync_return(u32 fn) {
     struct proc_state *p = watched_proc();
     if (!p)

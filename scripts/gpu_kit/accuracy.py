@@ -15,14 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpu_kit.jobs import rankscope
-from gpu_kit.steps import Failed, Kit
+from gpu_kit.steps import HEAVY_MATMULS, STRAGGLER_JOB_ARGS, Failed, Kit
 
 WINDOWS = 3  # diagnosed windows per case, one after another on one job: the decision repeated
 WINDOW_S = 5
-# Width 512: 6 MB of gradients a step, so the heavy rank's 14 extra 2048-square products (~5 ms in FP32 on an
-# H200) are a large share of the step, as in diagnose_straggler.
-JOB_ARGS = ("--width", "512", "--matmuls", "2")
-HEAVY_MATMULS = 16
 COMPONENT = "gpu"  # where the heavy rank's time goes: its kernels, waited for in the copy of its gradients
 # NCCL refuses two ranks of a communicator on one GPU unless they are on different hosts: each rank is a host of
 # its own (gpu_job.py --host-per-rank) and they talk over sockets on loopback (as in nccl_spans).
@@ -68,8 +64,7 @@ class Scored:
 
 def score(case: GpuCase, doc: dict) -> tuple[bool, int, dict]:
     """Right: a healthy run names nothing; a straggler run names its heavy rank first, a compute straggler in
-    COMPONENT.
-    Returns (right, false findings, the straggler finding or {})."""
+    COMPONENT. Returns (right, false findings, the straggler finding or {})."""
     findings = doc.get("findings", [])
     if case.heavy is None:
         return not findings, len(findings), {}
@@ -87,7 +82,7 @@ def _step_ms(doc: dict) -> float | None:
 
 def run_case(kit: Kit, case: GpuCase, healthy_step_s: float | None, windows: Path) -> list[Scored]:
     env = kit.job_env(shim=True, plugin=case.collective == "nccl")
-    args = ["--seconds", "300", *JOB_ARGS]
+    args = ["--seconds", "300", *STRAGGLER_JOB_ARGS]
     if case.collective == "nccl":
         env.update(NCCL_ENV)
         args.append("--host-per-rank")

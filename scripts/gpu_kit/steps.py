@@ -24,6 +24,11 @@ from rankscope.agent.host.symbols import SdtProbe, exported_functions, sdt_sites
 from rankscope.sim.harness import http_json, maps_library, wait_until
 
 STRAGGLER_RANK = 2
+# The straggler job's shape (diagnose_straggler, its healthy reference, gpu_accuracy): width 512, 6 MB of
+# gradients a step, so the heavy rank's 14 extra matrix products (~4 ms on an H100 in FP32) are a large share of
+# the step rather than lost in the all-reduce.
+STRAGGLER_JOB_ARGS = ("--width", "512", "--matmuls", "2")
+HEAVY_MATMULS = 16
 RANKS = 4
 PROFILE_STEPS = 30
 TOLERANCE = 0.05  # the shim's kernel time against torch.profiler's
@@ -425,11 +430,9 @@ def diagnose_straggler(kit: Kit) -> dict:
     without one: the simulated job with slow-gpu:2."""
     kit.need_agent()
     if kit.gpu:
-        # Width 512: 6 MB of gradients a step through gloo (loopback TCP), so the straggler's 14 extra matrix
-        # products (~4 ms on an H100 in FP32) are a large share of the step rather than lost in the all-reduce.
         job = kit.job(ranks=RANKS, env=kit.job_env(shim=True), collective="gloo",
-                      args=("--seconds", "120", "--width", "512", "--matmuls", "2", "--heavy-rank", str(STRAGGLER_RANK),
-                            "--heavy-matmuls", "16"))
+                      args=("--seconds", "120", *STRAGGLER_JOB_ARGS, "--heavy-rank", str(STRAGGLER_RANK),
+                            "--heavy-matmuls", str(HEAVY_MATMULS)))
         pids, stop = job.pids, job.stop
         wait = lambda: job.wait_phase("run", 180)  # noqa: E731
     else:
@@ -479,7 +482,7 @@ def _job_truth(kit: Kit, job: GpuJob, doc: dict) -> dict:
     step, steps = job.median_step_s(0, window.get("start", 0), window.get("end", time.time()))
     job.stop()  # the GPU to the healthy job alone
     healthy = kit.job(ranks=RANKS, env=kit.job_env(shim=True), collective="gloo",
-                      args=("--seconds", "60", "--width", "512", "--matmuls", "2"))
+                      args=("--seconds", "60", *STRAGGLER_JOB_ARGS))
     try:
         healthy.wait_phase("run", 180)
         reference, _ = _phase(healthy, 3)
