@@ -163,6 +163,15 @@ def test_step_time_of_nccl_buckets_enqueued_microseconds_apart_with_jitter():
     assert step_time(_pattern(recs[:64])) == pytest.approx(0.05, rel=0.01)
 
 
+def test_a_hiccup_inside_a_burst_of_equal_buckets_does_not_hide_the_step():
+    # The sim's 12 buckets beside the suite's load: one 0.4 ms gap inside a burst of 10 us ones is long too,
+    # and an exact lattice of long gaps read the step at a twelfth. The step's forward pass still marks it.
+    gaps = [0.008] + [0.00001] * 11
+    recs = _bursts(8, [8_333_332] * 12, gaps, 0.012)[:64]
+    late = [dataclasses.replace(r, enter=r.enter + 0.0004, done=r.done + 0.0004) for r in recs[29:36]]
+    assert step_time(_pattern(recs[:29] + late + recs[36:])) == pytest.approx(0.012, rel=0.02)
+
+
 def test_step_time_holds_with_reordered_buckets_and_a_noisy_cpu_starved_step():
     recs = _bursts(8, [4_000_000, 1_000_000, 2_500_000, 1_000_000, 3_000_000, 500_000], [0.01, 0.004, 0.003, 0.006,
                    0.002, 0.005], 0.05, jitter=0.15, seed=3, swap=0.15)
