@@ -57,6 +57,12 @@ TCP_SLOW_FACTOR = 3.0
 # rate-limited rank (100 Mbit/s against ~35 MB/s of loopback on a CPU-starved host) had both its links at
 # 0.26-0.41 of the third link (30 windows), which a third missed in 8.
 TCP_SLOW_FACTOR_IN_GROUP = 2.0
+# ...and half suffices too where a rank has no group peer but its own pair (a pipeline stage of two), and its
+# sends to the other stage run at half its stage peer's as well (_sends_between_slow). pipe-4's rank 3 behind a
+# quarter-pace link (corpora 88-102, 10 windows): its stage's links at 0.22-0.36 of the other stage's, which
+# differ by design (healthy windows: 0.34 and up), and its sends to stage 0 at 0.17-0.31 of rank 2's. No rank
+# of 200 other windows had both below 0.5 (within below 0.5: sends at 0.69 or more; sends below 0.5: within at
+# 0.50 or more, rank 1 sending to a rank 3 slowed by GC or compute, whose links are not judged once it is named).
 MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (not one link) the suspect
 # TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
 # send, over which a transfer's rounding to whole ticks averages out.
@@ -299,6 +305,8 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
                 factor[k] = TCP_SLOW_FACTOR_IN_GROUP
         else:
             reference[k] = np.median(bw[others]) if others.any() else np.nan
+            if m.tcp[link[k]] and _sends_between_slow(m, pacing, roles, bw, r):
+                factor[k] = TCP_SLOW_FACTOR_IN_GROUP
     within = judged[link] & ~roles.between[link]
     with np.errstate(invalid="ignore"):
         slow = within & (bw[link] < reference / factor)  # no reference: not slow
@@ -312,6 +320,21 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
         mine = (at == e) & slow
         out[int(ends[e])] = (float(np.median(reference[mine])), float(np.median(bw[link[mine]] / reference[mine])))
     return out
+
+
+def _sends_between_slow(m: LinkMatrix, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray, r: int) -> bool:
+    """Whether rank r sends to other peer groups, and every such TCP link runs below 1/TCP_SLOW_FACTOR_IN_GROUP
+    of its role's links that do not touch r: its group peers' sends of the same tensors to the same stage.
+    Alone this says little (a stage's sends wait for the reading stage: healthy pipe-4 ranks sent at 0.25-0.4
+    of their stage peer's); it says which end of a stage of two's one slow pair is the slow one."""
+    mine = np.flatnonzero(pacing & roles.between & m.tcp & (m.src == r))
+    if not mine.size:
+        return False
+    for i in mine:
+        others = pacing & (roles.id == roles.id[i]) & (m.src != r) & (m.dst != r)
+        if not others.any() or bw[i] >= np.median(bw[others]) / TCP_SLOW_FACTOR_IN_GROUP:
+            return False
+    return True
 
 
 def _comm_share(p: RankPattern) -> float:
