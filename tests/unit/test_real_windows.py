@@ -5,7 +5,8 @@ delay) where the host was not oversubscribed by the job.
 
 tests/data/windows/: NAME.msgpack (the window's patterns, as `diagnose --save-patterns` writes them) and
 windows.json (per window: shape, fault, the expected finding, the one seen but unconfirmed where there is one,
-the job's own step time and cost, and why the window is here). A window added there is tested without a line of code.
+the job's own step time and cost, the injected delay's share of the step where it is checked instead, and why
+the window is here). A window added there is tested without a line of code.
 """
 import json
 from pathlib import Path
@@ -44,3 +45,5 @@ def test_the_verdict_on_a_kept_window_of_a_real_job(name):
     assert doc["step_time_s"] == pytest.approx(w["step_s"], rel=0.05)
     if w["cost"] and w["shape"] not in OVERSUBSCRIBED:
         assert doc["findings"][0]["cost"] == pytest.approx(w["cost"], rel=0.30), w["note"]
+    if w.get("injected_cost"):  # the issue's measure, the delay injected as a share of the step: any host
+        assert doc["findings"][0]["cost"] == pytest.approx(w["injected_cost"], rel=0.30), w["note"]
