@@ -7,7 +7,7 @@ under `unconfirmed`, so nothing is hidden.
 Hangs and node loss are reported at once: they are decided over their own timeout, not over one window.
 A regression must hold longer (three windows): the baseline spans many windows, but one or two windows of a
 busy machine can be 10% slower than it. A finding seen often but not in a row (4 of the last 8 windows) is
-reported too, but for a regression, and a finding may ask for that alone (`confirm_windows` in its evidence:
+reported too, but for a regression or a slow link, and a finding may ask for that alone (`confirm_windows` in its evidence:
 a small straggler, as large as what a healthy rank does in a window or two), and for the span it is counted in
 (`confirm_span`: a steady straggler, most of the last few windows).
 `rankscope diagnose` looks once, over a longer window, and reports what it saw.
@@ -36,7 +36,11 @@ SPAN = 2  # above the bar is named in some windows only (pipe-4's 2 s windows: i
 # rank as a small straggler in at most 2 of any 8 (74 agent runs kept by the matrix, healthy or regressed). A
 # small straggler's finding asks for this alone (`confirm_windows`). Not a regression: one that comes and goes
 # is the job's pace following its host's load (a healthy mlp-4 beside an on-and-off neighbour, 17-23% slower
-# in 4 windows of 8, never 3 running); a change of the job itself holds.
+# in 4 windows of 8, never 3 running); a change of the job itself holds. Nor a slow link: a link limited by
+# its NIC or a shaper holds window after window, while TCP over loopback follows when its ends get a CPU
+# (a healthy cnn-3 rank on an oversubscribed host, its links at 0.42-0.50 of its group's pace in 4 windows
+# of 8, never 3 running, before and after a spin on another rank began: file 104).
+IN_ROW = {"regression", "slow_link"}
 HISTORY = 64  # windows kept per job: SPAN * K for any K a finding asks (a few sets of keys, a few kB a job)
 
 
@@ -95,7 +99,7 @@ class Confirmer:
         row = max(self.windows, REGRESSION_WINDOWS if regression else 1)
         span = sum(w.end - w.start for w in windows[len(windows) - in_row:])  # observed, gaps left out
         held = asks == 1 and in_row >= row and not span < HOLD_S  # NaN: the windows' count alone
-        return (times >= often and not regression) or held, times if asks > 1 else in_row
+        return (times >= often and f["kind"] not in IN_ROW) or held, times if asks > 1 else in_row
 
     def confirm(self, docs: dict[str, dict[str, Any]]) -> None:
         self._seen = {job: s for job, s in self._seen.items() if job in docs}  # jobs that ended
