@@ -1,7 +1,8 @@
 """Windows of real torchrun jobs, kept by the accuracy matrix (scripts/bench accuracy --keep-all), each one a
 case the rules once got wrong: the analyzer must keep its verdict on them, its step time within 5% of the
 job's own log, and its cost within 30% of its truth (the what-if, or the injected share where the fault is a known
-delay) where the host was not oversubscribed by the job.
+delay) where the host was not oversubscribed by the job, and within 30% of the injected share on any host where
+the window gives that share (`injected_cost`).
 
 tests/data/windows/: NAME.msgpack (the window's patterns, as `diagnose --save-patterns` writes them) and
 windows.json (per window: shape, fault, the expected finding, the one seen but unconfirmed where there is one,
