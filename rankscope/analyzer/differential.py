@@ -106,6 +106,17 @@ class Alignment:
         return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy())
 
 
+def _place_in_run(row: np.ndarray, op: np.ndarray, done: np.ndarray) -> np.ndarray | None:
+    """Per record: its place in the run of a rank's records of one op that ended at the same instant, one
+    after another (0 for the first); None where no two did (gloo's, and NCCL's one a sync: no pass made)."""
+    tied = (done[1:] == done[:-1]) & (row[1:] == row[:-1]) & (op[1:] == op[:-1])
+    if not tied.any():
+        return None
+    at = np.arange(done.size)
+    starts = np.concatenate(([True], ~tied))
+    return at - np.maximum.accumulate(np.where(starts, at, 0))
+
+
 STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
 LATE_MARGIN = 0.05  # later than the other ranks by this share of a step: that step, the rank was late
 HELD_PIECES = 5  # Alignment.held_lead: the window cut in up to this many pieces in time...
@@ -255,6 +266,12 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     ref_op, ref_done = op[ref_sl], done[ref_sl]
     n_inst = int(counts[ref])
 
+    # Collectives a host sync completed together (NCCL's, pending until it) share their `done`: the nearest
+    # is then the first of the reference's group, for every one of them. Each matches the reference's record
+    # at its own place in its group instead (its ordinal among the rank's run of one op ending at once; the
+    # sync completes them in one order on every rank of a sequence). Without, an H200 NCCL job's 12 all-reduces
+    # a step lined up none of them, and its straggler went unnamed (2026-12-04, gpu_accuracy).
+    pos = _place_in_run(row, op, done)
     col = np.full(op.size, -1, dtype=np.intp)
     dist = np.full(op.size, np.inf)
     # In place where it can be: each temporary of 1.6M records is 13 MB of fresh memory (in a process's first
@@ -274,8 +291,12 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
         np.abs(np.subtract(d, d_lo, out=d_lo), out=d_lo)
         np.abs(np.subtract(d, d_hi, out=d_hi), out=d_hi)
         np.copyto(lo, hi, where=d_hi < d_lo)  # the nearer of the two
-        col[sel] = idx[lo]
         dist[sel] = np.minimum(d_lo, d_hi, out=d_lo)
+        if pos is not None:  # the place in the group of the reference's records ending at that instant
+            near = vals[lo]
+            first = np.searchsorted(vals, near, side="left")
+            lo = np.minimum(first + pos[sel], np.searchsorted(vals, near, side="right") - 1)
+        col[sel] = idx[lo]
 
     # One record per (rank, instance): the nearest, should two records of a rank match one instance.
     ok = np.flatnonzero(dist < step_s / 2)

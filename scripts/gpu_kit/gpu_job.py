@@ -2,7 +2,7 @@
 products per step (GPU work the heavier rank gets more of), with its step times in a JSON report.
 
     python gpu_job.py --report R.json [--steps N] [--seconds S] [--matmuls K] [--matrix N] [--width W] [--batch B]
-                      [--heavy-rank R --heavy-matmuls K2]
+                      [--heavy-rank R --heavy-matmuls K2] [--loader]
                       [--collective none|nccl|gloo] [--host-per-rank] [--profile-steps N] [--device cuda|cpu]
 
 The ranks of the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) share the one GPU.
@@ -15,6 +15,9 @@ the host and all-reduced by gloo, so a rank with more GPU work is a straggler th
 between two marker kernels (torch.cuda._sleep: 'spin_kernel') for the CUPTI shim, then the same N steps under
 torch.profiler, whose kernels go to the report: the kit compares the two (--go-file: the measured steps wait
 for the kit's reader).
+--loader: each step reads its batch as a user's loop does, from an in-process DataLoader over host memory
+(shuffled, pinned), and copies it to the device; a slow input pipeline is injected there from outside
+(tests/jobs/inject: RANKSCOPE_FAULT=loader:RANK:SECONDS). Without it the step reuses one batch on the device.
 --device cpu: the same job without a GPU (no profiling): the kit's own tests time it where there is none.
 The report is rewritten every half second: {"pid", "steps": [[unix start, seconds], ...] (the last KEEP_STEPS),
 "phase", ...}.
@@ -22,6 +25,7 @@ The report is rewritten every half second: {"pid", "steps": [[unix start, second
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -30,10 +34,12 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
+import torch.utils.data
 
 LAYERS = 6
 REPORT_EVERY_S = 0.5
 KEEP_STEPS = 20000  # the report's recent steps: the kit's 4 s phases of 0.2 ms steps, written in ~20 ms
+LOADER_BATCHES = 64  # --loader's dataset, in batches: one epoch is a few seconds of steps
 
 
 class Report:
@@ -87,6 +93,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--profile-steps", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--go-file", help="with --profile-steps: wait for this file before the measured steps")
+    ap.add_argument("--loader", action="store_true", help="each step's batch from an in-process DataLoader")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = ap.parse_args(argv)
     if args.profile_steps and args.device != "cuda":
@@ -109,13 +116,19 @@ def main(argv: list[str]) -> int:
     model = torch.nn.Sequential(*(m for layer in layers for m in (layer, torch.nn.ReLU()))).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(args.batch, args.width, device=device)
+    if args.loader:
+        data = torch.utils.data.TensorDataset(torch.randn(LOADER_BATCHES * args.batch, args.width))
+        loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True, drop_last=True,
+                                             pin_memory=cuda)
+        batches = (batch for _ in itertools.count() for (batch,) in loader)  # epoch after epoch
     a = torch.randn(args.matrix, args.matrix, device=device)
     b = torch.randn(args.matrix, args.matrix, device=device)
     matmuls = args.heavy_matmuls if rank == args.heavy_rank else args.matmuls
     report.set(rank=rank, matmuls=matmuls, device=torch.cuda.get_device_name(0) if cuda else "cpu")
 
     def step() -> None:
-        loss = model(x).square().mean()
+        inputs = next(batches).to(device, non_blocking=True) if args.loader else x
+        loss = model(inputs).square().mean()
         c = a
         for _ in range(matmuls):
             c = torch.mm(c, b) * 1e-3

@@ -495,7 +495,7 @@ def test_collectives_in_flight_at_once_count_once_in_a_ranks_time_in_collectives
     612. Counted once where they overlap, the excess is the delay."""
     ps = simulate(2, host_extra={1: 0.03}, seed=9)
     for p in ps:  # each all-reduce as two buckets in flight at once
-        p.collectives = CollectiveColumns.of([CollectiveRecord(c.op, c.bytes // 2, c.enter + d, c.done)
+        p.collectives = CollectiveColumns.of([CollectiveRecord(c.op, c.bytes // 2, c.enter + d, c.done + d)
                                               for c in p.collectives for d in (0, 1e-4)])
         comm = p.functions["ncclAllReduce"]
         set_function(p, dataclasses.replace(comm, count=2 * comm.count, total_s=2 * comm.total_s))
@@ -504,6 +504,26 @@ def test_collectives_in_flight_at_once_count_once_in_a_ranks_time_in_collectives
     assert t.comm_s[0] < t.step_s[0]
     f, = findings(ps)
     assert (f["kind"], f["ranks"]) == ("compute_straggler", [1])
+    assert f["evidence"]["per_rank"][0]["excess_s"] == pytest.approx(0.03, abs=0.005)
+
+
+def test_collectives_a_sync_completed_together_count_once_and_line_up():
+    """NCCL's calls only enqueue: a step's all-reduces stay pending until the host syncs and complete there
+    together, the sync's wait counted once (on the last of them: bpf/common.h). An H200 job's 12 a step were
+    taken for 12 in flight at once (COMM cut to 7% of the wait) and lined up as none (each matched the first of
+    the reference's group): a rank reading its input 23% of the step longer went unnamed."""
+    ps = simulate(4, host_extra={2: 0.03}, seed=9)
+    for p in ps:  # each all-reduce as four buckets enqueued 0.1 ms apart, completed by one sync
+        p.collectives = CollectiveColumns.of([CollectiveRecord(c.op, c.bytes // 4, c.enter - 1e-4 * (3 - j), c.done)
+                                              for c in p.collectives for j in range(4)])
+        comm = p.functions["ncclAllReduce"]
+        set_function(p, dataclasses.replace(comm, count=4 * comm.count))
+    t = rank_table(ps)
+    assert t.records.busy_share == pytest.approx([1.0] * 4)
+    a = align_collectives(ps, t.job_step_s, t.records)
+    assert a.instances > 0 and int(np.nanargmax(a.arrival_late_s)) == 2
+    f, = findings(ps)
+    assert (f["kind"], f["ranks"]) == ("compute_straggler", [2])
     assert f["evidence"]["per_rank"][0]["excess_s"] == pytest.approx(0.03, abs=0.005)
 
 

@@ -84,6 +84,7 @@ def test_ranks_waiting_in_host_collectives_are_not_launch_bound():
     (1.8, 40_000, 1.8, 0.05),   # GPU busy 90%: not idle
     (0.7, 400, 0.7, 0.05),      # idle, but long kernels (1.75 ms): not the launch path
     (0.7, 40_000, 0.7, 0.9),    # idle while the host waits on syncs: the host is not the bottleneck
+    (0.7, 2_000, 0.035, 0.05),  # short kernels 0.6 ms apart: the host busy with other work than launching
 ])
 def test_not_launch_bound(busy, kernels, kernel_s, sync_s):
     ps = simulate(4, seed=1)

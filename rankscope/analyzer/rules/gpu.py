@@ -25,6 +25,11 @@ SMALL_KERNEL_S = 50e-6  # ... and its kernels are short on average (launch cost 
 # correlation, deep mode) means the host runs ahead of the GPU, so the idle gaps are not the launch path's.
 # An idle GPU starts a kernel ~5-20 us after its launch call returns.
 QUEUE_AHEAD_S = 100e-6
+# ...and the GPU idles only briefly between one kernel and the next, on average (the idle time over the kernels):
+# a launch and PyTorch's dispatch around it take 5-50 us. Longer gaps are the host busy with other work than
+# launching (an H200 gloo job: 0.65 ms between 18 us kernels, its host in autograd, pinning batches and copies:
+# idle 71%, named launch-bound on a healthy job in 3 windows of 3), which the host-side rules weigh.
+LAUNCH_GAP_MAX_S = 100e-6
 
 
 def _reasons(bits: int) -> list[str]:
@@ -135,8 +140,10 @@ def launch_bound(t: RankTable) -> list[Finding]:
         sync_share = p.time_in(Role.SYNC) / p.window_s
         mean_kernel = g.kernel_s / g.kernels
         queued = bool(g.launches) and g.queue_p50_s >= QUEUE_AHEAD_S
-        if void >= VOID_MIN and sync_share <= LAUNCH_SYNC_MAX and mean_kernel <= SMALL_KERNEL_S and not queued:
-            per_rank.append({"rank": int(t.rank[i]), "void_share": void, "gpu_busy_s": g.busy_s,
+        gap = void * p.window_s / g.kernels
+        if void >= VOID_MIN and sync_share <= LAUNCH_SYNC_MAX and mean_kernel <= SMALL_KERNEL_S and not queued \
+                and gap <= LAUNCH_GAP_MAX_S:
+            per_rank.append({"rank": int(t.rank[i]), "void_share": void, "gpu_busy_s": g.busy_s, "gap_us": gap * 1e6,
                              "window_s": p.window_s, "sync_share": sync_share, "mean_kernel_us": mean_kernel * 1e6,
                              "kernels": g.kernels, "kernels_per_s": g.kernels / p.window_s})
             if g.launches:  # joined launches: how long each waited for the GPU

@@ -380,11 +380,12 @@ def _collectives_gpu(by_rank: dict[int, RankPattern], ranks: list[int]) -> list[
 def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] = ()) -> list[Finding]:
     """`slow_link` findings from the link matrix: a rank all of whose links (two or more) are slow is the
     suspect (its NIC or host), reported once; any other slow link is reported as exactly that pair.
-    `stragglers`: ranks already found slow for their own reasons; their TCP links are not judged, since TCP
-    moves bytes at the pace the ends' CPUs allow (a GC storm on rank 2 of three on two cores left rank 0's
-    loopback links 5-7x slower than the third link)."""
+    `stragglers`: ranks already found slow for their own reasons; their links are not judged. TCP moves bytes
+    at the pace the ends' CPUs allow (a GC storm on rank 2 of three on two cores left rank 0's loopback links
+    5-7x slower than the third link), and NCCL's at the pace a late rank posts its receives and sends (an H200
+    job, a rank reading its input 23% of the step longer: both its ring links at half its peers' pace)."""
     m = link_matrix(patterns)
-    unjudged = m.tcp & (np.isin(m.src, list(stragglers)) | np.isin(m.dst, list(stragglers)))
+    unjudged = np.isin(m.src, list(stragglers)) | np.isin(m.dst, list(stragglers))
     judged, pacing = m.judged & ~unjudged, m.pacing & ~unjudged
     if np.count_nonzero(pacing) < MIN_LINKS:
         return []
