@@ -106,17 +106,6 @@ class Alignment:
         return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy())
 
 
-def _place_in_run(row: np.ndarray, op: np.ndarray, done: np.ndarray) -> np.ndarray | None:
-    """Per record: its place in the run of a rank's records of one op that ended at the same instant, one
-    after another (0 for the first); None where no two did (gloo's, and NCCL's one a sync: no pass made)."""
-    tied = (done[1:] == done[:-1]) & (row[1:] == row[:-1]) & (op[1:] == op[:-1])
-    if not tied.any():
-        return None
-    at = np.arange(done.size)
-    starts = np.concatenate(([True], ~tied))
-    return at - np.maximum.accumulate(np.where(starts, at, 0))
-
-
 STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
 LATE_MARGIN = 0.05  # later than the other ranks by this share of a step: that step, the rank was late
 HELD_PIECES = 5  # Alignment.held_lead: the window cut in up to this many pieces in time...
@@ -219,6 +208,17 @@ def _rooted(records: Collectives, compared: np.ndarray) -> list[np.ndarray]:
     rows = np.stack([records.enter[order], records.done[order]], axis=1)
     per_rank = np.split(rows, np.cumsum(records.counts)[:-1])
     return [r for r, seen in zip(per_rank, compared) if seen]
+
+
+def _place_in_run(row: np.ndarray, op: np.ndarray, done: np.ndarray) -> np.ndarray | None:
+    """Per record: its place in the run of a rank's records of one op that ended at the same instant, one
+    after another (0 for the first); None where no two did (gloo's, and NCCL's one a sync: no pass made)."""
+    tied = (done[1:] == done[:-1]) & (row[1:] == row[:-1]) & (op[1:] == op[:-1])
+    if not tied.any():
+        return None
+    at = np.arange(done.size)
+    starts = np.concatenate(([True], ~tied))
+    return at - np.maximum.accumulate(np.where(starts, at, 0))
 
 
 def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = None,

@@ -7,9 +7,9 @@ under `unconfirmed`, so nothing is hidden.
 Hangs and node loss are reported at once: they are decided over their own timeout, not over one window.
 A regression must hold longer (three windows): the baseline spans many windows, but one or two windows of a
 busy machine can be 10% slower than it. A finding seen often but not in a row (4 of the last 8 windows) is
-reported too, but for a regression or a slow link, and a finding may ask for that alone (`confirm_windows` in its evidence:
-a small straggler, as large as what a healthy rank does in a window or two), and for the span it is counted in
-(`confirm_span`: a steady straggler, most of the last few windows).
+reported too, but for a regression or a slow link, and a finding may ask for that alone (`confirm_windows` in
+its evidence: a small straggler, as large as what a healthy rank does in a window or two), and for the span it
+is counted in (`confirm_span`: a steady straggler, most of the last few windows).
 `rankscope diagnose` looks once, over a longer window, and reports what it saw.
 """
 from __future__ import annotations

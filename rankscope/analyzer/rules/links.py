@@ -295,9 +295,10 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
     link = np.tile(np.arange(len(m)), 2)
     reference = median[link]
     factor = _slow_factor(m)[link]
+    sends_slow: dict[int, bool] = {}  # _sends_between_slow per rank: each of its links asks the same
     for k in np.flatnonzero(judged[link] & (count[link] <= EXACT_ROLE_LINKS)):
         r, g = end_rank[k], roles.group[link[k]]
-        others = pacing & (role == role[link[k]]) & (m.src != r) & (m.dst != r)
+        others = _untouched(m, pacing, role, link[k], r)
         in_group = others & (roles.group == g) if g >= 0 else np.zeros_like(others)
         if in_group.any():  # the rank's own group's other links: the same collectives, the same pace
             reference[k] = np.median(bw[in_group])
@@ -305,8 +306,11 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
                 factor[k] = TCP_SLOW_FACTOR_IN_GROUP
         else:
             reference[k] = np.median(bw[others]) if others.any() else np.nan
-            if m.tcp[link[k]] and _sends_between_slow(m, pacing, roles, bw, r):
-                factor[k] = TCP_SLOW_FACTOR_IN_GROUP
+            if m.tcp[link[k]]:
+                if r not in sends_slow:
+                    sends_slow[r] = _sends_between_slow(m, pacing, roles, bw, r)
+                if sends_slow[r]:
+                    factor[k] = TCP_SLOW_FACTOR_IN_GROUP
     within = judged[link] & ~roles.between[link]
     with np.errstate(invalid="ignore"):
         slow = within & (bw[link] < reference / factor)  # no reference: not slow
@@ -331,10 +335,15 @@ def _sends_between_slow(m: LinkMatrix, pacing: np.ndarray, roles: LinkRoles, bw:
     if not mine.size:
         return False
     for i in mine:
-        others = pacing & (roles.id == roles.id[i]) & (m.src != r) & (m.dst != r)
+        others = _untouched(m, pacing, roles.id, i, r)
         if not others.any() or bw[i] >= np.median(bw[others]) / TCP_SLOW_FACTOR_IN_GROUP:
             return False
     return True
+
+
+def _untouched(m: LinkMatrix, pacing: np.ndarray, role: np.ndarray, i: int, r: int) -> np.ndarray:
+    """The pacing links of link i's role that do not touch rank r: what r's link is held to."""
+    return pacing & (role == role[i]) & (m.src != r) & (m.dst != r)
 
 
 def _comm_share(p: RankPattern) -> float:
