@@ -40,6 +40,11 @@ SYSTEM_LIBRARIES = re.compile(r"^(linux-vdso|ld-linux[-\w]*|libc|libm|libdl|libp
 PROBE_INCLUDES = ("uapi/linux/ptrace.h", "uapi/linux/bpf_perf_event.h")
 CHECK_PROGRAM = "".join(f"#include <{h}>\n" for h in PROBE_INCLUDES) + "int probe(struct pt_regs *ctx) { return 0; }\n"
 HEADER_TREES = ("/usr/src", "/lib/modules")
+# Loaded, never used: libLLVM's Z3 solver (the static analyzer's, which bcc's compiles never run) and ICU's data
+# (libxml2's encodings, through libicuuc). Carried as stand-ins that define only what the other libraries take
+# from them (a function that aborts, a blob of zeros that ICU refuses as data): 16 KB each for 54 MB (13 MB
+# packed), so that the tracked tree, which grows by each session's corpus, still fits beside the bundle.
+STAND_INS = ("libz3.so.4", "libicudata.so.72")
 # x86 branch filter before LZMA2, one block with a dictionary above libLLVM's 110 MB: 46.8 MB where plain -9e
 # made 49.6, and the tracked tree (18 MB, 2026-12-04) and the bundle travel together under the device's 64 MiB.
 # Costs 2.5 min of one core to pack, ~200 MiB of memory to unpack.
@@ -75,6 +80,31 @@ def library_closure(library: str = LIBBCC) -> tuple[dict[str, Path], list[str]]:
         else:
             raise BundleError(f"{library} needs {name}, which this machine lacks")
     return out, skipped
+
+
+def stand_in(soname: str, real: Path, users: list[Path], out: Path) -> Path:
+    """Builds out/`soname` defining the symbols of `real` (that library's file) that `users` import: functions that abort
+    if ever called, data as 64 zero bytes. Every import must resolve when the libraries load (ctypes opens
+    libbcc with RTLD_NOW; libicuuc binds now)."""
+    imported = set()
+    for user in users:
+        listing = _run(["nm", "-D", "--undefined-only", str(user)]).stdout
+        imported |= {line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()}
+    code = ["#include <stdlib.h>"]
+    for line in _run(["nm", "-D", "--defined-only", str(real)]).stdout.splitlines():
+        parts = line.split()
+        if len(parts) != 3 or parts[2].split("@")[0] not in imported:
+            continue
+        kind, name = parts[1], parts[2].split("@")[0]
+        code.append(f"void {name}(void) {{ abort(); }}" if kind in "TtWi" else f"const char {name}[64] = {{0}};")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "stand_in.c"
+        source.write_text("\n".join(code) + "\n")
+        built = _run(["gcc", "-shared", "-fPIC", "-O1", f"-Wl,-soname,{soname}", "-o", str(out / soname),
+                      str(source)])
+    if built.returncode != 0:
+        raise BundleError(f"cannot build a stand-in for {soname}: {built.stderr.strip()[-300:]}")
+    return out / soname
 
 
 def kernel_build_dirs() -> list[Path]:
@@ -137,9 +167,13 @@ def pack(out: Path = DEFAULT_DIR) -> dict:
     out.mkdir(parents=True)
     with tempfile.TemporaryDirectory() as tmp:
         stage = Path(tmp) / "stage"
+        (stage / "lib").mkdir(parents=True)
+        users = [path for name, path in libraries.items() if name not in STAND_INS]
         for name, path in libraries.items():
-            (stage / "lib").mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, stage / "lib" / name)
+            if name in STAND_INS:
+                stand_in(name, path, users, stage / "lib")
+            else:
+                shutil.copy2(path, stage / "lib" / name)
         shutil.copytree(BCC_PYTHON, stage / "python" / "bcc", ignore=shutil.ignore_patterns("__pycache__"))
         copy_headers(headers, stage / "headers")
         tar = subprocess.Popen(["tar", "-C", str(stage), "-cf", "-", "lib", "python", "headers"],
@@ -156,6 +190,7 @@ def pack(out: Path = DEFAULT_DIR) -> dict:
     manifest = {
         "libraries": {name: {"bytes": p.stat().st_size, "package": package_of(p)} for name, p in libraries.items()},
         "left_out": sorted(set(skipped)),
+        "stand_ins": [name for name in STAND_INS if name in libraries],
         "headers": len(headers),
         "headers_bytes": sum(p.stat().st_size for p in headers.values()),
         "kernel_headers_of": [str(d) for d in kernel_build_dirs()],

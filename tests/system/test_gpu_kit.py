@@ -2,6 +2,7 @@
 on real CUPTI record structs, and the whole kit against the simulated job's stand-ins, GPU steps skipped."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -57,6 +58,29 @@ def test_the_traced_kernel_headers_alone_compile_the_probes(tmp_path):
         bundle.check(tmp_path)
     bundle.copy_headers(headers, tmp_path / "headers")
     assert bundle.check(tmp_path).startswith("0.26")  # the machine's bcc, only the traced headers
+
+
+def test_a_stand_in_library_defines_what_its_users_import_and_loads(tmp_path):
+    """The bundle carries Z3 and ICU's data as stand-ins: each must define every symbol the other libraries
+    import from it (ctypes opens libbcc with RTLD_NOW), and nothing else."""
+    def gcc(*args: str) -> None:
+        subprocess.run(["gcc", "-shared", "-fPIC", *args], check=True, capture_output=True)
+
+    real, user, out = tmp_path / "real", tmp_path / "user", tmp_path / "out"
+    for d in (real, user, out):
+        d.mkdir()
+    (tmp_path / "real.c").write_text("int used(void) { return 1; }\nint unused(void) { return 2; }\n"
+                                     "const char table[4096] = {1};\n")
+    (tmp_path / "user.c").write_text("extern int used(void);\nextern const char table[];\n"
+                                     "int call(void) { return table[0]; }\nint (*keep)(void) = used;\n")
+    gcc("-Wl,-soname,libreal.so.1", "-o", str(real / "libreal.so.1"), str(tmp_path / "real.c"))
+    gcc("-Wl,-rpath,$ORIGIN/../out", "-o", str(user / "libuser.so"), str(tmp_path / "user.c"),
+        str(real / "libreal.so.1"))
+    made = bundle.stand_in("libreal.so.1", real / "libreal.so.1", [user / "libuser.so"], out)
+    names = {line.split()[-1] for line in subprocess.run(["nm", "-D", "--defined-only", str(made)], check=True,
+                                                         capture_output=True, text=True).stdout.splitlines()}
+    assert {"used", "table"} <= names and "unused" not in names
+    assert ctypes.CDLL(str(user / "libuser.so"), mode=os.RTLD_NOW).call() == 0  # the stand-in's zeros, not 1
 
 
 def test_kit_runs_against_the_stand_ins(tmp_path):
