@@ -82,21 +82,27 @@ def library_closure(library: str = LIBBCC) -> tuple[dict[str, Path], list[str]]:
     return out, skipped
 
 
-def stand_in(soname: str, real: Path, users: list[Path], out: Path) -> Path:
-    """Builds out/`soname` defining the symbols of `real` (that library's file) that `users` import: functions that abort
-    if ever called, data as 64 zero bytes. Every import must resolve when the libraries load (ctypes opens
-    libbcc with RTLD_NOW; libicuuc binds now)."""
-    imported = set()
+def imported_symbols(users: list[Path]) -> set[str]:
+    """Every symbol the shared libraries `users` take from others (their undefined dynamic symbols)."""
+    out: set[str] = set()
     for user in users:
         listing = _run(["nm", "-D", "--undefined-only", str(user)]).stdout
-        imported |= {line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()}
+        out |= {line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()}
+    return out
+
+
+def stand_in(soname: str, real: Path, imported: set[str], out: Path) -> Path:
+    """Builds out/`soname` defining the symbols of `real` (that library's file) among `imported` (what the
+    other libraries take: imported_symbols): functions that abort if ever called, data as 64 zero bytes. Every
+    import must resolve when the libraries load (ctypes opens libbcc with RTLD_NOW; libicuuc binds now)."""
     code = ["#include <stdlib.h>"]
     for line in _run(["nm", "-D", "--defined-only", str(real)]).stdout.splitlines():
         parts = line.split()
-        if len(parts) != 3 or parts[2].split("@")[0] not in imported:
+        if len(parts) != 3:
             continue
         kind, name = parts[1], parts[2].split("@")[0]
-        code.append(f"void {name}(void) {{ abort(); }}" if kind in "TtWi" else f"const char {name}[64] = {{0}};")
+        if name in imported:
+            code.append(f"void {name}(void) {{ abort(); }}" if kind in "TtWi" else f"const char {name}[64] = {{0}};")
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "stand_in.c"
         source.write_text("\n".join(code) + "\n")
@@ -168,10 +174,10 @@ def pack(out: Path = DEFAULT_DIR) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         stage = Path(tmp) / "stage"
         (stage / "lib").mkdir(parents=True)
-        users = [path for name, path in libraries.items() if name not in STAND_INS]
+        imported = imported_symbols([path for name, path in libraries.items() if name not in STAND_INS])
         for name, path in libraries.items():
             if name in STAND_INS:
-                stand_in(name, path, users, stage / "lib")
+                stand_in(name, path, imported, stage / "lib")
             else:
                 shutil.copy2(path, stage / "lib" / name)
         shutil.copytree(BCC_PYTHON, stage / "python" / "bcc", ignore=shutil.ignore_patterns("__pycache__"))

@@ -76,7 +76,7 @@ def test_a_stand_in_library_defines_what_its_users_import_and_loads(tmp_path):
     gcc("-Wl,-soname,libreal.so.1", "-o", str(real / "libreal.so.1"), str(tmp_path / "real.c"))
     gcc("-Wl,-rpath,$ORIGIN/../out", "-o", str(user / "libuser.so"), str(tmp_path / "user.c"),
         str(real / "libreal.so.1"))
-    made = bundle.stand_in("libreal.so.1", real / "libreal.so.1", [user / "libuser.so"], out)
+    made = bundle.stand_in("libreal.so.1", real / "libreal.so.1", bundle.imported_symbols([user / "libuser.so"]), out)
     names = {line.split()[-1] for line in subprocess.run(["nm", "-D", "--defined-only", str(made)], check=True,
                                                          capture_output=True, text=True).stdout.splitlines()}
     assert {"used", "table"} <= names and "unused" not in names
