@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -39,15 +40,19 @@ def job(tmp_path) -> Iterator[Callable[..., launch.TorchrunJob]]:
 
 def diagnose(job: launch.TorchrunJob | launch.SimRun, *extra: str,
              when_watching: Callable[[], object] | None = None) -> dict:
-    """`rankscope diagnose --json` over the job's ranks; `when_watching` runs once it watches every rank."""
+    """`rankscope diagnose --json` over the job's ranks; `when_watching` runs once it watches every rank.
+    Its patterns are kept beside the job's log, named in the test's output: a verdict that fails once in many
+    runs can be analyzed again: rankscope.analyzer.diagnosis.diagnose(rankscope.schema.wire.decode_patterns(raw))."""
+    saved = job.log.with_name(f"{job.run_id}-{secrets.token_hex(2)}.msgpack")
     proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", ",".join(str(job.pids[r]) for r in range(job.ranks)),
-                             "--duration", str(OBSERVE_S), "--json", *extra],
+                             "--duration", str(OBSERVE_S), "--json", "--save-patterns", str(saved), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if when_watching:
         launch.until_watching(proc)
         when_watching()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
+    print(f"diagnose's patterns: {saved}\ndiagnose's log:\n{err}")  # shown where the test fails
     return json.loads(out)
 
 
