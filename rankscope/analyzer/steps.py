@@ -37,7 +37,12 @@ LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times 
 # burst seen, its step read at a twelfth). A step's long gap is never under the mean (it holds the rest).
 LONG_MEAN = 0.25
 BURSTS_SEEN = 3  # bursts a one-kind sequence must show to be believed...
-SHORT_SEQUENCE = 64  # ...unless it is this short (a light pattern's collectives): then two
+SHORT_SEQUENCE = 64  # ...unless it is this short (a light pattern's collectives): then two...
+# ...where they stand this far out (x the median gap): two places of a lattice show two long gaps K apart, as any
+# two long gaps are. A step's forward pass stands 10x (gloo's buckets, backward between them) to 1000x (NCCL's,
+# only enqueued) above its buckets' gaps; two hiccups of an agent's light window of mlp-4 (one all-reduce a
+# 10.9 ms step) 2.3x, 29 calls apart, read as a 317 ms step.
+FAR_GAP = 5.0
 MISSED_BURSTS = 8  # 1 in this many bursts may lack its long gap (a step that ran short)
 WINDOW_STEPS = 20  # steps in the window for the call counts to give the step (edges cost at most 1/20)
 
@@ -120,7 +125,8 @@ def _periods(enter: np.ndarray, candidates: list[_Candidate]) -> tuple[np.ndarra
 
 def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     """Per row of one kind of collective: K when its long gaps (LONG_GAP x the median gap, LONG_MEAN x the mean
-    at least) fall every K calls, at one phase, at least BURSTS_SEEN times (twice in a short sequence); else 1.
+    at least) fall every K calls, at one phase, at least BURSTS_SEEN times (twice in a short sequence, far out:
+    FAR_GAP); else 1.
     Any two long gaps recur at some spacing: two hiccups of a one-call step 218 calls apart made a 218-step
     "burst" (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three.
     The lattice need not be exact: a hiccup inside a burst (a 0.4 ms gap among the sim's 12 buckets 10 us
@@ -128,24 +134,32 @@ def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     MISSED_BURSTS of the lattice's places may lack its long gap, and at most half as many long gaps as it holds
     may fall off it (a multiple of K, which holds every other burst, has as many off it as on)."""
     gaps = np.diff(enter, axis=1)
-    long = gaps > np.maximum(LONG_GAP * row_medians(gaps), LONG_MEAN * gaps.mean(axis=1))[:, None]
+    median = row_medians(gaps)
+    long = gaps > np.maximum(LONG_GAP * median, LONG_MEAN * gaps.mean(axis=1))[:, None]
     seen = 2 if enter.shape[1] <= SHORT_SEQUENCE else BURSTS_SEEN
     out = np.ones(enter.shape[0], np.intp)
     # Only rows with enough long gaps can be bursts: a steady job's rows have none, and leave the loop below.
     rows = np.flatnonzero(long.sum(axis=1) >= seen)
+    far = (gaps[rows] > FAR_GAP * median[rows, None]).astype(np.intp)
     long = long[rows].astype(np.intp)
     total = long.sum(axis=1)
     m = gaps.shape[1]
     found = np.zeros(rows.size, bool)
+    at = np.arange(rows.size)
     for k in sorted(allowed - {1}):
         if found.all():
             break
-        on = np.pad(long, ((0, 0), (0, -m % k))).reshape(rows.size, -1, k).sum(axis=1)  # long gaps per phase
+
+        def per_phase(marks: np.ndarray) -> np.ndarray:  # marked gaps per phase of a k-lattice
+            return np.pad(marks, ((0, 0), (0, -m % k))).reshape(rows.size, -1, k).sum(axis=1)
+
+        on = per_phase(long)
         phase = np.argmax(on, axis=1)  # the phase the bursts' ends fall on
-        hits = on[np.arange(rows.size), phase]
+        hits = on[at, phase]
         places = (m - phase + k - 1) // k
         fits = (~found & (hits >= seen) & ((places - hits) * MISSED_BURSTS <= places)
-                & (2 * (total - hits) <= hits))
+                & (2 * (total - hits) <= hits)
+                & ((places >= BURSTS_SEEN) | (per_phase(far)[at, phase] >= places)))
         out[rows[fits]], found[fits] = k, True
     return out
 

@@ -208,6 +208,19 @@ def test_hiccups_of_one_rank_in_a_short_sequence_are_not_the_jobs_burst_period()
     assert step_times(ps) == pytest.approx([np.mean([p.window_s / n for p, n in zip(ps, own)])] * 2, rel=0.05)
 
 
+def test_two_hiccups_of_a_whole_job_in_a_short_sequence_are_not_a_burst_period():
+    # An agent's light window of the 4-rank MLP (64 all-reduces of one size a rank, one a 10.9 ms step): every
+    # rank stalled twice, 29 calls apart, 2.3x the median gap. Two places of a 29-call lattice, both long: read
+    # as a 317 ms step before a short sequence's two bursts had to stand far out.
+    window = Path(__file__).resolve().parents[1] / "data" / "agent-windows" / "mlp-4-healthy-hiccups-29-apart.msgpack"
+    ps = decode_patterns(window.read_bytes())
+    own = [p.window_s / p.functions["gloo_allreduce"].count for p in ps]
+    assert step_times(ps) == pytest.approx([np.median(own)] * 4, rel=0.05)
+    # 25 buckets of one size a step, 64 shipped: two bursts, each after a forward pass 25x their gaps.
+    recs = _bursts(3, [1_000_000] * 25, [0.1] + [0.004] * 24, 0.2)[:64]
+    assert step_time(_pattern(recs)) == pytest.approx(0.2, rel=0.01)
+
+
 def test_steps_that_alternate_in_length_are_still_one_step_each():
     # Two loader workers in phase: a short step, then a long one; four buckets of distinct sizes each step.
     recs, starts = [], [T0]
