@@ -846,21 +846,25 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], trut
     """An agent's kept run diagnosed again: its windows in order, each against the job's baseline so far, each
     finding reported once it held (as rankscope.agent.daemon does), scored as agent_case scores it; a
     regression's figures too where the run kept its truth (the job's own steps), and a healthy run's
-    regressions against it (borne_out)."""
+    regressions against it (borne_out), and its step as agent_case reads it."""
     baselines: dict[str, Baseline] = {}
     confirmer = Confirmer()
     by_window: list[list[dict]] = []
+    steps: list[float] = []
     found, found_in = None, -1  # the first finding of the fault's kind, and the window that reported it
     for i, w in enumerate(windows):
         docs = diagnose(decode_patterns(w.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines)
         confirmer.confirm(docs)
         by_window.append([f for doc in docs.values() for f in doc["findings"]])
+        steps += [doc["step_time_s"] for doc in docs.values() if doc["step_time_s"]]
         if found is None:
             found, found_in = next((f for f in by_window[-1] if f["kind"] == fault.expect), None), i
     findings, shown = scored_findings(fault, by_window, truth)
     run.right, run.false = score_agent(shape, fault, findings, found)
     run.findings = [label(f) for f in findings] + shown
-    if fault.expect is not None:
+    if fault.expect is None:
+        run.step_s = statistics.fmean(steps) if steps else None
+    else:
         injected = kept_injected(shape, fault, run, None)
         run.step_s = run.truth_step_s = run.cost = run.truth_cost = run.injected_cost = run.extra_s = None
         run.job_slowed = job_slowed(truth, ONSET_WINDOWS)
