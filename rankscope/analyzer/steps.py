@@ -136,32 +136,35 @@ def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     gaps = np.diff(enter, axis=1)
     median = row_medians(gaps)
     long = gaps > np.maximum(LONG_GAP * median, LONG_MEAN * gaps.mean(axis=1))[:, None]
-    seen = 2 if enter.shape[1] <= SHORT_SEQUENCE else BURSTS_SEEN
+    short = enter.shape[1] <= SHORT_SEQUENCE
+    seen = 2 if short else BURSTS_SEEN
     out = np.ones(enter.shape[0], np.intp)
     # Only rows with enough long gaps can be bursts: a steady job's rows have none, and leave the loop below.
     rows = np.flatnonzero(long.sum(axis=1) >= seen)
-    far = (gaps[rows] > FAR_GAP * median[rows, None]).astype(np.intp)
+    # Only a short sequence may show two places, both long: there they must also stand far out.
+    far = (gaps[rows] > FAR_GAP * median[rows, None]).astype(np.intp) if short else None
     long = long[rows].astype(np.intp)
     total = long.sum(axis=1)
-    m = gaps.shape[1]
     found = np.zeros(rows.size, bool)
     at = np.arange(rows.size)
     for k in sorted(allowed - {1}):
         if found.all():
             break
-
-        def per_phase(marks: np.ndarray) -> np.ndarray:  # marked gaps per phase of a k-lattice
-            return np.pad(marks, ((0, 0), (0, -m % k))).reshape(rows.size, -1, k).sum(axis=1)
-
-        on = per_phase(long)
+        on = _per_phase(long, k)
         phase = np.argmax(on, axis=1)  # the phase the bursts' ends fall on
         hits = on[at, phase]
-        places = (m - phase + k - 1) // k
+        places = (gaps.shape[1] - phase + k - 1) // k
         fits = (~found & (hits >= seen) & ((places - hits) * MISSED_BURSTS <= places)
-                & (2 * (total - hits) <= hits)
-                & ((places >= BURSTS_SEEN) | (per_phase(far)[at, phase] >= places)))
+                & (2 * (total - hits) <= hits))
+        if far is not None:
+            fits &= (places >= BURSTS_SEEN) | (_per_phase(far, k)[at, phase] >= places)
         out[rows[fits]], found[fits] = k, True
     return out
+
+
+def _per_phase(marks: np.ndarray, k: int) -> np.ndarray:
+    """Per row of `marks` (rows x gaps, 0/1): the marked gaps at each phase of a k-call lattice."""
+    return np.pad(marks, ((0, 0), (0, -marks.shape[1] % k))).reshape(marks.shape[0], -1, k).sum(axis=1)
 
 
 def _period_op(seq: Sequence[tuple[str, int]], c: _Candidate) -> tuple[str, int]:
