@@ -19,8 +19,8 @@ injected fault.
 Per case: the job's own step time (median), runs, fresh jobs, right verdicts (the top finding's kind and ranks; for a healthy job, no
 finding), false findings (any other finding), step-time error (the document's step time against the job's own
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
-1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a compute
-straggler, on the same job before the fault is switched on; for a hog, on the same pinned job before the hog
+1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a fault
+switched on in the running job (compute, loader, GC, page faults), on the same job before it is; for a hog, on the same pinned job before the hog
 starts; for an agent case, the job's step before the onset against its step in the window that names it), the
 extra time per step the finding reports for its rank against the delay injected (compute and in-process loader
 faults; a regression's growth against the delay on every rank), the cost against what the fault costs the job
@@ -187,13 +187,16 @@ FAULTS = [
     Fault("compute", "compute_straggler", onset=True),
     # A tenth of the step: the smallest straggler the rules must still name (a 1,000-rank job loses it whole).
     Fault("compute-small", "compute_straggler", onset=True),
-    Fault("loader", "input_straggler"),
+    # Loader and GC are switched on too: their cost's what-if is the job's own step before. Another healthy job
+    # of the shape is none: cnn-3's healthy jobs ran 62-90 ms steps on this machine, so one of its GC storms
+    # read +40% against the 73 ms of one healthy batch and about +20% against the 62 ms of the next.
+    Fault("loader", "input_straggler", onset=True),
     # A rank that faults in fresh memory a quarter of its own pace longer each step (the injector's `pagein`, timed
     # as compute-small's spin is: a MB faults in 0.55 ms on one host, 1.4 ms on another): a fifth of the step, within
     # the ranks' usual spread of page faults (rules/stragglers.py, FAULTS_SPREAD) but steadily the late one, so
     # a straggler, named for its page faults.
     Fault("pagefaults", "compute_straggler", onset=True),
-    Fault("gc", "python_gc"),
+    Fault("gc", "python_gc", onset=True),
     Fault("hang", "noncomm_hang"),
     Fault("sigstop", "noncomm_hang"),
     # Two ranks on two cores, a core each. (With more ranks some share a core; a victim of its own core beside
@@ -469,8 +472,8 @@ def fault_spec(shape: Shape, fault: Fault, healthy_step: float) -> str:
         "compute": f"compute:{v}:{extra:.4f}{onset}",
         "compute-small": f"spin:{v}:{SMALL_SHARE}{onset}",
         # A batch fetch must outlast every worker's share of the step to make the rank wait for it.
-        "loader": f"loader:{v}:{extra + shape.workers * (healthy_step + extra):.4f}",
-        "gc": f"gc:{v}:0.3",
+        "loader": f"loader:{v}:{extra + shape.workers * (healthy_step + extra):.4f}{onset}",
+        "gc": f"gc:{v}:0.3{onset}",
         "pagefaults": f"pagein:{v}:{FAULTS_SHARE}{onset}",
         "hang": f"hang:{v}:0@go",
         "regression": f"compute:*:{extra:.4f}@go",

@@ -167,14 +167,13 @@ def test_a_held_regression_is_scored_in_the_window_it_was_measured_in():
     assert bench.measured_in(regression, 3, [[], [], [], [regression]]) == 3
 
 
-def test_a_compute_straggler_is_switched_on_in_its_running_job_after_the_reference():
+def test_a_rank_fault_is_switched_on_in_its_running_job_after_the_reference():
     # The cost's what-if is the job's own step before the onset (another job of the shape may run 30% apart).
     bench = bench_accuracy()
     shapes, faults = {s.name: s for s in bench.SHAPES}, {f.name: f for f in bench.FAULTS}
-    for name in ("compute", "compute-small", "compute-small-agent"):  # the agent case switches it on itself
+    for name in ("compute", "compute-small", "compute-small-agent", "loader", "gc", "pagefaults"):
         assert bench.fault_spec(shapes["mlp-2"], faults[name], 0.05).endswith("@go")
         assert "@" not in bench.fault_spec(shapes["sim-4"], faults[name], 0.05)  # the simulated job has no go
-    assert "@" not in bench.fault_spec(shapes["mlp-2"], faults["loader"], 0.05)
 
 
 def test_a_replayed_small_straggler_is_scored_where_the_agent_names_it(tmp_path):
@@ -261,7 +260,7 @@ def test_a_fault_of_the_kind_a_shape_has_already_adds_to_it(monkeypatch, tmp_pat
     bench = bench_accuracy()
     shapes, faults = {s.name: s for s in bench.SHAPES}, {f.name: f for f in bench.FAULTS}
     spec = bench.fault_spec(shapes["mlp-3-io"], faults["loader"], 0.02)
-    assert spec == "loader:*:0.008,loader:2:0.0200"
+    assert spec == "loader:*:0.008,loader:2:0.0200@go"  # the storage latency is the shape's, from its start
     assert bench.fault_spec(shapes["mlp-3-io"], faults["compute"], 0.05) == "loader:*:0.008,compute:2:0.0250@go"
 
     monkeypatch.delenv("RANK", raising=False)  # imported outside a rank, the injector hooks nothing
