@@ -206,11 +206,14 @@ FAULTS = [
     # link each way, both the victim's: nothing to compare it with. A fixed rate is a fault only where the job's
     # links run faster: on a slower host cnn-3's healthy links moved 13-17 MB/s (small sends, CPU-bound), the
     # cap is 12.5, and its job did not slow down at all.
-    Fault("slowlink", "slow_link", min_ranks=3),
+    # Both slow links are switched on in the running job too (its link shaped from then on: SlowLink.at_start):
+    # a job of separate torchruns in network namespaces is no job of the healthy case's one torchrun, whose
+    # step was the what-if before (mlp-3-io's slow link read +21% to +71% against it, batch to batch).
+    Fault("slowlink", "slow_link", min_ranks=3, onset=True),
     # The victim's traffic shaped to a quarter of the pace the shape's healthy links kept on this host (their
     # median, measured by the batch's healthy case first: slow_link_rate), as the simulated job's slow link
     # moves at a quarter of its peers': a NIC that came up at 25G among 100G ones.
-    Fault("slowlink-4x", "slow_link", min_ranks=3, injects="slowlink"),
+    Fault("slowlink-4x", "slow_link", min_ranks=3, injects="slowlink", onset=True),
     Fault("healthy-agent", None, mode="agent"),
     Fault("regression", "regression", mode="agent"),
     # The same small straggler switched on under the agent (after 4 windows): one window's rules miss many on a
@@ -675,27 +678,30 @@ def slow_link_rate(healthy_pace_Bps: float) -> str:
 
 def slow_link(shape: Shape, fault: Fault, healthy_pace_Bps: float | None) -> launch.SlowLink | None:
     """The case's shaped link, if it has one."""
+    if fault.injection != "slowlink":
+        return None
     if fault.name == "slowlink":
-        return launch.SlowLink(shape.victim_rank)
-    if fault.name == "slowlink-4x":
-        if healthy_pace_Bps is None:
-            raise RuntimeError("slowlink-4x is scaled to the shape's healthy links: run its healthy case first")
-        return launch.SlowLink(shape.victim_rank, slow_link_rate(healthy_pace_Bps))
-    return None
+        return launch.SlowLink(shape.victim_rank, at_start=not fault.onset)
+    if healthy_pace_Bps is None:
+        raise RuntimeError("slowlink-4x is scaled to the shape's healthy links: run its healthy case first")
+    return launch.SlowLink(shape.victim_rank, slow_link_rate(healthy_pace_Bps), not fault.onset)
 
 
-def measured_loss(job: launch.TorchrunJob) -> float | None:
-    """Run.lost: the fault's `go` file removed and made again, AB_PAIRS times (inject/sitecustomize.py checks
-    it every step), each on phase's step against the mean of the off phases either side (a host's pace drifts
-    over the 39 s), 1 - off/on, their median; the fault left off. Read phase by phase: a rank's log keeps its
-    last 4,096 steps (16 s of mlp-2's)."""
-    go = job.truth / "go"
+def switch(job: launch.TorchrunJob, fault: Fault) -> Callable[[bool], None]:
+    """How the case's fault is switched on and off in the running job: its link's shaping, or its `go` file
+    (inject/sitecustomize.py checks it every step)."""
+    if fault.injection == "slowlink":
+        return job.shape_link
+    return lambda on: job.go() if on else (job.truth / "go").unlink(missing_ok=True)
+
+
+def measured_loss(job: launch.TorchrunJob, fault_on: Callable[[bool], None]) -> float | None:
+    """Run.lost: the fault switched off and on (`fault_on`), AB_PAIRS times, each on phase's step against the
+    mean of the off phases either side (a host's pace drifts over the 39 s), 1 - off/on, their median; the
+    fault left off. Read phase by phase: a rank's log keeps its last 4,096 steps (16 s of mlp-2's)."""
     steps: list[float | None] = []
     for phase in range(2 * AB_PAIRS + 1):
-        if phase % 2:
-            job.go()
-        else:
-            go.unlink(missing_ok=True)
+        fault_on(bool(phase % 2))
         start = time.time()
         launch.settle(job, AB_PHASE_S)
         end = time.time()
@@ -730,12 +736,13 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
             end = time.time()
             job.wait_written(end)
             healthy_step = job.step_time(start, end) or healthy_step
-        lost = measured_loss(job) if fault.switched and fault.expect is not None and not shape.sim else None
+        lost = (measured_loss(job, switch(job, fault)) if fault.switched and fault.expect is not None and not shape.sim
+                else None)
         injected = partial(injected_s, shape, fault.injection, scale)
         if fault.mode == "agent":
             return [agent_case(shape, fault, job, tmp, misses, healthy_step, injected, lost)]
         if onset:
-            job.go()
+            switch(job, fault)(True)
             launch.settle(job, ONSET_SETTLE_S)
         once = fault.expect == "noncomm_hang"
         return [diagnose_case(shape, fault, job, healthy_step, injected, misses, w, lost)

@@ -32,10 +32,13 @@ INJECT = JOBS / "inject"
 
 @dataclass(frozen=True)
 class SlowLink:
-    """Rank `rank`'s traffic to and from every other rank shaped to `rate` (tc's syntax) each way."""
+    """Rank `rank`'s traffic to and from every other rank shaped to `rate` (tc's syntax) each way: from the job's
+    start, or (`at_start` False) from TorchrunJob.shape_link, the job's own unshaped steps before it being the
+    what-if of what the slow link costs."""
 
     rank: int
     rate: str = "100mbit"
+    at_start: bool = True
 
 
 @dataclass
@@ -49,28 +52,37 @@ class _Netns:
     ns_addr: str
 
     @classmethod
-    def create(cls, tag: str, rate: str) -> _Netns:
+    def create(cls, tag: str) -> _Netns:
         octet = int(tag[:4], 16) % 250 + 1
         ns = cls(f"rs-{tag}", f"rsh{tag}", f"rsn{tag}", f"10.78.{octet}.1", f"10.78.{octet}.2")
         try:
-            for cmd in (f"ip netns add {ns.name}",
-                        f"ip link add {ns.host_if} type veth peer name {ns.ns_if} netns {ns.name}",
-                        f"ip addr add {ns.host_addr}/30 dev {ns.host_if}", f"ip link set {ns.host_if} up",
-                        f"ip -n {ns.name} addr add {ns.ns_addr}/30 dev {ns.ns_if}",
-                        f"ip -n {ns.name} link set {ns.ns_if} up", f"ip -n {ns.name} link set lo up",
-                        # Both directions: into the namespace (root side's egress) and out of it. The bucket
-                        # holds 1 ms of a 1 Gbit/s link and queues up to 100 ms before dropping.
-                        f"tc qdisc add dev {ns.host_if} root tbf rate {rate} burst 128kb latency 100ms",
-                        f"tc -n {ns.name} qdisc add dev {ns.ns_if} root tbf rate {rate} burst 128kb latency 100ms"):
-                subprocess.run(cmd.split(), check=True, capture_output=True, text=True)
-        except subprocess.CalledProcessError as e:
+            _run(f"ip netns add {ns.name}", f"ip link add {ns.host_if} type veth peer name {ns.ns_if} netns {ns.name}",
+                 f"ip addr add {ns.host_addr}/30 dev {ns.host_if}", f"ip link set {ns.host_if} up",
+                 f"ip -n {ns.name} addr add {ns.ns_addr}/30 dev {ns.ns_if}",
+                 f"ip -n {ns.name} link set {ns.ns_if} up", f"ip -n {ns.name} link set lo up")
+        except RuntimeError:
             ns.delete()
-            raise RuntimeError(f"{e.cmd}: {e.stderr.strip()}") from e
+            raise
         return ns
+
+    def shape(self, rate: str | None) -> None:
+        """Both directions, into the namespace (the root side's egress) and out of it, shaped to `rate`, or
+        unshaped again (None). The bucket holds 1 ms of a 1 Gbit/s link and queues up to 100 ms before dropping."""
+        change = f"replace dev {{}} root tbf rate {rate} burst 128kb latency 100ms" if rate else "del dev {} root"
+        _run(f"tc qdisc {change.format(self.host_if)}", f"tc -n {self.name} qdisc {change.format(self.ns_if)}")
 
     def delete(self) -> None:
         """The namespace, and with it the veth pair."""
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+def _run(*cmds: str) -> None:
+    """`cmds` in order; RuntimeError with its stderr on the first that fails."""
+    for cmd in cmds:
+        try:
+            subprocess.run(cmd.split(), check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"{e.cmd}: {e.stderr.strip()}") from e
 
 
 class StepTruth:
@@ -129,6 +141,12 @@ class TorchrunJob(StepTruth):
     run_id: str
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid
     netns: _Netns | None = None
+    slow_link: SlowLink | None = None
+
+    def shape_link(self, on: bool) -> None:
+        """The slow link's shaping switched on, or off (the fault of a job started with one, not `at_start`)."""
+        assert self.netns is not None and self.slow_link is not None, "a job without a slow link"
+        self.netns.shape(self.slow_link.rate if on else None)
 
     def alive(self) -> bool:
         return all(launcher.poll() is None for launcher in self.launchers)
@@ -184,7 +202,9 @@ def start(script: str, ranks: int, args: list[str], workdir: Path, fault: str = 
         if slow_link is None:
             launch([*torchrun, "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"])
         else:
-            job.netns = ns = _Netns.create(run_id[-6:], slow_link.rate)
+            job.netns, job.slow_link = (ns := _Netns.create(run_id[-6:])), slow_link
+            if slow_link.at_start:
+                job.shape_link(True)
             # torchrun sets OMP_NUM_THREADS=1 for several ranks of one node, not for one: left to 2 intra-op
             # threads each (spinning OpenMP waits), cnn-3's ranks computed 8x slower than under one torchrun,
             # and that, not the link, made the "slow link" job's 0.5 s steps. The ranks share this node's cores.

@@ -142,8 +142,12 @@ def test_pipeline_stages_are_compared_within_their_stage(job):
 
 def test_a_rate_limited_link_names_its_rank_from_the_kernels_tcp_accounting(job):
     """Rank 2 in its own network namespace, its traffic shaped to 100 Mbit/s each way: gloo's ring sends to
-    and from it over the slow link, and the other ranks' link between them is the reference."""
-    j = job("mlp_regression.py", 3, slow_link=launch.SlowLink(2))
+    and from it over the slow link, and the other ranks' link between them is the reference. The job starts
+    unshaped and the link is slowed under it, as the matrix switches it on after the job's own reference."""
+    j = job("mlp_regression.py", 3, slow_link=launch.SlowLink(2, at_start=False))
+    assert "tbf" not in qdiscs(j)
+    j.shape_link(True)
+    assert qdiscs(j).count("tbf") == 2  # both directions
     doc = diagnose(j)
     assert verdict(doc) == [("slow_link", [2])], doc["findings"]
     links = doc["findings"][0]["evidence"]["links"]
@@ -151,6 +155,16 @@ def test_a_rate_limited_link_names_its_rank_from_the_kernels_tcp_accounting(job)
     assert {r["source"] for r in links} == {"tcp"}
     assert all(r["bandwidth_Bps"] < 13.5e6 for r in links), links  # 100 Mbit/s is 12.5 MB/s
     assert_step_time(j, doc)
+    j.shape_link(False)
+    assert "tbf" not in qdiscs(j)
+
+
+def qdiscs(j: launch.TorchrunJob) -> str:
+    """The queueing disciplines on both ends of the job's veth pair."""
+    assert j.netns is not None
+    return "".join(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                   for cmd in (["tc", "qdisc", "show", "dev", j.netns.host_if],
+                               ["tc", "-n", j.netns.name, "qdisc", "show", "dev", j.netns.ns_if]))
 
 
 def test_the_simulated_gpu_job_is_held_to_its_own_step_log(tmp_path):

@@ -174,6 +174,8 @@ def test_a_rank_fault_is_switched_on_in_its_running_job_after_the_reference():
     for name in ("compute", "compute-small", "compute-small-agent", "loader", "gc", "pagefaults"):
         assert bench.fault_spec(shapes["mlp-2"], faults[name], 0.05).endswith("@go")
         assert "@" not in bench.fault_spec(shapes["sim-4"], faults[name], 0.05)  # the simulated job has no go
+    for name in ("slowlink", "slowlink-4x"):  # the link shaped under the running job, by the bench
+        assert not bench.slow_link(shapes["mlp-3-io"], faults[name], 1e8).at_start
 
 
 def test_a_replayed_small_straggler_is_scored_where_the_agent_names_it(tmp_path):
@@ -351,7 +353,8 @@ def test_a_faults_loss_is_the_jobs_own_step_with_it_switched_off_and_on(tmp_path
             return off * 1.05 if on else off
 
     monkeypatch.setattr(bench.launch, "settle", lambda job, seconds: None)
-    lost = bench.measured_loss(Job())
+    job = Job()
+    lost = bench.measured_loss(job, bench.switch(job, next(f for f in bench.FAULTS if f.name == "compute")))
     assert on_phases == [False, True] * bench.AB_PAIRS + [False] and not (tmp_path / "go").exists()
     assert lost == pytest.approx(1 - 1 / 1.05, rel=1e-3)
     run = bench.Run("mlp-4", "compute", right=True, false=[], findings=[], cost=0.1, lost=0.08)
