@@ -50,6 +50,7 @@ class _Netns:
     ns_if: str
     host_addr: str
     ns_addr: str
+    shaped: bool = False
 
     @classmethod
     def create(cls, tag: str) -> _Netns:
@@ -67,9 +68,13 @@ class _Netns:
 
     def shape(self, rate: str | None) -> None:
         """Both directions, into the namespace (the root side's egress) and out of it, shaped to `rate`, or
-        unshaped again (None). The bucket holds 1 ms of a 1 Gbit/s link and queues up to 100 ms before dropping."""
+        unshaped (None; tc cannot delete the veth's default). The bucket holds 1 ms of a 1 Gbit/s link and queues
+        up to 100 ms before dropping."""
+        if rate is None and not self.shaped:
+            return
         change = f"replace dev {{}} root tbf rate {rate} burst 128kb latency 100ms" if rate else "del dev {} root"
         _run(f"tc qdisc {change.format(self.host_if)}", f"tc -n {self.name} qdisc {change.format(self.ns_if)}")
+        self.shaped = rate is not None
 
     def delete(self) -> None:
         """The namespace, and with it the veth pair."""

@@ -145,6 +145,7 @@ def test_a_rate_limited_link_names_its_rank_from_the_kernels_tcp_accounting(job)
     and from it over the slow link, and the other ranks' link between them is the reference. The job starts
     unshaped and the link is slowed under it, as the matrix switches it on after the job's own reference."""
     j = job("mlp_regression.py", 3, slow_link=launch.SlowLink(2, at_start=False))
+    j.shape_link(False)  # unshaped already: nothing to undo (the matrix switches a fault off first)
     assert "tbf" not in qdiscs(j)
     j.shape_link(True)
     assert qdiscs(j).count("tbf") == 2  # both directions
