@@ -20,7 +20,8 @@ Per case: the job's own step time (median), runs, fresh jobs, right verdicts (th
 finding), false findings (any other finding), step-time error (the document's step time against the job's own
 median over the same window: median and worst), cost error (the finding's cost against the what-if share
 1 - healthy step / faulty step, the healthy step measured on the same shape in the same run; for a fault
-switched on in the running job (compute, loader, GC, page faults), on the same job before it is; for a hog, on the same pinned job before the hog
+switched on in the running job (compute, loader, GC, page faults, a slow link), on the same job before it is;
+for a hog, on the same pinned job before the hog
 starts; for an agent case, the job's step before the onset against its step in the window that names it), the
 extra time per step the finding reports for its rank against the delay injected (compute and in-process loader
 faults; a regression's growth against the delay on every rank), the cost against what the fault costs the job
@@ -736,13 +737,13 @@ def run_case(shape: Shape, fault: Fault, tmp: Path, healthy_step: float | None, 
             end = time.time()
             job.wait_written(end)
             healthy_step = job.step_time(start, end) or healthy_step
-        lost = (measured_loss(job, switch(job, fault)) if fault.switched and fault.expect is not None and not shape.sim
-                else None)
+        fault_on = None if shape.sim else switch(job, fault)  # the simulated job's faults have no switch
+        lost = measured_loss(job, fault_on) if fault_on and fault.switched and fault.expect is not None else None
         injected = partial(injected_s, shape, fault.injection, scale)
         if fault.mode == "agent":
             return [agent_case(shape, fault, job, tmp, misses, healthy_step, injected, lost)]
-        if onset:
-            switch(job, fault)(True)
+        if onset and fault_on:
+            fault_on(True)
             launch.settle(job, ONSET_SETTLE_S)
         once = fault.expect == "noncomm_hang"
         return [diagnose_case(shape, fault, job, healthy_step, injected, misses, w, lost)
