@@ -911,12 +911,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=1, help="diagnose runs per job (hangs: 1)")
     ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     ap.add_argument("--faults", default=",".join(f.name for f in FAULTS))
-    ap.add_argument("--json", default="accuracy-results.json")
+    ap.add_argument("--json", help="where the runs go (a replay's too; a live matrix's default: accuracy-results.json)")
     ap.add_argument("--misses", default="accuracy-misses", help="where wrong verdicts keep their patterns and document")
     ap.add_argument("--keep-all", action="store_true", help="keep every run's patterns and document in --misses")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' JSON files instead")
     ap.add_argument("--replay", nargs="+", metavar="DIR", type=Path,
-                    help="diagnose the windows kept in DIR again with the current analyzer; print their table")
+                    help="diagnose the windows kept in DIR again with the current analyzer; print their table "
+                         "(and save their runs with --json)")
     ap.add_argument("--healthy-from", nargs="+", default=[], metavar="JSON",
                     help="earlier batches (this machine's) whose healthy runs scale this one's faults, as if run first")
     ap.add_argument("--load", type=int, default=0, metavar="N",
@@ -933,7 +934,11 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"bench_accuracy: no such folder: {', '.join(missing)}", file=sys.stderr)
             return 2
-        print(table(summarize(replay(args.replay))))
+        runs = replay(args.replay)
+        if args.json:  # a matrix of the current analyzer from windows captured earlier: it merges with live batches
+            shapes = [s for s in SHAPES if any(r.shape == s.name for r in runs)]
+            save(Path(args.json), shapes, runs, code_version(), replayed=[str(d) for d in args.replay])
+        print(table(summarize(runs)))
         return 0
     if os.geteuid() != 0:
         print("bench_accuracy: needs root (eBPF)", file=sys.stderr)
@@ -964,7 +969,7 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"{repeat + 1}/{args.repeats} {shape.name} {fault.name}: "
                             f"{'right' if run.right else 'WRONG'} {run.findings or '-'} step {run.step_s} vs "
                             f"{run.truth_step_s} cost {run.cost} vs {run.truth_cost} {run.error}")
-                    save(Path(args.json), shapes, runs, code)
+                    save(Path(args.json or "accuracy-results.json"), shapes, runs, code)
     print(table(summarize(runs)))
     return 0
 
@@ -1029,10 +1034,13 @@ def merged(paths: list[str]) -> list[Run]:
                   key=lambda r: (shapes.get(r.shape, len(shapes)), faults.get(r.fault, len(faults))))
 
 
-def save(path: Path, shapes: list[Shape], runs: list[Run], code: str) -> None:
-    """The results so far (rewritten after every case: a matrix cut short keeps what it measured)."""
-    path.write_text(json.dumps({"code": code, "shapes": [asdict(s) for s in shapes], "rows": summarize(runs),
-                                "runs": [asdict(r) | {k: getattr(r, k) for k in DERIVED} for r in runs]}, indent=1))
+def save(path: Path, shapes: list[Shape], runs: list[Run], code: str, replayed: list[str] | None = None) -> None:
+    """The results so far (rewritten after every case: a matrix cut short keeps what it measured). `replayed`:
+    the kept folders a replay diagnosed again; `code` is then the analyzer's that decided the verdicts, while
+    the windows' patterns came from the probes and jobs of the batches that kept them."""
+    doc = {"code": code, "shapes": [asdict(s) for s in shapes], "rows": summarize(runs),
+           "runs": [asdict(r) | {k: getattr(r, k) for k in DERIVED} for r in runs]}
+    path.write_text(json.dumps(doc | ({"replayed": replayed} if replayed else {}), indent=1))
 
 
 if __name__ == "__main__":

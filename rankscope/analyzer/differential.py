@@ -97,13 +97,15 @@ class Alignment:
     op: str | None  # the most frequent collective among them
     late_share: np.ndarray  # share of steps it arrived later than the other ranks (by LATE_MARGIN of a step)
     # The least, over the window's pieces (HELD_PIECES of at least HELD_STEPS steps each), by which its late
-    # share led every other rank's: how steadily it was the late one (NaN: not compared or too few steps).
+    # share led every other rank's: how steadily it was the late one (NaN: not compared or too few steps)...
     held_lead: np.ndarray
+    mostly_held_lead: np.ndarray  # ...and the next least once the window has all HELD_PIECES: late all through it
+    # but one piece, where a peer was late as often (a pipeline stage's rank inherits its upstream's spells)
 
     @classmethod
     def empty(cls, n: int) -> Alignment:
         nan = np.full(n, np.nan)
-        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy())
+        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy(), nan.copy())
 
 
 STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
@@ -113,7 +115,7 @@ HELD_STEPS = 40  # ...of at least this many steps each, and at least two (a 2 s 
 
 
 def _late_per_step(enter: np.ndarray, step_s: float,
-                   held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per rank (row): how late it arrives per step, the median over stretches of one step (STEP_SPAN) of its
     largest lateness among the instances (columns) that start there; and the share of those stretches in
     which it arrived later than the median of the other ranks by LATE_MARGIN of a step. A straggler is late
@@ -125,7 +127,7 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     receiver, the straggler), and that much of its lateness at the instances within a step after it is
     forgiven (cnn-3: the root, held 30-47 ms a step, then arrived 35 ms late at the all-reduces, as late
     as the straggler that held it, in 74% of the steps); None: no rooted instance was lined up. Last, how
-    steadily each rank was the late one (_held_lead)."""
+    steadily each rank was the late one (_held_lead: in every piece of the window, and in all but one)."""
     first = enter.min(axis=0)
     order = np.argsort(first, kind="stable")  # instances by time (completion order may differ)
     if (np.diff(order) < 0).any():  # reordered only when out of order: 100,000 ranks x 16 copied costs ~20 ms
@@ -146,25 +148,26 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     else:  # a small job: each rank against the others only (of two ranks, the median of both halves it)
         others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in range(n)])
     was_late = stretches - others >= LATE_MARGIN * step_s
-    return row_medians(stretches), np.mean(was_late, axis=1), _held_lead(was_late)
+    return (row_medians(stretches), np.mean(was_late, axis=1), *_held_lead(was_late))
 
 
-def _held_lead(was_late: np.ndarray) -> np.ndarray:
+def _held_lead(was_late: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per rank (row of ranks x stretches in time order): the least, over the window's pieces, by which its
     share of late stretches led the largest of the other ranks'. A rank a tenth of the step slower led by
     0.15-0.5 in every piece of 10 s windows (2-rank MLP and LM jobs, 3-rank with storage latency); a healthy
     rank of a host its job oversubscribes (cnn-3: 9 processes on 2 CPUs) late as often over the window led
-    by at most 0.07 in its weakest piece. NaN for all when the window has fewer than two pieces of
-    HELD_STEPS stretches."""
+    by at most 0.07 in its weakest piece. Then the next least, of a window cut in all HELD_PIECES (else the
+    least again). NaN for all when the window has fewer than two pieces of HELD_STEPS stretches."""
     n, m = was_late.shape
     pieces = min(HELD_PIECES, m // HELD_STEPS)
     if pieces < 2 or n < 2:
-        return np.full(n, np.nan)
+        return np.full(n, np.nan), np.full(n, np.nan)
     share = np.stack([c.mean(axis=1) for c in np.array_split(was_late, pieces, axis=1)], axis=1)  # ranks x pieces
     # Each piece's two largest: the largest is every rank's best other but its own (a tie: the same).
     top = np.partition(share, n - 2, axis=0)[-2:]
     other = np.where(share == top[1], top[0], top[1])
-    return (share - other).min(axis=1)
+    lead = np.sort(share - other, axis=1)
+    return lead[:, 0], lead[:, 1 if pieces == HELD_PIECES else 0]
 
 
 def _carried(held: np.ndarray, first: np.ndarray, step_s: float) -> np.ndarray:
@@ -339,12 +342,12 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
         arrivals = np.concatenate([Ek, r_enter], axis=1)
     else:
         held, arrivals = None, Ek
-    out.arrival_late_s[compared], out.late_share[compared], out.held_lead[compared] = _late_per_step(
-        arrivals, step_s, held)
+    (out.arrival_late_s[compared], out.late_share[compared], out.held_lead[compared],
+     out.mostly_held_lead[compared]) = _late_per_step(arrivals, step_s, held)
     out.finish_late_s[compared] = row_medians(Dk - Dk.min(axis=0))
     out.transfer_s[compared] = row_medians(Dk - Ek.max(axis=0))
     out.bytes[compared] = row_medians(Bk)
     names = {i: name for name, i in op_ids.items()}
     top_op = Counter(ref_op[kept].tolist()).most_common(1)[0][0]
     return Alignment(out.arrival_late_s, out.finish_late_s, out.transfer_s, out.bytes,
-                     int(np.count_nonzero(kept)), names[top_op], out.late_share, out.held_lead)
+                     int(np.count_nonzero(kept)), names[top_op], out.late_share, out.held_lead, out.mostly_held_lead)

@@ -46,6 +46,26 @@ def test_replay_scores_kept_windows_with_the_current_analyzer(tmp_path):
     assert "| mlp-4 | compute |" in table and "of injected" in table
 
 
+def test_a_replay_saves_its_runs_as_the_current_analyzers_matrix(tmp_path, capsys):
+    """--replay --json: the kept windows' runs, diagnosed again, saved under the current code's version with the
+    folders they came from, so an analyzer change is measured on every window kept so far; --table reads them."""
+    bench = bench_accuracy()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    keep(bench, kept, "mlp-4-compute-a-0", "compute", simulate(4, host_extra={3: 0.016}), [], 0.064)
+    keep(bench, kept, "mlp-4-healthy-b-0", "healthy", simulate(4), ["slow_link[2]"], 0.048)
+    out = tmp_path / "replayed.json"
+    assert bench.main(["--replay", str(kept), "--json", str(out)]) == 0
+    replayed = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["code"] == bench.code_version() and saved["replayed"] == [str(kept)]
+    assert [s["name"] for s in saved["shapes"]] == ["mlp-4"]
+    assert sorted((r["fault"], r["right"], r["findings"]) for r in saved["runs"]) == [
+        ("compute", True, ["compute_straggler[3]"]), ("healthy", True, [])]
+    assert bench.main(["--table", str(out)]) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == sorted(replayed.splitlines())  # in the matrix's order
+
+
 def test_a_kept_window_without_a_reference_is_scored_against_the_shapes_healthy_step(tmp_path):
     """A batch of one fault (slow links, say) ran no healthy case first: its windows' costs are scored against
     the healthy windows of the same shape in the corpus (their median step)."""

@@ -81,12 +81,14 @@ FAULTS_SPREAD = 0.15  # a rank's page faults beyond its peers' are not its work 
 # (faulting): healthy cnn-3 ranks differed by up to 10% of it (72 agent windows; median 5%). Beyond, less and
 # less of it is excused, none at twice this share (excused_faults): a rank faulting 26% of the step more than its peer
 # was late by 19% of it, and by 4% once 15% was excused, under the bar (pipe-4, 1 of 5 windows unnamed).
-FAULTS_HELD = 0.15  # ...and none of it for a rank that was the late one all through the window (its held lead
-# over every peer, Alignment.held_lead, at least this much): malloc's history makes a rank fault more, not arrive
-# last in every piece of the window. Kept 10 s windows: healthy ranks faulting 5-11% of the step more than their
-# peers led by 0.06 at most (-0.55 to 0.06); a rank faulting in fresh memory 14-21% of the step more (another
-# machine faulting a MB 2.5x faster than the EPYC hosts) led by 0.24-1.00, late by all of it: 13 of 15 unnamed,
-# its job 7-19% slower by its own log.
+FAULTS_HELD = 0.15  # ...and none of it for a rank late all through the window (late_through): ahead of every peer
+# by SMALL_HELD in each piece of it, or, faulting beyond the spread, by this much in all pieces but one (a rank
+# faulting more by malloc's history does not arrive last in every piece of the window). Kept 10 s windows: ranks
+# faulting 5-11% of the step more than their peers, not by a fault, led by 0.06 at most in their weakest piece
+# (-0.55 to 0.06), by 0.18 at most in the next (0.0 in healthy jobs); a rank faulting in fresh memory 6-47% of
+# the step more led by 0.14-1.00 in all pieces but its weakest (178 windows of six shapes), though by only 0.07
+# and 0.12 in its weakest in two pipe-4 windows (16% of the step faulted), where its stage peer inherited spells
+# of lateness from its upstream stage: unnamed, the job 25% slower by its own log.
 PAGE_FAULTS = "page faults"  # the function a straggler's extra time is in when that is mostly faulting
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
 GPU_SHARE = 0.5  # a host-side CUDA call (a copy, a launch) holding a straggler's extra time is its GPU's when
@@ -114,18 +116,22 @@ def faulting(t: RankTable) -> np.ndarray:
     return np.clip(np.nan_to_num(cost, nan=0.0, posinf=0.0, neginf=0.0), 0.0, None)
 
 
-def excused_faults(paged: np.ndarray, step: float, held_lead: np.ndarray | None = None) -> np.ndarray:
+def excused_faults(paged: np.ndarray, step: float, through: np.ndarray | None = None) -> np.ndarray:
     """Of the page faults' time beyond the peers' (`paged`, faulting): what is not the rank's work. All of it
     within FAULTS_SPREAD of the step, the ranks' usual spread; beyond, the excuse shrinks as fast as the time
     grows, to none at twice the spread: a rank that far out faults as its work does, not as its malloc's
     history happens to (continuous, so a healthy rank just past the spread is not suddenly late by all of it).
-    None for a rank late all through the window (`held_lead`, the collectives lined up: FAULTS_HELD)."""
-    spread = FAULTS_SPREAD * step
-    excused = np.minimum(paged, np.clip(2 * spread - paged, 0.0, None))
-    if held_lead is None:
-        return excused
-    with np.errstate(invalid="ignore"):  # NaN: a window too short to cut, where the spread is excused
-        return np.where(held_lead >= FAULTS_HELD, 0.0, excused)
+    None for a rank late all through the window (`through`, late_through; None: the collectives not lined up)."""
+    excused = np.minimum(paged, np.clip(2 * FAULTS_SPREAD * step - paged, 0.0, None))
+    return excused if through is None else np.where(through, 0.0, excused)
+
+
+def late_through(a: Alignment, paged: np.ndarray, step: float) -> np.ndarray:
+    """Per row: the late one all through the window, its late share ahead of every peer's by SMALL_HELD in each
+    piece of it (Alignment.held_lead); a rank faulting beyond the ranks' usual spread (`paged`: faulting), by
+    FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). False where the window is too short to cut."""
+    with np.errstate(invalid="ignore"):
+        return (a.held_lead >= SMALL_HELD) | ((paged > FAULTS_SPREAD * step) & (a.mostly_held_lead >= FAULTS_HELD))
 
 
 def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
@@ -173,7 +179,8 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
         return None
     step = t.job_step_s
     paged = faulting(t)
-    faults = excused_faults(paged, step, None if a is None else np.where(valid, a.held_lead, np.nan))
+    through = None if a is None else late_through(a, paged, step)
+    faults = excused_faults(paged, step, through)
     work = np.where(valid, t.work_s - faults, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
@@ -233,7 +240,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             # Named at once where its user time is longer in a window long enough to cut, however late it is: 2
             # ranks on 2 CPUs lent to other guests a quarter of the time, the spinner 6-8% of the step longer in
             # user mode and late by 20% of it (5 windows of 5 unnamed), healthy ranks within 2%.
-            held = small & ((works & (a.held_lead >= SMALL_HELD)) | busier)
+            held = small & ((works & through) | busier)
             steady = valid & ~np.isfinite(a.held_lead) & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step)
             steady &= waits_less & (user >= SMALL_USER * step) & ~flagged & ~small
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
