@@ -916,8 +916,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-all", action="store_true", help="keep every run's patterns and document in --misses")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' JSON files instead")
     ap.add_argument("--replay", nargs="+", metavar="DIR", type=Path,
-                    help="diagnose the windows kept in DIR again with the current analyzer; print their table "
-                         "(and save their runs with --json)")
+                    help="diagnose the windows kept in DIR again with the current analyzer (those of --shapes and "
+                         "--faults); print their table (and save their runs with --json)")
     ap.add_argument("--healthy-from", nargs="+", default=[], metavar="JSON",
                     help="earlier batches (this machine's) whose healthy runs scale this one's faults, as if run first")
     ap.add_argument("--load", type=int, default=0, metavar="N",
@@ -934,7 +934,8 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"bench_accuracy: no such folder: {', '.join(missing)}", file=sys.stderr)
             return 2
-        runs = replay(args.replay)
+        cases = set(args.shapes.split(",")), set(args.faults.split(","))
+        runs = [r for r in replay(args.replay) if r.shape in cases[0] and r.fault in cases[1]]
         if args.json:  # a matrix of the current analyzer from windows captured earlier: it merges with live batches
             shapes = [s for s in SHAPES if any(r.shape == s.name for r in runs)]
             save(Path(args.json), shapes, runs, code_version(), replayed=[str(d) for d in args.replay])

@@ -64,6 +64,8 @@ def test_a_replay_saves_its_runs_as_the_current_analyzers_matrix(tmp_path, capsy
         ("compute", True, ["compute_straggler[3]"]), ("healthy", True, [])]
     assert bench.main(["--table", str(out)]) == 0
     assert sorted(capsys.readouterr().out.splitlines()) == sorted(replayed.splitlines())  # in the matrix's order
+    assert bench.main(["--replay", str(kept), "--faults", "healthy", "--json", str(out)]) == 0  # some cases only
+    assert [r["fault"] for r in json.loads(out.read_text())["runs"]] == ["healthy"]
 
 
 def test_a_kept_window_without_a_reference_is_scored_against_the_shapes_healthy_step(tmp_path):
