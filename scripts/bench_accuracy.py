@@ -935,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_accuracy: no such folder: {', '.join(missing)}", file=sys.stderr)
             return 2
         cases = set(args.shapes.split(",")), set(args.faults.split(","))
-        runs = [r for r in replay(args.replay) if r.shape in cases[0] and r.fault in cases[1]]
+        runs = in_matrix_order([r for r in replay(args.replay) if r.shape in cases[0] and r.fault in cases[1]])
         if args.json:  # a matrix of the current analyzer from windows captured earlier: it merges with live batches
             shapes = [s for s in SHAPES if any(r.shape == s.name for r in runs)]
             save(Path(args.json), shapes, runs, code_version(), replayed=[str(d) for d in args.replay])
@@ -1029,10 +1029,14 @@ def merged(paths: list[str]) -> list[Run]:
     if len(versions) > 1:
         print(f"bench_accuracy: these batches ran on {len(versions)} code versions: {', '.join(versions)}",
               file=sys.stderr)
+    return in_matrix_order([Run.of(r) for s in saved for r in s["runs"]])
+
+
+def in_matrix_order(runs: list[Run]) -> list[Run]:
+    """Runs of several batches or folders sorted in the matrix's order of shapes and faults (stable)."""
     shapes = {s.name: i for i, s in enumerate(SHAPES)}
     faults = {f.name: i for i, f in enumerate(FAULTS)}
-    return sorted((Run.of(r) for s in saved for r in s["runs"]),
-                  key=lambda r: (shapes.get(r.shape, len(shapes)), faults.get(r.fault, len(faults))))
+    return sorted(runs, key=lambda r: (shapes.get(r.shape, len(shapes)), faults.get(r.fault, len(faults))))
 
 
 def save(path: Path, shapes: list[Shape], runs: list[Run], code: str, replayed: list[str] | None = None) -> None:
