@@ -934,8 +934,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"bench_accuracy: no such folder: {', '.join(missing)}", file=sys.stderr)
             return 2
-        cases = set(args.shapes.split(",")), set(args.faults.split(","))
-        runs = in_matrix_order([r for r in replay(args.replay) if r.shape in cases[0] and r.fault in cases[1]])
+        wanted_shapes, wanted_faults = set(args.shapes.split(",")), set(args.faults.split(","))
+        runs = in_matrix_order([r for r in replay(args.replay)
+                                if r.shape in wanted_shapes and r.fault in wanted_faults])
         if args.json:  # a matrix of the current analyzer from windows captured earlier: it merges with live batches
             shapes = [s for s in SHAPES if any(r.shape == s.name for r in runs)]
             save(Path(args.json), shapes, runs, code_version(), replayed=[str(d) for d in args.replay])
