@@ -89,6 +89,13 @@ FAULTS_HELD = 0.15  # ...and none of it for a rank late all through the window (
 # the step more led by 0.14-1.00 in all pieces but its weakest (178 windows of six shapes), though by only 0.07
 # and 0.12 in its weakest in two pipe-4 windows (16% of the step faulted), where its stage peer inherited spells
 # of lateness from its upstream stage: unnamed, the job 25% slower by its own log.
+CONTENDED_HELD = 0.3  # A rank held behind others for a CPU (waiting for one longer than its peers by
+# STRAGGLER_MIN_EXCESS of the step, and by more than its extra page faults take), no longer in user mode, is late
+# all through the window only leading by this much: on a host short of CPUs the scheduler's turns keep one rank
+# late for a while (healthy cnn-3 under a neighbour's load: 10% of the step longer runnable, 6% faulting, its
+# held lead 0.22: named, its faults not excused; two more healthy ranks so, 0.17), while a rank faulting in fresh
+# memory on such a host led by 0.73-0.77 (11-14% of the step longer runnable, 10-11% faulting). Of 2,533 kept
+# runs of every shape and fault (files 88-137), no other verdict turns on it.
 PAGE_FAULTS = "page faults"  # the function a straggler's extra time is in when that is mostly faulting
 PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
 GPU_SHARE = 0.5  # a host-side CUDA call (a copy, a launch) holding a straggler's extra time is its GPU's when
@@ -126,12 +133,16 @@ def excused_faults(paged: np.ndarray, step: float, through: np.ndarray | None = 
     return excused if through is None else np.where(through, 0.0, excused)
 
 
-def late_through(a: Alignment, paged: np.ndarray, step: float) -> np.ndarray:
+def late_through(a: Alignment, paged: np.ndarray, step: float, runq: np.ndarray, user: np.ndarray) -> np.ndarray:
     """Per row: the late one all through the window, its late share ahead of every peer's by SMALL_HELD in each
-    piece of it (Alignment.held_lead); a rank faulting beyond the ranks' usual spread (`paged`: faulting), by
-    FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). False where the window is too short to cut."""
+    piece of it (Alignment.held_lead), by CONTENDED_HELD where it was held behind others for a CPU (`runq`:
+    _runq_excess) and worked no longer in user mode (`user`: NaN, unknown); a rank faulting beyond the ranks' usual spread
+    (`paged`: faulting), by FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). False where the window
+    is too short to cut."""
     with np.errstate(invalid="ignore"):
-        return (a.held_lead >= SMALL_HELD) | ((paged > FAULTS_SPREAD * step) & (a.mostly_held_lead >= FAULTS_HELD))
+        held = (runq >= STRAGGLER_MIN_EXCESS * step) & (runq >= paged) & (user < SMALL_USER * step)
+        leads = a.held_lead >= np.where(held, CONTENDED_HELD, SMALL_HELD)
+        return leads | ((paged > FAULTS_SPREAD * step) & (a.mostly_held_lead >= FAULTS_HELD))
 
 
 def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
@@ -179,14 +190,14 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
         return None
     step = t.job_step_s
     paged = faulting(t)
-    through = None if a is None else late_through(a, paged, step)
+    user = peer_deviation(np.where(valid, t.oncpu_s - t.kernel_s, np.nan), 0.0)[1]  # NaN: no kernel view
+    through = None if a is None else late_through(a, paged, step, _runq_excess(t), user)
     faults = excused_faults(paged, step, through)
     work = np.where(valid, t.work_s - faults, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
     gpu_excess = _gpu_busy_excess(t)
     ran = peer_deviation(t.oncpu_s, 0.0)[1] - faults
-    user = peer_deviation(np.where(valid, t.oncpu_s - t.kernel_s, np.nan), 0.0)[1]  # NaN: no kernel view
     small = held = thin = steady = np.zeros(valid.shape, dtype=bool)
     with np.errstate(invalid="ignore"):
         # Against the others only, as its work is: of three ranks, a straggler whose peer is late too (a broadcast's
