@@ -136,9 +136,9 @@ def excused_faults(paged: np.ndarray, step: float, through: np.ndarray | None = 
 def late_through(a: Alignment, paged: np.ndarray, step: float, runq: np.ndarray, user: np.ndarray) -> np.ndarray:
     """Per row: the late one all through the window, its late share ahead of every peer's by SMALL_HELD in each
     piece of it (Alignment.held_lead), by CONTENDED_HELD where it was held behind others for a CPU (`runq`:
-    _runq_excess) and worked no longer in user mode (`user`: NaN, unknown); a rank faulting beyond the ranks' usual spread
-    (`paged`: faulting), by FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). False where the window
-    is too short to cut."""
+    _runq_excess) and worked no longer in user mode (`user`; NaN: unknown); a rank faulting beyond the ranks'
+    usual spread (`paged`: faulting), by FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). False
+    where the window is too short to cut."""
     with np.errstate(invalid="ignore"):
         held = (runq >= STRAGGLER_MIN_EXCESS * step) & (runq >= paged) & (user < SMALL_USER * step)
         leads = a.held_lead >= np.where(held, CONTENDED_HELD, SMALL_HELD)
