@@ -101,11 +101,13 @@ class Alignment:
     held_lead: np.ndarray
     mostly_held_lead: np.ndarray  # ...and the next least once the window has all HELD_PIECES: late all through it
     # but one piece, where a peer was late as often (a pipeline stage's rank inherits its upstream's spells)
+    halves_lead: np.ndarray  # a window of one piece only (held leads NaN): the least lead its late share
+    # guarantees in either half of it, wherever its late steps fall (_halves_lead; NaN in any other window)
 
     @classmethod
     def empty(cls, n: int) -> Alignment:
         nan = np.full(n, np.nan)
-        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy(), nan.copy())
+        return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy(), nan.copy(), nan.copy())
 
 
 STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
@@ -115,7 +117,7 @@ HELD_STEPS = 40  # ...of at least this many steps each, and at least two (a 2 s 
 
 
 def _late_per_step(enter: np.ndarray, step_s: float,
-                   held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                   held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per rank (row): how late it arrives per step, the median over stretches of one step (STEP_SPAN) of its
     largest lateness among the instances (columns) that start there; and the share of those stretches in
     which it arrived later than the median of the other ranks by LATE_MARGIN of a step. A straggler is late
@@ -127,7 +129,8 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     receiver, the straggler), and that much of its lateness at the instances within a step after it is
     forgiven (cnn-3: the root, held 30-47 ms a step, then arrived 35 ms late at the all-reduces, as late
     as the straggler that held it, in 74% of the steps); None: no rooted instance was lined up. Last, how
-    steadily each rank was the late one (_held_lead: in every piece of the window, and in all but one)."""
+    steadily each rank was the late one (_held_lead: in every piece of the window, and in all but one; _halves_lead:
+    in a window of one piece)."""
     first = enter.min(axis=0)
     order = np.argsort(first, kind="stable")  # instances by time (completion order may differ)
     if (np.diff(order) < 0).any():  # reordered only when out of order: 100,000 ranks x 16 copied costs ~20 ms
@@ -148,7 +151,7 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     else:  # a small job: each rank against the others only (of two ranks, the median of both halves it)
         others = np.stack([np.median(np.delete(stretches, i, axis=0), axis=0) for i in range(n)])
     was_late = stretches - others >= LATE_MARGIN * step_s
-    return (row_medians(stretches), np.mean(was_late, axis=1), *_held_lead(was_late))
+    return (row_medians(stretches), np.mean(was_late, axis=1), *_held_lead(was_late), _halves_lead(was_late))
 
 
 def _held_lead(was_late: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -163,11 +166,28 @@ def _held_lead(was_late: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if pieces < 2 or n < 2:
         return np.full(n, np.nan), np.full(n, np.nan)
     share = np.stack([c.mean(axis=1) for c in np.array_split(was_late, pieces, axis=1)], axis=1)  # ranks x pieces
-    # Each piece's two largest: the largest is every rank's best other but its own (a tie: the same).
-    top = np.partition(share, n - 2, axis=0)[-2:]
-    other = np.where(share == top[1], top[0], top[1])
-    lead = np.sort(share - other, axis=1)
+    lead = np.sort(_lead(share), axis=1)
     return lead[:, 0], lead[:, 1 if pieces == HELD_PIECES else 0]
+
+
+def _halves_lead(was_late: np.ndarray) -> np.ndarray:
+    """Per rank (row of ranks x stretches), in a window of one piece only (HELD_STEPS to twice as many stretches:
+    _held_lead NaN), the least lead over the other ranks that its late share guarantees in either half of it,
+    wherever its late stretches fall: a rank late in a share s of the window is late in at least 2s - 1 of each
+    half, another late in o in at most 2o of either, so it leads by 2(s - o) - 1 at least. A rank faulting in
+    fresh memory on a loaded host, late in 96% of a 10 s window of 78 stretches (lm-2-long's 370 ms steps), its
+    peer in none: 0.92, where its held lead was NaN and its faults were excused as malloc's. NaN in a shorter
+    window (a 2 s agent window of one collective a step), and in a longer one, cut instead (_held_lead)."""
+    n, m = was_late.shape
+    if n < 2 or not HELD_STEPS <= m < 2 * HELD_STEPS:
+        return np.full(n, np.nan)
+    return 2 * _lead(was_late.mean(axis=1, keepdims=True))[:, 0] - 1
+
+
+def _lead(share: np.ndarray) -> np.ndarray:
+    """Ranks x pieces: each rank's late share less the largest of the other ranks' in the same piece."""
+    top = np.partition(share, share.shape[0] - 2, axis=0)[-2:]  # the largest is every rank's best other but its
+    return share - np.where(share == top[1], top[0], top[1])  # own (a tie: the same)
 
 
 def _carried(held: np.ndarray, first: np.ndarray, step_s: float) -> np.ndarray:
@@ -343,11 +363,12 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     else:
         held, arrivals = None, Ek
     (out.arrival_late_s[compared], out.late_share[compared], out.held_lead[compared],
-     out.mostly_held_lead[compared]) = _late_per_step(arrivals, step_s, held)
+     out.mostly_held_lead[compared], out.halves_lead[compared]) = _late_per_step(arrivals, step_s, held)
     out.finish_late_s[compared] = row_medians(Dk - Dk.min(axis=0))
     out.transfer_s[compared] = row_medians(Dk - Ek.max(axis=0))
     out.bytes[compared] = row_medians(Bk)
     names = {i: name for name, i in op_ids.items()}
     top_op = Counter(ref_op[kept].tolist()).most_common(1)[0][0]
     return Alignment(out.arrival_late_s, out.finish_late_s, out.transfer_s, out.bytes,
-                     int(np.count_nonzero(kept)), names[top_op], out.late_share, out.held_lead, out.mostly_held_lead)
+                     int(np.count_nonzero(kept)), names[top_op], out.late_share, out.held_lead, out.mostly_held_lead,
+                     out.halves_lead)

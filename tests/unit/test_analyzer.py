@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rankscope.analyzer.diagnosis import diagnose, diagnose_job
-from rankscope.analyzer.differential import Alignment, _held_lead, align_collectives, robust_z
+from rankscope.analyzer.differential import Alignment, _halves_lead, _held_lead, align_collectives, robust_z
 from rankscope.analyzer.metrics import rank_table
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.rules.links import slow_link
@@ -468,6 +468,18 @@ def test_a_rank_late_all_through_the_window_but_one_piece_leads_in_the_others():
     assert (_held_lead(_stretches([0.2], [0.9, 0.9, 0.3, 0.2, 0.2]))[1] < 0.15).all()
     least, but_one = _held_lead(_stretches([0.25, 0.6, 0.25], [0.6], steps=150))  # three pieces of 50 steps
     assert np.array_equal(least, but_one)
+
+
+def test_a_window_of_one_piece_bounds_the_lead_in_either_half_by_the_late_shares():
+    """Too short to cut in pieces of HELD_STEPS (held_lead NaN), a window still says how steadily a rank was the late
+    one where its late share leaves it no room: late in 96% of 78 stretches, its peer in none, it leads by at least
+    0.92 in either half however its late stretches fall; late in 60% against a peer's 10%, by nothing."""
+    lead = _halves_lead(_stretches([0.96], [0.0], steps=78))
+    assert lead[0] > 0.85 and lead[1] < -1
+    assert (_halves_lead(_stretches([0.6], [0.1], steps=78)) < 0.15).all()
+    assert np.isnan(_halves_lead(_stretches([0.96], [0.0], steps=39))).all()  # shorter: nothing to bound
+    assert np.isnan(_halves_lead(_stretches([0.96], [0.0], steps=80))).all()  # two pieces: _held_lead cuts it
+    assert np.isfinite(_held_lead(_stretches([0.96], [0.0], steps=80))[0]).all()
 
 
 def test_a_rank_held_behind_others_for_a_cpu_must_lead_further_to_be_late_all_through():

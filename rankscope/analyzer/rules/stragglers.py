@@ -137,12 +137,14 @@ def late_through(a: Alignment, paged: np.ndarray, step: float, runq: np.ndarray,
     """Per row: the late one all through the window, its late share ahead of every peer's by SMALL_HELD in each
     piece of it (Alignment.held_lead), by CONTENDED_HELD where it was held behind others for a CPU (`runq`:
     _runq_excess) and worked no longer in user mode (`user`; NaN: unknown); a rank faulting beyond the ranks'
-    usual spread (`paged`: faulting), by FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). False
-    where the window is too short to cut."""
+    usual spread (`paged`: faulting), by FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). A window
+    of one piece, by as much in either half of it (Alignment.halves_lead); False where it is shorter."""
     with np.errstate(invalid="ignore"):
         held = (runq >= STRAGGLER_MIN_EXCESS * step) & (runq >= paged) & (user < SMALL_USER * step)
-        leads = a.held_lead >= np.where(held, CONTENDED_HELD, SMALL_HELD)
-        return leads | ((paged > FAULTS_SPREAD * step) & (a.mostly_held_lead >= FAULTS_HELD))
+        lead = np.where(np.isfinite(a.held_lead), a.held_lead, a.halves_lead)
+        mostly = np.where(np.isfinite(a.mostly_held_lead), a.mostly_held_lead, a.halves_lead)
+        leads = lead >= np.where(held, CONTENDED_HELD, SMALL_HELD)
+        return leads | ((paged > FAULTS_SPREAD * step) & (mostly >= FAULTS_HELD))
 
 
 def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
