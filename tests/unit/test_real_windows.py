@@ -48,3 +48,17 @@ def test_the_verdict_on_a_kept_window_of_a_real_job(name):
         assert doc["findings"][0]["cost"] == pytest.approx(w["cost"], rel=0.30), w["note"]
     if w.get("injected_cost"):  # the issue's measure, the delay injected as a share of the step: any host
         assert doc["findings"][0]["cost"] == pytest.approx(w["injected_cost"], rel=0.30), w["note"]
+
+
+def test_a_spinner_named_by_its_user_time_is_told_by_it():
+    """Where a spinner's work reads no longer than its peers' (they waited for the CPU its spin took), what it
+    is told to compute longer is what its cost takes, its time in user mode beyond theirs, and where it does so
+    is its own code: not -0.8 ms, nor its peer's page faults."""
+    name = "cnn-3-compute-small-beside-a-faulting-peer"
+    doc = next(iter(diagnose(decode_patterns((DATA / f"{name}.msgpack").read_bytes())).values()))
+    f = doc["findings"][0]
+    rank = f["evidence"]["per_rank"][0]
+    assert rank["work_s"] <= f["evidence"]["peers_work_s"]  # its work alone: no longer than the median rank's
+    assert rank["excess_s"] == rank["cost_s"] == pytest.approx(f["cost"] * doc["step_time_s"], rel=1e-3)
+    assert rank["excess_s"] == pytest.approx(WINDOWS[name]["injected_cost"] * doc["step_time_s"], rel=0.3)
+    assert f["function"] == "sitecustomize.py:_Rank.before_step", f["summary"]
