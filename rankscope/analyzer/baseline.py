@@ -122,21 +122,38 @@ class Baseline:
         self._windows: deque[StepProfile] = deque(maxlen=keep)
         self._running: deque[float] = deque(maxlen=RUN_WINDOWS - 1)  # Reference.running
         self.regression: dict[str, Any] | None = None  # the last comparable window's (diagnosis.py holds it)
+        # Per recent window of this run above the baseline, the ranks of the stragglers that explained its
+        # regression (rules/regression.py restated): a few ints, cleared with the run.
+        self._explained: deque[frozenset[int]] = deque(maxlen=RUN_WINDOWS - 1)
         self.compared: Comparison | None = None  # the last window's (None: no baseline yet, or no steps)
 
     def add(self, profile: StepProfile | None) -> None:
         """A window of the job's normal: it joins the baseline and ends a run of windows above it."""
         if profile is not None:
             self._windows.append(profile)
-            self._running.clear()
+            self._end_run()
 
     def left_out(self, above_s: float | None) -> None:
         """A comparable window that does not join: one above the baseline (its step time) continues a run,
         any other (None: hung, no steps) ends it."""
         if above_s is None:
-            self._running.clear()
+            self._end_run()
         else:
             self._running.append(above_s)
+
+    def _end_run(self) -> None:
+        self._running.clear()
+        self._explained.clear()
+
+    @property
+    def explained_by(self) -> frozenset[int]:
+        """The ranks of the stragglers that explained a regression in the run's last windows (RUN_WINDOWS - 1,
+        as `running`: a rank that lagged once, hours into a lasting slowdown, is forgotten)."""
+        return frozenset().union(*self._explained)
+
+    def explained(self, ranks: frozenset[int]) -> None:
+        """A window's regression beside stragglers on `ranks` that explain it (none: an empty set)."""
+        self._explained.append(ranks)
 
     def reference(self) -> Reference | None:
         if len(self._windows) < MIN_WINDOWS:

@@ -16,7 +16,7 @@ from rankscope.analyzer.rules.gpu import gpu_straggler, gpu_throttle, launch_bou
 from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
 from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
-from rankscope.analyzer.rules.regression import regression, restated
+from rankscope.analyzer.rules.regression import explaining, regression, restated
 from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
 from rankscope.analyzer.stability import confirm_span, confirm_windows
 from rankscope.schema.finding import Finding, plain
@@ -105,7 +105,6 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     # which rank it waits for (cnn-3: a tenth of the step spun on one rank, +13%, hid it for 20 s).
     named = {r for f in found if f.kind != "regression" for r in f.ranks}
     found += [f for f in small if not named & set(f.ranks)]
-    found = [f for f in found if f.kind != "regression" or not restated(f, found)]
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
 
 
@@ -130,6 +129,12 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     comparable = not any(map(attrgetter("raised_detail"), patterns))
     profile = StepProfile.of(table) if analyzed else None  # once: the regression rule's, then the baseline's
     findings = findings_of(table, hang_timeout_s, reference if comparable else None, slowdown_threshold, profile)
+    regressed = next((f for f in findings if f.kind == "regression"), None)
+    if regressed is not None and baseline is not None:  # (only a job with a baseline regresses)
+        explained_by = explaining(regressed, findings)
+        if restated(explained_by, baseline.explained_by):
+            findings.remove(regressed)
+        baseline.explained(frozenset().union(*explained_by))
     # A hung job has no steps: a window's few steps before the stall, or the whole window read as one step
     # (10 s for a 60 ms job), would mislead; the hang's evidence says how long it has stalled.
     hung = any(f.kind in HANGS for f in findings)

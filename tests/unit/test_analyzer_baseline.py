@@ -182,6 +182,23 @@ def test_a_regression_that_a_stragglers_delay_explains_is_the_straggler():
     assert sorted(window({0: 0.02, 1: 0.026})) == [("compute_straggler", None, "cpu"), ("regression", None, "cpu")]
 
 
+def test_a_straggler_that_changes_rank_within_a_slowdown_explains_no_regression():
+    """A straggler whose delay is the job's slowdown lags in every slower window; where every rank's work grew
+    and the one that lags moves (lm-2 +25% a step: rank 1 lagged in the first slower window, rank 0 in the next
+    two), the job is slower. Only the run's last windows count (a rank that lagged once is forgotten), and a
+    window that joins the baseline ends the run: the next straggler starts afresh."""
+    b = Baseline()
+    for seed in range(8):
+        diagnose_job(simulate(2, seed=seed), baseline=b)
+    slow = lambda seed, extra: kinds(diagnose_job(simulate(2, seed=seed, host_extra=extra), baseline=b))  # noqa: E731
+    assert slow(42, {0: 0.004, 1: 0.012}) == [("compute_straggler", None, "cpu")]
+    assert sorted(slow(43, {0: 0.012, 1: 0.004})) == [("compute_straggler", None, "cpu"), ("regression", None, "cpu")]
+    assert sorted(slow(44, {0: 0.012, 1: 0.004})) == [("compute_straggler", None, "cpu"), ("regression", None, "cpu")]
+    assert slow(45, {0: 0.012, 1: 0.004}) == [("compute_straggler", None, "cpu")]  # rank 1's lag: 3 windows ago
+    assert slow(46, {}) == []
+    assert slow(47, {0: 0.004, 1: 0.012}) == [("compute_straggler", None, "cpu")]
+
+
 def test_slowdown_below_the_threshold_is_not_a_regression():
     b = warmed()
     doc = diagnose_job(simulate(RANKS, seed=42, sync_extra=dict.fromkeys(range(RANKS), 0.002)), baseline=b)

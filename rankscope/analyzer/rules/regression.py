@@ -94,12 +94,23 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
     )]
 
 
-def restated(f: Finding, others: Sequence[Finding]) -> bool:
-    """Whether regression `f` is what a straggler among `others` costs the whole job. (Not a slow link: one
-    seen in the window that straddles a regression's onset, cnn-3's, would have held the regression back.)"""
+def explaining(f: Finding, others: Sequence[Finding]) -> list[frozenset[int]]:
+    """The ranks of each straggler among `others` whose delay is what regression `f` costs the whole job.
+    (Not a slow link: one seen in the window that straddles a regression's onset, cnn-3's, would have held
+    the regression back.)"""
     grown, step, ranks = f.evidence["grown_s"], f.evidence["step_time_s"], set(f.ranks)
-    return any(o.kind in STRAGGLERS and set(o.ranks) < ranks and o.cost * step >= STRAGGLER_SHARE * grown
-               for o in others)
+    return [frozenset(o.ranks) for o in others
+            if o.kind in STRAGGLERS and set(o.ranks) < ranks and o.cost * step >= STRAGGLER_SHARE * grown]
+
+
+def restated(explained_by: Sequence[frozenset[int]], before: frozenset[int]) -> bool:
+    """Whether a straggler that explains a regression (`explained_by`: explaining's) restates it: unless other
+    ranks explained it in the last windows of the same run of slower ones (`before`). One rank's delay slows
+    every step it is late in, so a straggler that costs the job its slowdown is late in all of them; where the
+    job's work grew on every rank, which rank lags moves from window to window (lm-2 +25% a step, both ranks'
+    host time +11-40 ms: rank 1 "explained" the first slower window, rank 0 the next two, and the regression,
+    never named, was not held through the deep windows the slowdown raised)."""
+    return any(before <= ranks for ranks in explained_by)
 
 
 def _busy(t: RankTable) -> str:

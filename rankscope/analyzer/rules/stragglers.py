@@ -145,10 +145,10 @@ def late_through(a: Alignment, paged: np.ndarray, step: float, runq: np.ndarray,
     usual spread (`paged`: faulting), by FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). A window
     of one piece, by as much in either half of it (Alignment.halves_lead); False where it is shorter."""
     with np.errstate(invalid="ignore"):
-        held = (runq >= STRAGGLER_MIN_EXCESS * step) & (runq >= paged) & (user < SMALL_USER * step)
+        contended = (runq >= STRAGGLER_MIN_EXCESS * step) & (runq >= paged) & (user < SMALL_USER * step)
         lead = np.where(np.isfinite(a.held_lead), a.held_lead, a.halves_lead)
         mostly = np.where(np.isfinite(a.mostly_held_lead), a.mostly_held_lead, a.halves_lead)
-        leads = lead >= np.where(held, CONTENDED_HELD, SMALL_HELD)
+        leads = lead >= np.where(contended, CONTENDED_HELD, SMALL_HELD)
         return leads | ((paged > FAULTS_SPREAD * step) & (mostly >= FAULTS_HELD))
 
 
@@ -210,7 +210,8 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
         # Against the others only, as its work is: of three ranks, a straggler whose peer is late too (a broadcast's
         # root it holds up) is the median and would wait no less than itself.
         waits_less = peer_deviation(np.where(valid, t.comm_s, np.nan), 0.0)[1] < 0
-        flagged = valid & (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
+        outlier = (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
+        flagged = valid & outlier
         if a is not None:
             steps = peers_median(t.window_s[valid]) / step  # in the window
             arrives = _arrives_last(a, valid, step, steps, faults)
@@ -262,8 +263,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             # ranks on 2 CPUs lent to other guests a quarter of the time, the spinner 6-8% of the step longer in
             # user mode and late by 20% of it (5 windows of 5 unnamed), healthy ranks within 2%.
             held = small & ((works & through) | busier)
-            works_more = (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
-            steady = valid & ~np.isfinite(a.held_lead) & (works_more | (late_by > 0))
+            steady = valid & ~np.isfinite(a.held_lead) & (outlier | (late_by > 0))
             steady &= (user >= SMALL_USER * step) & ~flagged & ~small
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
                       np.flatnonzero(steady), z, excess, faults, paged, gpu_excess, ran, user, work, comm_med)
