@@ -1,5 +1,5 @@
-"""A finding of the diagnosis document (contract.md): what the analyzer concludes, as the agent, the cluster
-analyzer and every reader of the document see it."""
+"""A finding of the diagnosis document (docs/api.md; rankscope/schema/diagnosis.schema.json): what the
+analyzer concludes, as the agent, the cluster analyzer and every reader of the document see it."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import numpy as np
 
 @dataclass
 class Finding:
-    """One diagnosis finding; field names and meanings are fixed by the contract."""
+    """One diagnosis finding; its fields are extended, never renamed (the document's schema types them)."""
 
     kind: str
     ranks: list[int]

@@ -35,7 +35,7 @@ class Role(str, Enum):
 
     @property
     def component(self) -> str:
-        """The component (contract.md) that time in a function of this role belongs to."""
+        """The component (a finding's `component`, docs/api.md) that time in a function of this role belongs to."""
         return _COMPONENT[self]
 
 

@@ -153,8 +153,8 @@ def _main_kernel_from_wire(raw: Any) -> dict[str, Any]:
 def _functions_from_wire(raw: Any) -> FunctionColumns:
     """Each row checked field by field as before; counts and bytes past int64 are refused (OverflowError).
     A function of a role this analyzer does not know (a newer agent's, checked like any other row) is left
-    out rather than refused: an agent upgraded before its cluster analyzer still has its windows read (the
-    seventeenth session's analyzers refused every window carrying DDP's exposed wait, role 7)."""
+    out rather than refused: an agent upgraded before its cluster analyzer still has its windows read (refusing
+    the row would lose the whole window, e.g. DDP's exposed wait, role 7, to an analyzer that predates it)."""
     if not isinstance(raw, dict):
         raise PatternDecodeError("fn: expected a map")
     names, roles, calls, times = [], [], [], []
@@ -210,7 +210,7 @@ def _neighbours_from_wire(raw: Any) -> list[Neighbour]:
     out = []
     for row in _list(raw, "nb"):
         row = _list(row, "neighbour")
-        if len(row) == 4:  # an agent from before `job` (2026-11-27): unknown, as no neighbour of the job
+        if len(row) == 4:  # an older agent's row, without `job`: read as no neighbour of the job
             row = [*row, False]
         name, pid, cgroup, waited, job = _list(row, "neighbour", 5)
         if not isinstance(job, bool):

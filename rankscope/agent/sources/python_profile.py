@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def function_name(frame: Frame) -> str:
-    """The contract's spelling: "train.py:Model.forward"."""
+    """The document's spelling of a Python function: "train.py:Model.forward"."""
     return f"{os.path.basename(frame.filename)}:{frame.qualname}"
 
 
