@@ -142,3 +142,11 @@ def test_the_schema_ships_with_the_package():
     import tomllib
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     assert "*.json" in project["tool"]["setuptools"]["package-data"]["rankscope.schema"]
+
+
+def test_the_readmes_example_document_is_valid():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## The diagnosis document", 1)[1]
+    example = section.split("```json\n", 1)[1].split("```", 1)[0]
+    doc = check_document(json.loads(example))
+    assert {"criterion", "why", "outranked"} <= set(doc["findings"][0])
