@@ -24,6 +24,7 @@ from rankscope.analyzer.cluster import diagnose_cluster
 from rankscope.analyzer.diagnosis import diagnose, diagnose_job
 from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 from rankscope.analyzer.rules.nodes import LostRanks
+from rankscope.analyzer.stability import Confirmer
 from rankscope.schema.document import diagnosis_schema
 from rankscope.schema.wire import decode_patterns
 
@@ -43,12 +44,16 @@ def kept_windows() -> list[dict]:
 
 
 def kept_agent_runs() -> list[dict]:
-    """Every window of every kept agent run, as the agent diagnoses it: against the job's own baseline."""
+    """Every window of every kept agent run, as the agent serves it: against the job's own baseline, each finding
+    under `unconfirmed` until it held long enough."""
     docs = []
     for run in sorted(p for p in (DATA / "agent-windows" / "runs").iterdir() if p.is_dir()):
         baselines: dict[str, Baseline] = {}
+        confirmer = Confirmer()
         for path in sorted(run.glob("*.msgpack"), key=lambda p: int(p.stem)):
-            docs += diagnose(decode_patterns(path.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines).values()
+            window = diagnose(decode_patterns(path.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines)
+            confirmer.confirm(window)
+            docs += window.values()
     return docs
 
 
@@ -83,6 +88,10 @@ def documents() -> list[dict]:
 def test_every_document_the_analyzer_builds_is_valid(documents):
     for doc in documents:
         check_document(json.loads(json.dumps(doc, allow_nan=False)))  # as a reader gets it: strict JSON
+
+
+def test_an_agents_unconfirmed_findings_are_valid(documents):
+    assert any(doc.get("unconfirmed") and "needs" not in doc["unconfirmed"][0] for doc in documents)
 
 
 def test_the_documents_cover_every_finding_kind_of_the_schema(documents):
