@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import RANKSCOPE
+from conftest import RANKSCOPE, check_document
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
 import launch  # noqa: E402
@@ -53,7 +53,7 @@ def diagnose(job: launch.TorchrunJob | launch.SimRun, *extra: str,
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     print(f"diagnose's patterns: {saved}\ndiagnose's log:\n{err}")  # shown where the test fails
-    return json.loads(out)
+    return check_document(json.loads(out))
 
 
 def verdict(doc: dict) -> list[tuple[str, list[int]]]:
