@@ -8,17 +8,18 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline, Comparison, Reference, StepProfile
+from rankscope.analyzer.baseline import Baseline, Comparison, Reference, StepProfile
 from rankscope.analyzer.differential import align_collectives
 from rankscope.analyzer.metrics import RankTable, rank_table
 from rankscope.analyzer.peers import peer_groups
 from rankscope.analyzer.rules.gpu import gpu_straggler, gpu_throttle, launch_bound
-from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
+from rankscope.analyzer.rules.hangs import HANGS, hang
 from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
 from rankscope.analyzer.rules.regression import explaining, regression, restated
 from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
 from rankscope.analyzer.stability import confirm_span, confirm_windows
+from rankscope.analyzer.thresholds import DEFAULT_HANG_TIMEOUT_S, SLOWDOWN_THRESHOLD
 from rankscope.schema.finding import Finding, plain
 from rankscope.schema.patterns import RankPattern
 

@@ -17,11 +17,10 @@ import numpy as np
 from rankscope.analyzer.medians import row_medians
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.steps import step_times, window_starts
+from rankscope.analyzer.thresholds import (HELD_PIECES, HELD_STEPS, LATE_MARGIN, LEAVE_ONE_OUT_MAX, STEP_SPAN, Z_FLOOR,
+                                           Z_MIN)
 from rankscope.schema.patterns import RankPattern
 
-Z_MIN = 4.0  # robust z-score for an outlier
-Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 then needs >= 2% of the step,
-# so on quiet jobs the excess bars below decide, on noisy ones the z-score
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
 # Ops that do not end together on every rank of the group, so instants are not lined up by them:
 # point-to-point ops pair two ranks (the "same" send of two pipeline ranks goes to different neighbours at
@@ -54,8 +53,6 @@ def robust_z(x: np.ndarray, floor: float) -> np.ndarray:
     scale = max(MAD_TO_SIGMA * float(np.median(np.abs(vals - med))), floor, 1e-12)
     return (x - med) / scale
 
-
-LEAVE_ONE_OUT_MAX = 64  # below this many ranks, each rank is compared with the others only
 
 
 def peer_deviation(x: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
@@ -109,11 +106,6 @@ class Alignment:
         nan = np.full(n, np.nan)
         return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy(), nan.copy(), nan.copy())
 
-
-STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
-LATE_MARGIN = 0.05  # later than the other ranks by this share of a step: that step, the rank was late
-HELD_PIECES = 5  # Alignment.held_lead: the window cut in up to this many pieces in time...
-HELD_STEPS = 40  # ...of at least this many steps each, and at least two (a 2 s agent window of 100 ms steps: none)
 
 
 def _late_per_step(enter: np.ndarray, step_s: float,

@@ -27,25 +27,9 @@ import numpy as np
 from rankscope.analyzer.functions import FunctionTable
 from rankscope.analyzer.medians import row_medians
 from rankscope.analyzer.records import Collectives
+from rankscope.analyzer.thresholds import (BURSTS_SEEN, FAR_GAP, LONG_GAP, LONG_MEAN, MIN_REPEATS, MISSED_BURSTS,
+                                           SHORT_SEQUENCE, WHOLE_STEPS, WINDOW_STEPS)
 from rankscope.schema.patterns import RankPattern, Role
-
-MIN_REPEATS = 2  # a period must be seen at least twice to be believed
-WHOLE_STEPS = 0.5  # share of the runs of k collectives that must hold a whole step (order varies at the edges)
-LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times the median one is long...
-# ...and at least this share of the mean gap: NCCL's calls only enqueue, so a step's bucket all-reduces leave
-# gaps of 5-160 us between them, and one of 0.16 ms among 0.01 ms ones was "long" (the sim's 12 buckets: no
-# burst seen, its step read at a twelfth). A step's long gap is never under the mean (it holds the rest).
-LONG_MEAN = 0.25
-BURSTS_SEEN = 3  # bursts a one-kind sequence must show to be believed...
-SHORT_SEQUENCE = 64  # ...unless it is this short (a light pattern's collectives): then two...
-# ...where they stand this far out (x the median gap): two places of a lattice show two long gaps K apart, as any
-# two long gaps are. A step's forward pass stands 10x (gloo's buckets, backward between them) to 1000x (NCCL's,
-# only enqueued) above its buckets' gaps; two hiccups of an agent's light window of mlp-4 (one all-reduce a
-# 10.9 ms step) 2.3x, 29 calls apart, read as a 317 ms step.
-FAR_GAP = 5.0
-MISSED_BURSTS = 8  # 1 in this many bursts may lack its long gap (a step that ran short)
-WINDOW_STEPS = 20  # steps in the window for the call counts to give the step (edges cost at most 1/20)
-
 
 def _key_ids(keys: Sequence) -> np.ndarray:
     ids: dict = {}

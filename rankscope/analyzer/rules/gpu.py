@@ -7,29 +7,19 @@ from operator import attrgetter
 
 import numpy as np
 
-from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, peer_deviation, peers_median
+from rankscope.analyzer.differential import peer_deviation, peers_median
 from rankscope.analyzer.metrics import HOST_COLLECTIVES, RankTable
-from rankscope.analyzer.rules.stragglers import MIN_RANKS, PAIR_RANKS, STRAGGLER_MIN_EXCESS, straggling
+from rankscope.analyzer.rules.stragglers import straggling
 from rankscope.analyzer.rules.wording import ms, rank_list
+from rankscope.analyzer.thresholds import (CLOCK_DROP, LAUNCH_GAP_MAX_S, LAUNCH_SYNC_MAX, MIN_RANKS, PAIR_RANKS,
+                                           QUEUE_AHEAD_S, SMALL_KERNEL_S, STRAGGLER_MIN_EXCESS, VOID_MIN, Z_FLOOR,
+                                           Z_MIN)
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import NCCL_KERNELS, Role
 
-CLOCK_DROP = 0.10  # a GPU whose SM clock is this far below its peers' (as a fraction of max) is throttled
 THROTTLE_REASONS = {0x4: "software power cap", 0x8: "hardware slowdown", 0x10: "sync boost",
                     0x20: "software thermal slowdown", 0x40: "hardware thermal slowdown",
                     0x80: "hardware power brake"}  # nvmlClocksEventReason bits that slow a GPU down
-VOID_MIN = 0.30  # GPU idle share of the window (XPUTimer's "void percentage") that makes a rank launch-bound
-LAUNCH_SYNC_MAX = 0.10  # ... while the host waits for its GPU at most this share: the GPU waits for the host
-SMALL_KERNEL_S = 50e-6  # ... and its kernels are short on average (launch cost rivals kernel time)
-# ... unless its launches wait in the GPU's queue: a median launch-to-kernel-start delay this long (CUPTI
-# correlation, deep mode) means the host runs ahead of the GPU, so the idle gaps are not the launch path's.
-# An idle GPU starts a kernel ~5-20 us after its launch call returns.
-QUEUE_AHEAD_S = 100e-6
-# ...and the GPU idles only briefly between one kernel and the next, on average (the idle time over the kernels):
-# a launch and PyTorch's dispatch around it take 5-50 us. Longer gaps are the host busy with other work than
-# launching (an H200 gloo job: 0.65 ms between 18 us kernels, its host in autograd, pinning batches and copies:
-# idle 71%, named launch-bound on a healthy job in 3 windows of 3), which the host-side rules weigh.
-LAUNCH_GAP_MAX_S = 100e-6
 
 
 def _reasons(bits: int) -> list[str]:

@@ -26,60 +26,18 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
+from rankscope.analyzer.differential import Alignment, peer_deviation, peers_median
 from rankscope.analyzer.metrics import HOST_COLLECTIVES, HOST_P2P, RankTable
 from rankscope.analyzer.peers import peer_groups
-from rankscope.analyzer.rules.stragglers import MIN_RANKS, decidable
+from rankscope.analyzer.rules.stragglers import decidable
 from rankscope.analyzer.rules.wording import range_ms, rank_list
+from rankscope.analyzer.thresholds import (EXACT_ROLE_LINKS, FAST_TCP_WIRE_S, LINK_BANDWIDTH,
+                                           LINK_BANDWIDTH_BESIDE_STRAGGLER, LINK_MIN_LATENESS, MATRIX_MAX_RANKS,
+                                           MIN_BYTES, MIN_LINKS, MIN_NODE_LINKS, MIN_RANKS, MIN_STEPS,
+                                           MIN_TCP_SEND_BYTES, MIN_TCP_WIRE_S, SLOW_FACTOR, TCP_SLOW_FACTOR,
+                                           TCP_SLOW_FACTOR_IN_GROUP, Z_FLOOR, Z_MIN)
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import LinkStats, RankPattern, Role
-
-LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
-LINK_BANDWIDTH = 0.7  # ...at a bandwidth below this share of the peers' (the transfer as the rank saw it; a
-# healthy mlp-4 rank on a host loaded 5 deep finished 1.1 ms late at 0.88 of its peers')
-# ...or below this share where a straggler was found: the rank receiving over its ring link finishes late
-# too (mlp-4, 4 ranks on 2 loaded cores: at 0.84-0.90 of its peers' bandwidth); the accuracy matrix's slow
-# links ran at 0.01-0.29.
-LINK_BANDWIDTH_BESIDE_STRAGGLER = 0.5
-MIN_STEPS = 8  # network steps over a link in the window before its throughput is judged...
-MIN_BYTES = 1 << 20  # ...and bytes: a few small steps measure latency, not bandwidth
-MIN_LINKS = 3  # judged links of a role: with two, which one is "the others"?
-SLOW_FACTOR = 1.5  # a link below the median of its role's links divided by this is slow
-# TCP's throughput also follows who gets a CPU when the host is short of them (loopback copies are CPU work):
-# healthy links of one job ranged 134-333 MB/s beside a rank spinning on a core. A slow TCP link must run at
-# a third of the links it is compared with (the rate-limited link of the accuracy matrix: 12 MB/s vs
-# 100-500 MB/s)...
-TCP_SLOW_FACTOR = 3.0
-# ...or at half the links of its own peer group: they carry the same collectives, so they keep pace with each
-# other. In the accuracy matrix's kept windows (2026-11-27), every rank of one group had a link at 0.74 of its
-# group's others or faster (90 healthy windows of cnn-3, mlp-3-io, mlp-4), while the links of a stage of two
-# ranks, compared with the other stage's (a different part of the model), fell to 0.45 (pipe-4); cnn-3's
-# rate-limited rank (100 Mbit/s against ~35 MB/s of loopback on a CPU-starved host) had both its links at
-# 0.26-0.41 of the third link (30 windows), which a third missed in 8.
-TCP_SLOW_FACTOR_IN_GROUP = 2.0
-# ...and half suffices too where a rank has no group peer but its own pair (a pipeline stage of two), and its
-# sends to the other stage run at half its stage peer's as well (_sends_between_slow). pipe-4's rank 3 behind a
-# quarter-pace link (corpora 88-102, 10 windows): its stage's links at 0.22-0.36 of the other stage's, which
-# differ by design (healthy windows: 0.34 and up), and its sends to stage 0 at 0.17-0.31 of rank 2's. No rank
-# of 200 other windows had both below 0.5 (within below 0.5: sends at 0.69 or more; sends below 0.5: within at
-# 0.50 or more, rank 1 sending to a rank 3 slowed by GC or compute, whose links are not judged once it is named).
-MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (not one link) the suspect
-# TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
-# send, over which a transfer's rounding to whole ticks averages out.
-MIN_TCP_WIRE_S = 0.05
-# A TCP link with less time than that moved its bytes faster than the ticks can time (70 MB in 44 ms between
-# two ranks on loopback). It is never judged slow, but it still sets the pace its role's links are compared
-# with, at no more than its bytes over FAST_TCP_WIRE_S: a floor on its speed that a tick count off by half
-# still clears. Without it, a ring of three with one rate-limited rank kept only that rank's two links and
-# found nothing (1 window of 8).
-FAST_TCP_WIRE_S = 2 * MIN_TCP_WIRE_S
-# ...and on bulk transfers: sends of a few KB (a small model's gradients, 1.4 KB a send) are bound by round
-# trips and by when each end gets a CPU, not by bandwidth. Three ranks on two cores moving 1.4 KB a send
-# showed 2-7 MB/s on loopback; gloo moves ~48 KB a send for a 450 KB gradient.
-MIN_TCP_SEND_BYTES = 4 << 10
-EXACT_ROLE_LINKS = 64  # up to this many links in a role, a rank is compared with exactly the links it lacks
-MATRIX_MAX_RANKS = 32  # up to this many ranks, evidence carries the whole dense matrix
-
 
 @dataclass(frozen=True)
 class LinkMatrix:

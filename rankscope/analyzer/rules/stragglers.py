@@ -8,105 +8,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rankscope.analyzer.differential import LEAVE_ONE_OUT_MAX, Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
+from rankscope.analyzer.differential import Alignment, peer_deviation, peers_median
 from rankscope.analyzer.metrics import DATA_LOADING, RankTable
 from rankscope.analyzer.rules.wording import ms, range_ms, rank_list
+from rankscope.analyzer.thresholds import (ALWAYS_LATE, ALWAYS_LATE_BY, CONTENDED_HELD, CONTENTION_RAN,
+                                           CONTENTION_SHARE, FAR_LATE_BY, FAULTS_HELD, FAULTS_SPREAD, GPU_SHARE,
+                                           LATE_RATIO, LATE_RATIO_STEPS, LATE_SOME, LATE_STEPS, LEAVE_ONE_OUT_MAX,
+                                           MIN_RANKS, OTHER_WORK, PAIR_RANKS, PEERS_RARELY, PYTHON_SHARE, SMALL_HELD,
+                                           SMALL_LATE, SMALL_RAN, SMALL_RATIO, SMALL_USER, SMALL_WINDOWS, STEADY_SPAN,
+                                           STEADY_WINDOWS, STRAGGLER_MIN_EXCESS, Z_FLOOR, Z_MIN)
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import RankPattern, Role
 
 STRAGGLERS = frozenset({"compute_straggler", "input_straggler", "python_gc", "cpu_contention"})  # this module's kinds
-MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable from per-rank totals alone...
-PAIR_RANKS = 2  # ...but the collective instants tell which of two arrives last (C4's rule: the other waits
-# for it), and the run queue which of two waits for a CPU
-STRAGGLER_MIN_EXCESS = 0.05  # extra work per step, as a fraction of the step time
-LATE_STEPS = 0.85  # a straggler arrives late in at least this share of the steps lined up...
-LATE_SOME = 0.6  # ...or in this share and LATE_RATIO times as often as its peers (median). On a CPU-starved
-LATE_RATIO = 5.0  # host every rank is late in some steps, a straggler in most: under an unpinned hog 0.66-0.73
-# against the peers' 0.08-0.12 (6-9x), injected compute 0.96-1.0. A healthy rank of such a host is late in up
-# to 0.79 of the steps, 2.6x its peers (cnn-3, 9 busy processes on 2 CPUs: rank 0's forward runs 7 ms slower
-# in some windows), and on one loaded 5 deep in 0.70, 4.4x (4.0 named it; 5 changes nothing else in 300
-# kept windows). A peer the straggler holds up in a rooted collective (a broadcast's root waits for every
-# receiver) arrives late at the next collective too (0.88-0.93), so the ratio alone is not the rule.
-LATE_RATIO_STEPS = 45  # ...in at least this many steps of the window to be named from it: a healthy rank of a
-# 2 s agent window was late in 0.60-0.85 of its 20-30 steps, 5-25x its peers (one lm-2 rank in two windows
-# running: reported by the agent); a tenth of the step spun, in 879-1112 steps of diagnose's 10 s. Fewer make
-# a small straggler's lateness, named once seen in several windows (SMALL_WINDOWS); a rank waiting for a CPU
-# is still contended (cpu_contention weighs its run queue).
-FAR_LATE_BY = 0.25  # ...or in LATE_SOME of the steps by this share of the step while its peers are late in at
-# most PEERS_RARELY: a hog's victim of two ranks on an idle host, late by 38-42% of an 8 ms step in 0.67-0.77 of
-# the steps against its peer's 0.16-0.25 (2.7-4.8x: under LATE_RATIO, 3 windows of 50 unnamed).
-ALWAYS_LATE = 0.95  # a rank late in this share of the steps, by ALWAYS_LATE_BY of the step, while its peers
-ALWAYS_LATE_BY = 0.2  # are late in at most PEERS_RARELY, is the one the others wait for whatever its step -
-PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.70 against 0.16; 174 faulty
-# ones did). By a fifth of the step: a GPU a few ms slower than its peers, persistently, is within their spread.
-SMALL_LATE = 0.55  # A small straggler: late in this share of the steps, SMALL_RATIO times as often as its
-SMALL_RATIO = 1.5  # peers, by STRAGGLER_MIN_EXCESS of the step, while on a CPU or waiting for its own GPU longer
-SMALL_RAN = 0.5  # than its peers by SMALL_RAN of that lateness (it works; a pipeline stage late waiting for the
-SMALL_WINDOWS = 4  # other stage ran no longer than its peer). Kept windows with a tenth of the step spun: late
-# in 0.56-0.88 of the steps by 7-19% of it, on a CPU 3-13% more, 23 of the 26 the rules above missed. But a
-# healthy rank does as much now and then: 2 of 67 kept healthy 10 s windows (cnn-3's rank 0, 9 processes on 2
-# CPUs: late in 59% by 10%, 11% more on a CPU), 19 of 664 agent windows of 74 healthy or regressed runs, in at
-# most 2 of any 8 of a run. So it is reported once seen in SMALL_WINDOWS of twice as many windows (stability.py:
-# the agent), and a single look (`diagnose`) lists it as unconfirmed...
-SMALL_HELD = 0.15  # ...unless it was the late one all through the window: its late share led every peer's by
-# this much in each piece of it (Alignment.held_lead). Kept 10 s windows with a tenth of the step spun: 0.15-0.5
-# in 25 of the 36 that named it only as a suspect (2-rank MLP and LM, 3-rank MLP with storage latency); the
-# healthy suspects above (cnn-3's, 3 of 217 healthy windows of 6 shapes) 0.07 at most.
-SMALL_USER = 0.05  # ...or where its own work shows in user time: its main thread ran in user mode this share of
-# the step longer than its peers' (on a CPU less in the kernel: neither waiting for a CPU nor faulting in memory
-# counts), in a window long enough to cut (HELD_STEPS). On hosts the job oversubscribes every rank is late in a
-# third of the steps and none leads steadily (mlp-4, 4 ranks on 2 CPUs: held lead 0.07-0.19, 1 of 5 windows
-# named, the job +30-40% slower), while a tenth of the step spun shows 6-10% more user time (mlp-4, cnn-3, the
-# pipeline's stage peers) against healthy ranks' 0-2% (30 windows of the three shapes, twenty-first session).
-# ...or it is named, however little later it arrives and whatever it waits, where it arrives later than its peers
-# on average and in more of the steps (below): in the windows long enough to cut of 2,745 kept runs (files
-# 88-142, idle and loaded hosts), healthy ranks ran at most 2.7% of the step longer in user mode than their peers
-# (cnn-3), and the one rank past SMALL_USER that no fault was injected in, a hog's neighbour (5.4%), arrived first.
-STEADY_WINDOWS = 8  # A rank working longer than its peers in a window too short to tell who arrives last (too
-STEADY_SPAN = 10  # few steps to cut it: Alignment.held_lead NaN), by STRAGGLER_MIN_EXCESS of the step both as
-# its own work (step - COMM, a robust outlier) and in user mode (SMALL_USER), while it waits less in collectives:
-# a suspect reported once seen in STEADY_WINDOWS of the last STEADY_SPAN windows. Along a pipeline a spinner's
-# lateness at its stage's all-reduce comes and goes (pipe-4's, 2 s windows of 30 steps: late in 0-70% of the
-# steps, by -13% to +13% of it: 1 of 2 agent runs of the matrix unnamed), its extra work does not (6-16% of the
-# step, 6-10% in user mode, in every window after its onset). A healthy rank works as much more in some
-# windows (a 2-rank LM of 95 ms steps: 5-14%, 5-11% in user mode), in at most 3 of any 10 of a run (22 healthy
-# agent runs of 6 shapes, kept by the matrix). Or longer in user mode by SMALL_USER while it arrives later than
-# its peers on average, however little: on a host the job oversubscribes a spinner's step - COMM is lost in
-# gloo's overlap, and it is late in the share SMALL_LATE asks only now and then (cnn-3, 9 processes on 2 CPUs, 2 s
-# windows: a suspect in 1 of the 20 windows after its onset, unnamed, the job 10.5% slower), while it ran 5-10%
-# of the step longer in user mode, and arrived later on average, in 19 of them. Replayed on the 3,553 kept runs of
-# files 88-154 (idle and loaded hosts): two such cnn-3 runs moved to right, no other verdict moved.
-CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
-CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
-OTHER_WORK = 0.5  # ...and contention is other work's: at least this share of the rank's wait behind its top
-# neighbours was behind processes outside its job. A job with more busy processes than CPUs waits for itself,
-# each rank in turn (cnn-3's 3 ranks and 6 DataLoader workers on 2 CPUs: rank 0 waited 25 ms a step more than
-# its peers behind rank 2 and two of the workers, and the agent confirmed `cpu_contention` on a healthy job).
-FAULTS_SPREAD = 0.15  # a rank's page faults beyond its peers' are not its work up to this share of the step
-# (faulting): healthy cnn-3 ranks differed by up to 10% of it (72 agent windows; median 5%). Beyond, less and
-# less of it is excused, none at twice this share (excused_faults): a rank faulting 26% of the step more than its peer
-# was late by 19% of it, and by 4% once 15% was excused, under the bar (pipe-4, 1 of 5 windows unnamed).
-FAULTS_HELD = 0.15  # ...and none of it for a rank late all through the window (late_through): ahead of every peer
-# by SMALL_HELD in each piece of it, or, faulting beyond the spread, by this much in all pieces but one (a rank
-# faulting more by malloc's history does not arrive last in every piece of the window). Kept 10 s windows: ranks
-# faulting 5-11% of the step more than their peers, not by a fault, led by 0.06 at most in their weakest piece
-# (-0.55 to 0.06), by 0.18 at most in the next (0.0 in healthy jobs); a rank faulting in fresh memory 6-47% of
-# the step more led by 0.14-1.00 in all pieces but its weakest (178 windows of six shapes), though by only 0.07
-# and 0.12 in its weakest in two pipe-4 windows (16% of the step faulted), where its stage peer inherited spells
-# of lateness from its upstream stage: unnamed, the job 25% slower by its own log.
-CONTENDED_HELD = 0.3  # A rank held behind others for a CPU (waiting for one longer than its peers by
-# STRAGGLER_MIN_EXCESS of the step, and by more than its extra page faults take), no longer in user mode, is late
-# all through the window only leading by this much: on a host short of CPUs the scheduler's turns keep one rank
-# late for a while (healthy cnn-3 under a neighbour's load: 10% of the step longer runnable, 6% faulting, its
-# held lead 0.22: named, its faults not excused; two more healthy ranks so, 0.17), while a rank faulting in fresh
-# memory on such a host led by 0.73-0.77 (11-14% of the step longer runnable, 10-11% faulting). Of 2,533 kept
-# runs of every shape and fault (files 88-137), no other verdict turns on it.
 PAGE_FAULTS = "page faults"  # the function a straggler's extra time is in when that is mostly faulting
-PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
-GPU_SHARE = 0.5  # a host-side CUDA call (a copy, a launch) holding a straggler's extra time is its GPU's when
-# the CUPTI shim saw the rank's GPU busy longer than its peers' by at least this share of that time: a copy to
-# the host (`.cpu()`, `.item()`) waits for the kernels queued before it (H200, a rank with 8x the matrix
-# products: 7.0 ms more GPU time a step, 4.0 ms more in cudaMemcpyAsync, its GPU time otherwise unexplained)
 
 _HOST_TIME = None  # "function" of time outside every probed function
 
