@@ -76,8 +76,7 @@ def gpu_straggler(t: RankTable, named: set[int]) -> list[Finding]:
     """Ranks whose GPU works longer a step than their peers' (gpu_work) by STRAGGLER_MIN_EXCESS of the step,
     where no host-side rule named them (`named`). NCCL runs collectives on the GPU: the peers wait for a
     straggler inside NCCL's kernels and every host blocks in the same synchronization for as long, so step - COMM
-    and the collectives' instants are alike on every rank (an H200, four NCCL ranks sharing it, one with 8x
-    the matrix products: nothing named in 3 windows of 3; its GPU worked 19-37 ms a step, its peers' 1-3.5).
+    and the collectives' instants are alike on every rank: only the GPU's own busy time tells the straggler.
     Two ranks are decidable: the one that works longer is the one waited for."""
     step = t.job_step_s
     work = gpu_work(t)
@@ -122,8 +121,7 @@ def launch_bound(t: RankTable) -> list[Finding]:
         if g.kernels == 0:
             continue
         # The GPU's idle share that the host's waits in host-side collectives and copies leave unexplained: a
-        # rank waiting there for a straggler launches nothing and its GPU idles (H200, gloo: the three ranks
-        # waiting for a slow peer had their GPU idle 95% of the window, 53% of it in gloo, 19% in copies).
+        # rank waiting there for a straggler launches nothing and its GPU idles, which is not its launch path's.
         waits = p.time_in(Role.COPY) + sum(f.total_s for name, f in p.functions.items()
                                            if f.role == Role.COMM and HOST_COLLECTIVES.match(name))
         void = 1.0 - min(g.busy_s / p.window_s, 1.0) - waits / p.window_s

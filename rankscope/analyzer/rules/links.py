@@ -179,7 +179,7 @@ class LinkRoles:
     """Per link, a role id: links measured the same way between the same two peer groups share one, and so do
     the links within a group, whichever group: the all-reduces of every pipeline stage move gradients at the
     link's pace, while activations between stages move at the reading stage's. A stage of two ranks has only
-    its pair's two links to compare (pipe-4: both touch the slow rank 3, at 11-12 MB/s beside stage 0's 65-84)."""
+    its pair's two links to compare, and both touch a slow rank of the pair."""
 
     id: np.ndarray
     between: np.ndarray  # bool: the link joins two peer groups (pipeline stages)
@@ -223,8 +223,8 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: Li
     move the median, so there the role's median stands in: one pass over 100,000 ranks' links.
     A link between two suspects is the worse one's: its neighbour is judged again without it (a pass per
     such chain, usually one). In a ring of four, the rank sending to a slow rank has that link and one more,
-    and TCP over loopback runs at the pace its ends get a CPU: mlp-4's rank 0 had 12 MB/s to the slow rank 3
-    and 46 MB/s from rank 1, against 174 MB/s, and was a second suspect beside rank 3 (12-13 MB/s)."""
+    and TCP over loopback runs at the pace its ends get a CPU: both its links can fall below the bar, and it
+    would be a second suspect beside the slow rank."""
     found: dict[int, float] = {}
     judged, pacing = judged.copy(), pacing.copy()
     while True:
@@ -246,7 +246,7 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
     """One pass of _slow_nodes: rank -> (the throughput its links fell short of, the median share of it
     they reached: the lower, the surer). A link between pipeline stages moves at the reading stage's pace, so
     it only clears a rank (at or above its reference), never accuses one: the stage a slow rank holds up
-    reads slowly from every sender (pipe-4: 1 -> 3 at 5.6 MB/s, 0 -> 2 at 10 MB/s)."""
+    reads slowly from every sender."""
     role = roles.id
     median, count = _role_medians(pacing, role, bw)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
@@ -287,8 +287,8 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
 def _sends_between_slow(m: LinkMatrix, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray, r: int) -> bool:
     """Whether rank r sends to other peer groups, and every such TCP link runs below 1/TCP_SLOW_FACTOR_IN_GROUP
     of its role's links that do not touch r: its group peers' sends of the same tensors to the same stage.
-    Alone this says little (a stage's sends wait for the reading stage: healthy pipe-4 ranks sent at 0.25-0.4
-    of their stage peer's); it says which end of a stage of two's one slow pair is the slow one."""
+    Alone this says little (a stage's sends wait for the reading stage: a healthy rank's run at a fraction of its
+    stage peer's); it says which end of a stage of two's one slow pair is the slow one."""
     mine = np.flatnonzero(pacing & roles.between & m.tcp & (m.src == r))
     if not mine.size:
         return False
@@ -348,9 +348,9 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
     """`slow_link` findings from the link matrix: a rank all of whose links (two or more) are slow is the
     suspect (its NIC or host), reported once; any other slow link is reported as exactly that pair.
     `stragglers`: ranks already found slow for their own reasons; their links are not judged. TCP moves bytes
-    at the pace the ends' CPUs allow (a GC storm on rank 2 of three on two cores left rank 0's loopback links
-    5-7x slower than the third link), and NCCL's at the pace a late rank posts its receives and sends (an H200
-    job, a rank reading its input 23% of the step longer: both its ring links at half its peers' pace)."""
+    at the pace the ends' CPUs allow (a straggler busy on a shared core slows its neighbours' loopback links
+    several-fold), and NCCL's at the pace a late rank posts its receives and sends (a straggler's ring links
+    run at a fraction of its peers' pace)."""
     m = link_matrix(patterns)
     unjudged = np.isin(m.src, list(stragglers)) | np.isin(m.dst, list(stragglers))
     judged, pacing = m.judged & ~unjudged, m.pacing & ~unjudged
@@ -383,10 +383,9 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
         # transfer time from above (it also holds waiting for late peers), so the product is an upper bound.
         # So is the time the link had data to send beyond what its bytes need at the reference throughput,
         # and the tighter one where DDP's buckets all-reduce during the backward pass: COMM then spans the
-        # whole step on every rank (cnn-3, a 100 Mbit/s link: 0.72 from COMM for a true 0.21; 0.42 from bytes).
-        # Tighter still where the training thread's wait for its collectives is measured: only the transfer
-        # backward did not hide delays the step (cnn-3, one rank's links at a quarter pace: COMM and bytes
-        # bounds ~0.5 for a true 0.33; the wait 87 ms of 245 x 0.8: 0.28).
+        # whole step on every rank, and its bound reads several times the true cost. Tighter still where the
+        # training thread's wait for its collectives is measured: only the transfer backward did not hide
+        # delays the step.
         share = max(_comm_share(by_rank[r]) for r in ranks)
         exposed = max(_exposed_share(by_rank[r]) for r in ranks)
         extra_s = float(np.max(m.wire_s[rows] - m.bytes[rows] / reference))
@@ -443,7 +442,7 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     peers_bw = peers_median(np.where(valid, bandwidth, np.nan))
     with np.errstate(invalid="ignore"):
         # A slow link moves the bytes slower: a rank that finishes late at the peers' bandwidth was only
-        # descheduled at the end (4 CPU-bound ranks on 2 cores: 3.8 ms late at 69 vs 71 MB/s).
+        # descheduled at the end (CPU-bound ranks sharing cores finish late at their peers' bandwidth).
         share = LINK_BANDWIDTH_BESIDE_STRAGGLER if len(stragglers) else LINK_BANDWIDTH
         slower = ~(bandwidth > share * peers_bw)  # unknown bandwidth does not clear a rank
         flagged = np.flatnonzero((z >= Z_MIN) & (excess >= LINK_MIN_LATENESS * step) & slower

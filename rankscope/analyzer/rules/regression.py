@@ -34,8 +34,7 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
 
     # The probed functions and the host time outside them partition a step: which part grew the most on
     # (nearly) every rank? A wait's growth falls on the ranks that waited, so the largest growth may not be
-    # the change (cnn-3: the all-reduce +28 ms on two ranks of three, +6 ms on the third, beside host time
-    # +26 ms on all three).
+    # the change (an all-reduce grown on the ranks that wait in it, beside host time grown on every rank).
     parts = {name: (now.functions[name] - base.functions.get(name, 0.0), t.fn_s[valid, j], t.fn_roles[j])
              for j, name in enumerate(t.fn_names)}
     parts[None] = (now.host_s - base.host_s, t.host_s[valid], None)
@@ -78,8 +77,8 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
 
 def explaining(f: Finding, others: Sequence[Finding]) -> list[frozenset[int]]:
     """The ranks of each straggler among `others` whose delay is what regression `f` costs the whole job.
-    (Not a slow link: one seen in the window that straddles a regression's onset, cnn-3's, would have held
-    the regression back.)"""
+    (Not a slow link: a transient one in the window that straddles a regression's onset would hold the
+    regression back.)"""
     grown, step, ranks = f.evidence["grown_s"], f.evidence["step_time_s"], set(f.ranks)
     return [frozenset(o.ranks) for o in others
             if o.kind in STRAGGLERS and set(o.ranks) < ranks and o.cost * step >= STRAGGLER_SHARE * grown]
@@ -89,9 +88,8 @@ def restated(explained_by: Sequence[frozenset[int]], before: frozenset[int]) -> 
     """Whether a straggler that explains a regression (`explained_by`: explaining's) restates it: unless other
     ranks explained it in the last windows of the same run of slower ones (`before`). One rank's delay slows
     every step it is late in, so a straggler that costs the job its slowdown is late in all of them; where the
-    job's work grew on every rank, which rank lags moves from window to window (lm-2 +25% a step, both ranks'
-    host time +11-40 ms: rank 1 "explained" the first slower window, rank 0 the next two, and the regression,
-    never named, was not held through the deep windows the slowdown raised)."""
+    job's work grew on every rank, which rank lags moves from window to window, and each window's straggler
+    would otherwise hide the regression for good."""
     return any(before <= ranks for ranks in explained_by)
 
 

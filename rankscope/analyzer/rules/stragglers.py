@@ -30,11 +30,9 @@ def faulting(t: RankTable) -> np.ndarray:
     """Per row: the kernel time a step its page faults beyond its peers' cost it (0 where none, or unknown),
     which is not the rank's work. Ranks running the same code fault in different amounts of memory: glibc's
     malloc hands freed memory back to the OS or keeps it depending on each process's own history, and the
-    pages it hands back are faulted in again on the next step. Healthy cnn-3 (8 agent runs, 24 ranks, the
-    main threads' /proc): user time 54.5-59.8 ms a step, within 3 ms between the ranks of every run, while
-    time in the kernel ran 4-21 ms on 700-4,750 faults a step (4.2-5.6 us each), a rank 8-11 ms above its
-    peers in 4 runs: on a CPU that much longer and late at the collectives (the false compute stragglers of
-    the eighteenth and nineteenth sessions). Counted as the extra faults at the rank's own cost per fault, at
+    pages it hands back are faulted in again on the next step: healthy ranks alike in user time can differ
+    by a tenth of the step in the kernel, and be that much longer on a CPU and late at the collectives,
+    without being stragglers. Counted as the extra faults at the rank's own cost per fault, at
     most its extra kernel time: a rank whose kernel time grows without faults (a loader's reads) keeps it."""
     kernel = peer_deviation(t.kernel_s, 0.0)[1]
     faults = peer_deviation(t.faults, 0.0)[1]
@@ -131,11 +129,11 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             steps = peers_median(t.window_s[valid]) / step  # in the window
             arrives = _arrives_last(a, valid, step, steps, faults)
             thin, late_by = arrives.thin, arrives.late_by
-            # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings by
-            # 100 ms between the others (cnn-3: -97 and -10 ms, z 1.4-2.6 for a rank late in 99% of the steps
-            # by 75-100 ms): the instants decide, when the rank also waits in collectives for less than its
-            # peers by half its lateness or more (they wait for it: 106-120 ms less). A rank whose link is
-            # slow arrives late too, after its collectives ended late: it waits in them as long as its peers.
+            # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings
+            # between the others, hiding a rank late in nearly every step: the instants decide, when the rank
+            # also waits in collectives for less than its peers by half its lateness or more (they wait for it).
+            # A rank whose link is slow arrives late too, after its collectives ended late: it waits in them as
+            # long as its peers.
             far_less = comm_med - t.comm_s >= 0.5 * late_by
             surely = valid & arrives.always & (excess > 0) & far_less
             flagged = (flagged & arrives.last) | surely
@@ -147,36 +145,28 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             worked = busier & (excess >= STRAGGLER_MIN_EXCESS * step) & (late_by > 0)
             # ...or later than its peers at all, on average and in more of the steps, however little and whatever it
             # waits: where a rank had slack, its extra work fills it first, and on a host the job oversubscribes
-            # its spin takes the CPU its peers wait for (cnn-3, 9 processes on 2 CPUs: the spinner 6-8% of the step
-            # longer in user mode, late in 42-62% of the steps against its peers' 21-34%, by 1-6% of the step. In
-            # half the steps and 1.5 times as often as its peers, before: 3 of file 143's 5 windows unnamed, where
-            # a peer faulting 5,000 pages a step by malloc's history, 9-11 ms in the kernel, was late as often.
-            # Replayed on 2,745 kept runs: that and one window of file 88 moved to right, no other verdict moved).
+            # its spin takes the CPU its peers wait for, so it is late by little and in under half the steps,
+            # while its longer user time tells it from a peer late as often by its page faults.
             leads = busier & arrives.oftener
             # Its own work is also its host's wait for its own GPU: a slower GPU keeps the host no longer on a CPU,
-            # longer in its synchronizations (the simulated job's GPU 15% slower: 7.6% of the step longer in
-            # cuStreamSynchronize, on a CPU no longer, late by 5.8% in 58-60% of the steps: 2 of 5 windows unnamed).
+            # longer in its synchronizations.
             own_gpu = np.fmax(peer_deviation(np.where(valid, t.sync_s, np.nan), 0.0)[1], gpu_excess)
             # Page faults not excused are its own work, and on a host short of CPUs they take longer in wall time
-            # than on a CPU: at its share of the CPU while runnable (mlp-4, 4 ranks on 2 CPUs: faulting 14% of
-            # the step more at a 58% share, late by 31% of it, unnamed). Its faults only, not all its time on a
-            # CPU: scaled so, a healthy cnn-3 rank on a host loaded 5 deep (7% longer at a 36% share, late by 17%
-            # of the step) was named.
+            # than on a CPU: at its share of the CPU while runnable. Its faults only, not all its time on a
+            # CPU: scaled so, a healthy rank of a host loaded several deep would look as if it worked late.
             with np.errstate(divide="ignore", invalid="ignore"):
                 share = np.clip(np.nan_to_num(t.oncpu_s / (t.oncpu_s + t.runq_s), nan=1.0), 0.1, 1.0)
             waited = (paged - faults) * (1.0 / share - 1.0)
             works = ran + waited + np.clip(np.nan_to_num(own_gpu, nan=0.0), 0.0, None) >= SMALL_RAN * late_by
             # ...or a suspect at least where its user time is longer by SMALL_USER: along a pipeline its lateness
-            # grows beyond its own extra work (pipe-4's spinner, 2 s windows: late by 15-23% of the step, 5-8%
-            # longer in user mode: missed in 1 of 2 agent runs). Not on a CPU longer alone: a healthy cnn-3 rank
-            # ran 5-7% longer than its peers in four 2 s windows running (9 processes on 2 CPUs, faulting). Nor
-            # named from one window: a healthy cnn-3 rank on a host loaded 5 deep was late by 17% running 7%
-            # longer, its held lead 0.17.
+            # grows beyond its own extra work. Not on a CPU longer alone: a healthy rank faulting on an
+            # oversubscribed host runs longer for windows running. Nor named from one window: such a rank can be
+            # late by a sixth of the step.
             small = valid & (arrives.some | worked | leads) & (~flagged | thin) & (works | (user >= SMALL_USER * step))
             small &= waits_less | leads
-            # Named at once where its user time is longer in a window long enough to cut, however late it is: 2
-            # ranks on 2 CPUs lent to other guests a quarter of the time, the spinner 6-8% of the step longer in
-            # user mode and late by 20% of it (5 windows of 5 unnamed), healthy ranks within 2%.
+            # Named at once where its user time is longer in a window long enough to cut, however late it is:
+            # healthy ranks stay within a few percent of the step in user time, where its lateness alone may not
+            # tell (vCPUs lent to other guests make every rank late now and then).
             held = small & ((works & through) | busier)
             steady = valid & ~np.isfinite(a.held_lead) & (outlier | (late_by > 0))
             steady &= (user >= SMALL_USER * step) & ~flagged & ~small
@@ -230,11 +220,9 @@ def _runq_excess(t: RankTable) -> np.ndarray:
 def _contended(t: RankTable, rows: np.ndarray, found: Straggling) -> np.ndarray:
     """The straggling rows whose extra time is waiting for a CPU, not computing: at least CONTENTION_SHARE of
     it, while the rank ran hardly longer than its peers (under CONTENTION_RAN of it). A hog's victim does
-    the same work as its peers (it ran at most 0.06 of its extra time beyond theirs, in 10 windows: lm-2-long
-    197 ms more runnable, 5 ms more on CPU). A rank that works longer on a busy host waits longer for a CPU
-    too, and on a host loaded 5 deep more than it ran: a GC storm under helpers' test runs, 168 ms more on
-    CPU and 178 ms more runnable a step; a compute straggler, 12.1 and 10.9 ms; those ran at least 0.31 of
-    their extra time."""
+    the same work as its peers, and runs only a few percent of its extra time beyond theirs. A rank that works
+    longer on a busy host waits longer for a CPU too, on a host loaded several deep more than it ran, but runs
+    a third of its extra time or more beyond its peers."""
     runq = _runq_excess(t)[rows]
     ran = found.ran[rows]
     excess = found.excess
@@ -267,7 +255,7 @@ def _peers_of(valid: np.ndarray, i: int) -> np.ndarray:
     """The rows row `i` is compared with where its extra time lies: the others in a small job, as its work is
     (peer_deviation; of two ranks, a median over both halves the difference). Of three ranks, with itself among
     them, a straggler whose one peer is slow too is the median: no time beyond its peers' outside probed
-    functions, and a garbage collector's microsecond more named it python_gc (cnn-3, a tenth of the step spun)."""
+    functions, and a garbage collector's microsecond more would name it python_gc."""
     peers = valid.copy()
     if np.count_nonzero(valid) <= LEAVE_ONE_OUT_MAX:
         peers[i] = False
@@ -347,7 +335,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
 
     # Where the excess lies: the function (or host time outside probes) furthest above its peers' median, a
     # function where it holds PYTHON_SHARE of the excess at least: where a straggler's host time is no longer
-    # than its peers', a garbage collector 0.02 us longer named a spinner python_gc (cnn-3, 5.5 ms spun a step).
+    # than its peers', a garbage collector microseconds longer would name a spinner python_gc.
     cols = [j for j, r in enumerate(t.fn_roles) if r != Role.COMM]
     comm_cols = [j for j, r in enumerate(t.fn_roles) if r == Role.COMM]
     waited_in = None  # the collective the peers spend most time in: where they wait for the straggler
@@ -376,9 +364,8 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         timed = _python_excess(t.timed_names, t.timed_s, i, valid, excess[i])
         kind = "python_gc" if component == "python" else "compute_straggler"
         # The one holding more of the extra time; of two alike, the exactly timed one (a sampled estimate is
-        # noisier). Not the timed one whatever it holds: of 4 ranks on 2 CPUs, the loader's timed __next__ of a
-        # rank spinning before its optimizer step grew 0.4 ms a step, waiting for a CPU, where the sampled spin
-        # held 1.8 ms, and the rank was named an input straggler.
+        # noisier). Not the timed one whatever it holds: on a host short of CPUs a spinning rank's timed loader
+        # call grows a little too, waiting for a CPU, and would name an input straggler.
         named = max(filter(None, (timed, python)), key=lambda x: x[1], default=(None, 0.0))[0]
         if named is not None and component == "cpu":  # time outside CUDA/NCCL: the Python function is the where
             function = named
@@ -386,10 +373,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
                 kind, component = "input_straggler", "input"
         # Its extra time, as its cost takes it (below): the longest of its work, on a CPU and in user mode beyond
         # its peers'. Not its work alone: where its spin takes the CPU its peers wait for, they work as long as it
-        # does (cnn-3, 9 processes on 2 CPUs: work -0.8 ms, 6.8 ms longer in user mode), and "-0.8 ms longer per
-        # step" beside "costs 8% of step time" reads as nonsense. Replayed on 2,745 kept runs, the median of this
-        # time against the delay injected moved nearer it in 16 of the 19 cases it moved in by 2 points or more
-        # (cnn-3's compute-small -21% to +2%, mlp-3-io's -25% to -8%), as near in one, further by 4 points at most.
+        # does, and "-0.8 ms longer per step" beside "costs 8% of step time" would read as nonsense.
         extra = float(np.nanmax([excess[i], found.ran[i], found.user[i]]))
         groups.setdefault((kind, component, function), []).append({
             "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": extra + float(found.excused[i]),
@@ -409,21 +393,12 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         ranks = [r["rank"] for r in per_rank]
         # What-if: without the straggler(s) the step shrinks by the extra work a step of the slowest of them.
         # Not by the others' wait for it read from the arrivals: in a short step the host's noise adds to that
-        # wait (mlp-2, 6 ms steps: 1.2 ms waited for 0.6 ms spun), and where the job oversubscribes its host
-        # the others' own lateness, partly the straggler's doing (it holds a CPU they need), hides it (pipe-4's
-        # straggler -35%). Over 360 kept windows of injected delays the extra work read within 30% of the
-        # delay in 340, the wait in 286; against the job's own step before the onset both in 3 of 4. Its work,
-        # its time on a CPU or in user mode beyond its peers', the longest: where ranks share CPUs each of them
-        # reads short in its own way. Its peers wait for it while it runs on a CPU of its own, so its work reads
-        # short of what it ran (mlp-3-io, a tenth of the step spun: work 5.8-6.7% of the step, on a CPU 7-8%);
-        # its peers fault in more memory in the kernel, so its time on a CPU does (cnn-3's spinner: on a CPU
-        # 1.5-2.9% longer, in user mode 6.2-7.2%). Replayed on the kept corpus (files 88-94), the cost against
-        # the injected delay went from -31% to -9% in mlp-3-io (-27% to -10% in the agent), -55% to -26% in
-        # cnn-3, -24% to -11% for pipe-4's large spin, and no case moved further from it by over 3 points.
+        # wait, and where the job oversubscribes its host the others' own lateness, partly the straggler's doing
+        # (it holds a CPU they need), hides it. Its work, its time on a CPU or in user mode beyond its peers',
+        # the longest: where ranks share CPUs each of them reads short in its own way (its peers wait for it
+        # while it runs, so its work reads short; they fault in more memory, so its time on a CPU does).
         # Its page faults within the ranks' usual spread (excused) count only where they are what it is named
-        # for: beside a spin they are the spread, not the fault. cnn-3's spinner faults 3-9% of the step more than
-        # its peers in most windows; replayed on files 88-103, its cost against the spin went from +41% to -3%,
-        # and no other case moved by over 11 points (pipe-4's agent: -2% to -13%).
+        # for: beside a spin they are the spread, not the fault.
         cost = float(np.clip(max(r["cost_s"] for r in per_rank) / step, 0.0, 1.0))
         caller = per_rank[0]["python_function"]
         where = {"gpu": f"GPU work, waits in {function}" + (f" called from {caller}" if caller else ""),
@@ -475,8 +450,7 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
                       for n in p.neighbours]
         # The victim's threads also wait for a CPU inside the collectives (gloo's work runs on its own threads
         # there), which stretches them for every rank and is not the rank's extra work: the main thread's wait
-        # for a CPU is what the job loses when that is the larger (mlp-2 under a hog: 3.2 ms more runnable a
-        # 7.4 ms step than its peer, 3.6 ms lost against the job without the hog).
+        # for a CPU is what the job loses when that is the larger.
         lost = max(float(excess[i]), float(np.nan_to_num(runq_excess[i])))
         cost = float(np.clip(lost / step, 0.0, 1.0))
         who = ", ".join([f"{n['name']} (pid {n['pid']})" for n in neighbours if not n["job"]][:2]) or "other tasks"
