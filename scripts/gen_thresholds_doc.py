@@ -26,8 +26,6 @@ def value(t: Threshold) -> str:
         return f"{v * 1e6:g} us"
     if t.unit.startswith("bytes") and v >= 1 << 10:
         return f"{v / (1 << 20):g} MiB" if v >= 1 << 20 else f"{v / (1 << 10):g} KiB"
-    if t.unit == "s":
-        return f"{v:g} s"
     return f"{v:g}"
 
 
@@ -35,7 +33,7 @@ def table() -> str:
     """The section's body: a table per family, in FAMILIES' order."""
     out = []
     for family, title in FAMILIES.items():
-        out += [f"#### {title}", "", "| name | value | unit | meaning |", "|---|---|---|---|"]
+        out += [f"### {title}", "", "| name | value | unit | meaning |", "|---|---|---|---|"]
         out += [f"| `{t.name}` | {value(t)} | {t.unit} | {t.meaning} |"
                 for t in THRESHOLDS.values() if t.family == family]
         out.append("")
