@@ -287,8 +287,8 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
 def _sends_between_slow(m: LinkMatrix, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray, r: int) -> bool:
     """Whether rank r sends to other peer groups, and every such TCP link runs below 1/TCP_SLOW_FACTOR_IN_GROUP
     of its role's links that do not touch r: its group peers' sends of the same tensors to the same stage.
-    Alone this says little (a stage's sends wait for the reading stage: a healthy rank's run at a fraction of its
-    stage peer's); it says which end of a stage of two's one slow pair is the slow one."""
+    Alone this says little (a stage's sends wait for the reading stage: a healthy rank's sends can run at a
+    fraction of its stage peer's); it says which end of a stage of two's one slow pair is the slow one."""
     mine = np.flatnonzero(pacing & roles.between & m.tcp & (m.src == r))
     if not mine.size:
         return False
