@@ -8,17 +8,18 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline, Comparison, Reference, StepProfile
+from rankscope.analyzer.baseline import Baseline, Comparison, Reference, StepProfile
 from rankscope.analyzer.differential import align_collectives
 from rankscope.analyzer.metrics import RankTable, rank_table
 from rankscope.analyzer.peers import peer_groups
 from rankscope.analyzer.rules.gpu import gpu_straggler, gpu_throttle, launch_bound
-from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
+from rankscope.analyzer.rules.hangs import HANGS, hang
 from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
 from rankscope.analyzer.rules.regression import explaining, regression, restated
 from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
 from rankscope.analyzer.stability import confirm_span, confirm_windows
+from rankscope.analyzer.thresholds import DEFAULT_HANG_TIMEOUT_S, SLOWDOWN_THRESHOLD
 from rankscope.schema.finding import Finding, plain
 from rankscope.schema.patterns import RankPattern
 
@@ -89,20 +90,20 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     # collective instants, serves jobs without the plugin and adds only what the matrix does not cover.
     measured = link_findings(table.patterns, {r for f in found for r in f.ranks} | self_contended)
     # ...nor what the matrix's slow links explain: in a ring, the rank receiving over a slow rank's link
-    # finishes its all-reduces last (mlp-4: the matrix named rank 3, the timing rule rank 2, its receiver).
+    # finishes its all-reduces last, and the timing rule would name that receiver beside the slow rank.
     covered = {r for f in measured for r in f.ranks} | {r for f in measured for row in f.evidence["links"]
                                                          for r in (row["src"], row["dst"])}
     found += measured + [f for f in timed if not set(f.ranks) <= covered]
-    # Has the whole job changed? Asked beside the other findings too: one that held a single window (a slow
-    # link's transient) hid the regression of every rank's host time in the first slow windows, and deep
-    # detail, raised by the slowdown, then kept it from being compared for a minute (cnn-3, 1 run of 52). A
-    # regression in the collectives beside other findings restates them: the peers wait for the straggler.
+    # Has the whole job changed? Asked beside the other findings too: a finding of a single window (a slow
+    # link's transient) must not hide a regression of every rank in its first slow windows, as deep detail,
+    # raised by the slowdown, then keeps it from being compared. A regression in the collectives beside other
+    # findings restates them: the peers wait for the straggler.
     if reference is not None:
         now = profile if profile is not None else StepProfile.of(table)
         found += [f for f in regression(table, reference, now, slowdown_threshold)
                   if not found or f.component != "link"]
     # ...unless a whole-job regression named every rank: the job being slower than its baseline does not say
-    # which rank it waits for (cnn-3: a tenth of the step spun on one rank, +13%, hid it for 20 s).
+    # which rank it waits for (a straggler slows the whole job too, and would hide behind it).
     named = {r for f in found if f.kind != "regression" for r in f.ranks}
     found += [f for f in small if not named & set(f.ranks)]
     return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
@@ -140,7 +141,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     hung = any(f.kind in HANGS for f in findings)
     # Per-rank columns (seconds per step) as plain lists once (100,000 ranks: no per-value conversion calls).
     # input_s (data loading) is part of host_s; gc_s and runq_s (waiting for a CPU) are the page's and the
-    # metrics' too (issue 18).
+    # metrics' too.
     values = [[None] * len(analyzed) if hung else _seconds(getattr(table, attr))
               for attr in ("step_s", "sync_s", "comm_s", "host_s", "input_s", "gc_s", "runq_s")]
     profile = None if hung else profile
@@ -152,8 +153,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         baseline.compared = compared
     if baseline is not None and comparable:
         # A window the threshold above the baseline but within its noise is no regression yet, nor the job's
-        # normal: left out, so that a slowdown cannot creep into the baseline and widen its noise (lm-2, its
-        # windows swinging +-25% before the onset: +60-90% after it was never named once they had joined).
+        # normal: left out, so that a slowdown cannot creep into the baseline and widen its noise until the
+        # slowdown is within it.
         # The window the agent attached in neither joins nor continues a run: the attach shared the job's CPUs.
         if not any(map(_attaching, patterns)):
             above = reference is not None and profile is not None and reference.above(profile.step_s,
@@ -187,8 +188,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
 
 def _attaching(p: RankPattern) -> bool:
     """A window that began when the agent began watching the rank: its probes were being compiled and placed
-    on the job's CPUs meanwhile (lm-2 on 2 vCPUs: 282 ms steps in that window, 173-177 ms in the next three;
-    joining the baseline, it made the spread 33 ms, and a +30% regression was never named in 20 windows)."""
+    on the job's CPUs meanwhile, so its steps run slow, and joining the baseline it would widen its noise."""
     return p.since is not None and p.window_start <= p.since
 
 

@@ -27,25 +27,9 @@ import numpy as np
 from rankscope.analyzer.functions import FunctionTable
 from rankscope.analyzer.medians import row_medians
 from rankscope.analyzer.records import Collectives
+from rankscope.analyzer.thresholds import (BURSTS_SEEN, FAR_GAP, LONG_GAP, LONG_MEAN, MIN_REPEATS, MISSED_BURSTS,
+                                           SHORT_SEQUENCE, WHOLE_STEPS, WINDOW_STEPS)
 from rankscope.schema.patterns import RankPattern, Role
-
-MIN_REPEATS = 2  # a period must be seen at least twice to be believed
-WHOLE_STEPS = 0.5  # share of the runs of k collectives that must hold a whole step (order varies at the edges)
-LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times the median one is long...
-# ...and at least this share of the mean gap: NCCL's calls only enqueue, so a step's bucket all-reduces leave
-# gaps of 5-160 us between them, and one of 0.16 ms among 0.01 ms ones was "long" (the sim's 12 buckets: no
-# burst seen, its step read at a twelfth). A step's long gap is never under the mean (it holds the rest).
-LONG_MEAN = 0.25
-BURSTS_SEEN = 3  # bursts a one-kind sequence must show to be believed...
-SHORT_SEQUENCE = 64  # ...unless it is this short (a light pattern's collectives): then two...
-# ...where they stand this far out (x the median gap): two places of a lattice show two long gaps K apart, as any
-# two long gaps are. A step's forward pass stands 10x (gloo's buckets, backward between them) to 1000x (NCCL's,
-# only enqueued) above its buckets' gaps; two hiccups of an agent's light window of mlp-4 (one all-reduce a
-# 10.9 ms step) 2.3x, 29 calls apart, read as a 317 ms step.
-FAR_GAP = 5.0
-MISSED_BURSTS = 8  # 1 in this many bursts may lack its long gap (a step that ran short)
-WINDOW_STEPS = 20  # steps in the window for the call counts to give the step (edges cost at most 1/20)
-
 
 def _key_ids(keys: Sequence) -> np.ndarray:
     ids: dict = {}
@@ -65,12 +49,8 @@ def _candidates(keys: np.ndarray) -> list[_Candidate]:
     either end), add up to k, and fill most runs of k consecutive collectives exactly. Order within a step is
     not required: a step's collectives may complete in any order.
     A key called `per` times a step may hold up to ~`per` calls more or fewer than its share: the sequence
-    cuts a step at either end. A tighter bound (1.5 calls) lost the true period of a pipeline stage (14
-    collectives, 3 of them one bucket's all-reduce, 12 of 64 shipped where 13.7 were its share) and left
-    names alone to decide: 13 all-reduce-heavy collectives filled half the runs, a step 11% short. A looser
-    one (1.5 calls for a key called once a step) took 12 for an H200 NCCL job's 14 (6 + 6 all-reduces of two
-    sizes, a send, a receive; 9 steps shipped): 5 + 5 + 1 + 1 filled most runs of 12, the send's 9 calls 1.5
-    from the 10.5 twelve implies, and the step read 16% short."""
+    cuts a step at either end. A tighter bound loses the true period of a key called several times a step;
+    a looser one (1.5 calls for a key called once a step) lets a shorter period pass and reads the step short."""
     n = keys.size
     uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
     positions = [np.flatnonzero(keys == u) for u in uniq]
@@ -107,9 +87,7 @@ def _periods(enter: np.ndarray, candidates: list[_Candidate]) -> tuple[np.ndarra
     if len(candidates[0].keys) == 1 and enter.shape[1] > 2:
         ks = _burst(enter, {c.k for c in candidates})
         # Bursts are the job's: the ranks of one sequence show the same ones. A period most of them do not share
-        # is hiccups on one rank that fell K calls apart (an agent's light window of 64 all-reduces of the 2-rank
-        # MLP: two 16 ms gaps 31 calls apart on rank 1 made a 203 ms "step" of a 6 ms job, and the job's
-        # step, the median of two ranks, 104 ms).
+        # is hiccups on one rank that fell K calls apart, and would read as a step K times too long.
         periods, seen = np.unique(ks, return_counts=True)
         ks = np.where(np.isin(ks, periods[seen * 2 > rows]), ks, candidates[0].k)
     step = np.full(rows, np.nan)
@@ -127,10 +105,10 @@ def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     """Per row of one kind of collective: K when its long gaps (LONG_GAP x the median gap, LONG_MEAN x the mean
     at least) fall every K calls, at one phase, at least BURSTS_SEEN times (twice in a short sequence, far out:
     FAR_GAP); else 1.
-    Any two long gaps recur at some spacing: two hiccups of a one-call step 218 calls apart made a 218-step
-    "burst" (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three.
-    The lattice need not be exact: a hiccup inside a burst (a 0.4 ms gap among the sim's 12 buckets 10 us
-    apart, beside the test suite's load) broke an exact one and the step read a twelfth. At most 1 in
+    Any two long gaps recur at some spacing (two hiccups of a one-call step K calls apart would make a K-call
+    "burst"), so a sequence long enough to show three must show three.
+    The lattice need not be exact: a hiccup inside a burst (a CPU turn lost between buckets microseconds apart)
+    would break an exact one and read the step at a fraction. At most 1 in
     MISSED_BURSTS of the lattice's places may lack its long gap, and at most half as many long gaps as it holds
     may fall off it (a multiple of K, which holds every other burst, has as many off it as on)."""
     gaps = np.diff(enter, axis=1)
@@ -184,8 +162,7 @@ def _over_window(functions: FunctionTable, rows: np.ndarray, window_s: np.ndarra
     the window holds WINDOW_STEPS steps or more. With fewer the edges (a step cut by the window's start or end)
     weigh too much, and the `spans` of the shipped collectives, the window's last steps only, are held within
     what the counts allow: the window lasts between n - 1 and n + 1 steps. A job whose steps change within the
-    window is not its last steps (pipe-4 beside an on-and-off neighbour, 19 steps of 109 ms a window: its last
-    four read 126 ms)."""
+    window (a neighbour's load coming and going) is not its last steps."""
     steps = functions.count_of(op)[rows] / per_step
     with np.errstate(divide="ignore", invalid="ignore"):
         lo = np.where(steps >= 1, window_s[rows] / (steps + 1), 0.0)  # no count: the spans alone

@@ -7,29 +7,19 @@ from operator import attrgetter
 
 import numpy as np
 
-from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, peer_deviation, peers_median
+from rankscope.analyzer.differential import peer_deviation, peers_median
 from rankscope.analyzer.metrics import HOST_COLLECTIVES, RankTable
-from rankscope.analyzer.rules.stragglers import MIN_RANKS, PAIR_RANKS, STRAGGLER_MIN_EXCESS, straggling
+from rankscope.analyzer.rules.stragglers import straggling
 from rankscope.analyzer.rules.wording import ms, rank_list
+from rankscope.analyzer.thresholds import (CLOCK_DROP, LAUNCH_GAP_MAX_S, LAUNCH_SYNC_MAX, MIN_RANKS, PAIR_RANKS,
+                                           QUEUE_AHEAD_S, SMALL_KERNEL_S, STRAGGLER_MIN_EXCESS, VOID_MIN, Z_FLOOR,
+                                           Z_MIN)
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import NCCL_KERNELS, Role
 
-CLOCK_DROP = 0.10  # a GPU whose SM clock is this far below its peers' (as a fraction of max) is throttled
 THROTTLE_REASONS = {0x4: "software power cap", 0x8: "hardware slowdown", 0x10: "sync boost",
                     0x20: "software thermal slowdown", 0x40: "hardware thermal slowdown",
                     0x80: "hardware power brake"}  # nvmlClocksEventReason bits that slow a GPU down
-VOID_MIN = 0.30  # GPU idle share of the window (XPUTimer's "void percentage") that makes a rank launch-bound
-LAUNCH_SYNC_MAX = 0.10  # ... while the host waits for its GPU at most this share: the GPU waits for the host
-SMALL_KERNEL_S = 50e-6  # ... and its kernels are short on average (launch cost rivals kernel time)
-# ... unless its launches wait in the GPU's queue: a median launch-to-kernel-start delay this long (CUPTI
-# correlation, deep mode) means the host runs ahead of the GPU, so the idle gaps are not the launch path's.
-# An idle GPU starts a kernel ~5-20 us after its launch call returns.
-QUEUE_AHEAD_S = 100e-6
-# ...and the GPU idles only briefly between one kernel and the next, on average (the idle time over the kernels):
-# a launch and PyTorch's dispatch around it take 5-50 us. Longer gaps are the host busy with other work than
-# launching (an H200 gloo job: 0.65 ms between 18 us kernels, its host in autograd, pinning batches and copies:
-# idle 71%, named launch-bound on a healthy job in 3 windows of 3), which the host-side rules weigh.
-LAUNCH_GAP_MAX_S = 100e-6
 
 
 def _reasons(bits: int) -> list[str]:
@@ -86,8 +76,7 @@ def gpu_straggler(t: RankTable, named: set[int]) -> list[Finding]:
     """Ranks whose GPU works longer a step than their peers' (gpu_work) by STRAGGLER_MIN_EXCESS of the step,
     where no host-side rule named them (`named`). NCCL runs collectives on the GPU: the peers wait for a
     straggler inside NCCL's kernels and every host blocks in the same synchronization for as long, so step - COMM
-    and the collectives' instants are alike on every rank (an H200, four NCCL ranks sharing it, one with 8x
-    the matrix products: nothing named in 3 windows of 3; its GPU worked 19-37 ms a step, its peers' 1-3.5).
+    and the collectives' instants are alike on every rank: only the GPU's own busy time tells the straggler.
     Two ranks are decidable: the one that works longer is the one waited for."""
     step = t.job_step_s
     work = gpu_work(t)
@@ -132,8 +121,7 @@ def launch_bound(t: RankTable) -> list[Finding]:
         if g.kernels == 0:
             continue
         # The GPU's idle share that the host's waits in host-side collectives and copies leave unexplained: a
-        # rank waiting there for a straggler launches nothing and its GPU idles (H200, gloo: the three ranks
-        # waiting for a slow peer had their GPU idle 95% of the window, 53% of it in gloo, 19% in copies).
+        # rank waiting there for a straggler launches nothing and its GPU idles, which is not its launch path's.
         waits = p.time_in(Role.COPY) + sum(f.total_s for name, f in p.functions.items()
                                            if f.role == Role.COMM and HOST_COLLECTIVES.match(name))
         void = 1.0 - min(g.busy_s / p.window_s, 1.0) - waits / p.window_s

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from rankscope.analyzer.thresholds import DEFAULT_HANG_TIMEOUT_S
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import RankPattern
 
-DEFAULT_HANG_TIMEOUT_S = 30.0
 HANGS = frozenset({"noncomm_hang", "comm_hang"})  # the kinds this module finds
 
 

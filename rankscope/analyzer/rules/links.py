@@ -26,60 +26,18 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
+from rankscope.analyzer.differential import Alignment, peer_deviation, peers_median
 from rankscope.analyzer.metrics import HOST_COLLECTIVES, HOST_P2P, RankTable
 from rankscope.analyzer.peers import peer_groups
-from rankscope.analyzer.rules.stragglers import MIN_RANKS, decidable
+from rankscope.analyzer.rules.stragglers import decidable
 from rankscope.analyzer.rules.wording import range_ms, rank_list
+from rankscope.analyzer.thresholds import (EXACT_ROLE_LINKS, FAST_TCP_WIRE_S, LINK_BANDWIDTH,
+                                           LINK_BANDWIDTH_BESIDE_STRAGGLER, LINK_MIN_LATENESS, MATRIX_MAX_RANKS,
+                                           MIN_BYTES, MIN_LINKS, MIN_NODE_LINKS, MIN_RANKS, MIN_STEPS,
+                                           MIN_TCP_SEND_BYTES, MIN_TCP_WIRE_S, SLOW_FACTOR, TCP_SLOW_FACTOR,
+                                           TCP_SLOW_FACTOR_IN_GROUP, Z_FLOOR, Z_MIN)
 from rankscope.schema.finding import Finding
 from rankscope.schema.patterns import LinkStats, RankPattern, Role
-
-LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
-LINK_BANDWIDTH = 0.7  # ...at a bandwidth below this share of the peers' (the transfer as the rank saw it; a
-# healthy mlp-4 rank on a host loaded 5 deep finished 1.1 ms late at 0.88 of its peers')
-# ...or below this share where a straggler was found: the rank receiving over its ring link finishes late
-# too (mlp-4, 4 ranks on 2 loaded cores: at 0.84-0.90 of its peers' bandwidth); the accuracy matrix's slow
-# links ran at 0.01-0.29.
-LINK_BANDWIDTH_BESIDE_STRAGGLER = 0.5
-MIN_STEPS = 8  # network steps over a link in the window before its throughput is judged...
-MIN_BYTES = 1 << 20  # ...and bytes: a few small steps measure latency, not bandwidth
-MIN_LINKS = 3  # judged links of a role: with two, which one is "the others"?
-SLOW_FACTOR = 1.5  # a link below the median of its role's links divided by this is slow
-# TCP's throughput also follows who gets a CPU when the host is short of them (loopback copies are CPU work):
-# healthy links of one job ranged 134-333 MB/s beside a rank spinning on a core. A slow TCP link must run at
-# a third of the links it is compared with (the rate-limited link of the accuracy matrix: 12 MB/s vs
-# 100-500 MB/s)...
-TCP_SLOW_FACTOR = 3.0
-# ...or at half the links of its own peer group: they carry the same collectives, so they keep pace with each
-# other. In the accuracy matrix's kept windows (2026-11-27), every rank of one group had a link at 0.74 of its
-# group's others or faster (90 healthy windows of cnn-3, mlp-3-io, mlp-4), while the links of a stage of two
-# ranks, compared with the other stage's (a different part of the model), fell to 0.45 (pipe-4); cnn-3's
-# rate-limited rank (100 Mbit/s against ~35 MB/s of loopback on a CPU-starved host) had both its links at
-# 0.26-0.41 of the third link (30 windows), which a third missed in 8.
-TCP_SLOW_FACTOR_IN_GROUP = 2.0
-# ...and half suffices too where a rank has no group peer but its own pair (a pipeline stage of two), and its
-# sends to the other stage run at half its stage peer's as well (_sends_between_slow). pipe-4's rank 3 behind a
-# quarter-pace link (corpora 88-102, 10 windows): its stage's links at 0.22-0.36 of the other stage's, which
-# differ by design (healthy windows: 0.34 and up), and its sends to stage 0 at 0.17-0.31 of rank 2's. No rank
-# of 200 other windows had both below 0.5 (within below 0.5: sends at 0.69 or more; sends below 0.5: within at
-# 0.50 or more, rank 1 sending to a rank 3 slowed by GC or compute, whose links are not judged once it is named).
-MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (not one link) the suspect
-# TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
-# send, over which a transfer's rounding to whole ticks averages out.
-MIN_TCP_WIRE_S = 0.05
-# A TCP link with less time than that moved its bytes faster than the ticks can time (70 MB in 44 ms between
-# two ranks on loopback). It is never judged slow, but it still sets the pace its role's links are compared
-# with, at no more than its bytes over FAST_TCP_WIRE_S: a floor on its speed that a tick count off by half
-# still clears. Without it, a ring of three with one rate-limited rank kept only that rank's two links and
-# found nothing (1 window of 8).
-FAST_TCP_WIRE_S = 2 * MIN_TCP_WIRE_S
-# ...and on bulk transfers: sends of a few KB (a small model's gradients, 1.4 KB a send) are bound by round
-# trips and by when each end gets a CPU, not by bandwidth. Three ranks on two cores moving 1.4 KB a send
-# showed 2-7 MB/s on loopback; gloo moves ~48 KB a send for a 450 KB gradient.
-MIN_TCP_SEND_BYTES = 4 << 10
-EXACT_ROLE_LINKS = 64  # up to this many links in a role, a rank is compared with exactly the links it lacks
-MATRIX_MAX_RANKS = 32  # up to this many ranks, evidence carries the whole dense matrix
-
 
 @dataclass(frozen=True)
 class LinkMatrix:
@@ -221,7 +179,7 @@ class LinkRoles:
     """Per link, a role id: links measured the same way between the same two peer groups share one, and so do
     the links within a group, whichever group: the all-reduces of every pipeline stage move gradients at the
     link's pace, while activations between stages move at the reading stage's. A stage of two ranks has only
-    its pair's two links to compare (pipe-4: both touch the slow rank 3, at 11-12 MB/s beside stage 0's 65-84)."""
+    its pair's two links to compare, and both touch a slow rank of the pair."""
 
     id: np.ndarray
     between: np.ndarray  # bool: the link joins two peer groups (pipeline stages)
@@ -265,8 +223,8 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: Li
     move the median, so there the role's median stands in: one pass over 100,000 ranks' links.
     A link between two suspects is the worse one's: its neighbour is judged again without it (a pass per
     such chain, usually one). In a ring of four, the rank sending to a slow rank has that link and one more,
-    and TCP over loopback runs at the pace its ends get a CPU: mlp-4's rank 0 had 12 MB/s to the slow rank 3
-    and 46 MB/s from rank 1, against 174 MB/s, and was a second suspect beside rank 3 (12-13 MB/s)."""
+    and TCP over loopback runs at the pace its ends get a CPU: both its links can fall below the bar, and it
+    would be a second suspect beside the slow rank."""
     found: dict[int, float] = {}
     judged, pacing = judged.copy(), pacing.copy()
     while True:
@@ -288,7 +246,7 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
     """One pass of _slow_nodes: rank -> (the throughput its links fell short of, the median share of it
     they reached: the lower, the surer). A link between pipeline stages moves at the reading stage's pace, so
     it only clears a rank (at or above its reference), never accuses one: the stage a slow rank holds up
-    reads slowly from every sender (pipe-4: 1 -> 3 at 5.6 MB/s, 0 -> 2 at 10 MB/s)."""
+    reads slowly from every sender."""
     role = roles.id
     median, count = _role_medians(pacing, role, bw)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
@@ -329,8 +287,8 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
 def _sends_between_slow(m: LinkMatrix, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray, r: int) -> bool:
     """Whether rank r sends to other peer groups, and every such TCP link runs below 1/TCP_SLOW_FACTOR_IN_GROUP
     of its role's links that do not touch r: its group peers' sends of the same tensors to the same stage.
-    Alone this says little (a stage's sends wait for the reading stage: healthy pipe-4 ranks sent at 0.25-0.4
-    of their stage peer's); it says which end of a stage of two's one slow pair is the slow one."""
+    Alone this says little (a stage's sends wait for the reading stage: a healthy rank's sends can run at a
+    fraction of its stage peer's); it says which end of a stage of two's one slow pair is the slow one."""
     mine = np.flatnonzero(pacing & roles.between & m.tcp & (m.src == r))
     if not mine.size:
         return False
@@ -390,9 +348,9 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
     """`slow_link` findings from the link matrix: a rank all of whose links (two or more) are slow is the
     suspect (its NIC or host), reported once; any other slow link is reported as exactly that pair.
     `stragglers`: ranks already found slow for their own reasons; their links are not judged. TCP moves bytes
-    at the pace the ends' CPUs allow (a GC storm on rank 2 of three on two cores left rank 0's loopback links
-    5-7x slower than the third link), and NCCL's at the pace a late rank posts its receives and sends (an H200
-    job, a rank reading its input 23% of the step longer: both its ring links at half its peers' pace)."""
+    at the pace the ends' CPUs allow (a straggler busy on a shared core slows its neighbours' loopback links
+    several-fold), and NCCL's at the pace a late rank posts its receives and sends (a straggler's ring links
+    run at a fraction of its peers' pace)."""
     m = link_matrix(patterns)
     unjudged = np.isin(m.src, list(stragglers)) | np.isin(m.dst, list(stragglers))
     judged, pacing = m.judged & ~unjudged, m.pacing & ~unjudged
@@ -425,10 +383,9 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
         # transfer time from above (it also holds waiting for late peers), so the product is an upper bound.
         # So is the time the link had data to send beyond what its bytes need at the reference throughput,
         # and the tighter one where DDP's buckets all-reduce during the backward pass: COMM then spans the
-        # whole step on every rank (cnn-3, a 100 Mbit/s link: 0.72 from COMM for a true 0.21; 0.42 from bytes).
-        # Tighter still where the training thread's wait for its collectives is measured: only the transfer
-        # backward did not hide delays the step (cnn-3, one rank's links at a quarter pace: COMM and bytes
-        # bounds ~0.5 for a true 0.33; the wait 87 ms of 245 x 0.8: 0.28).
+        # whole step on every rank, and its bound reads several times the true cost. Tighter still where the
+        # training thread's wait for its collectives is measured: only the transfer backward did not hide
+        # delays the step.
         share = max(_comm_share(by_rank[r]) for r in ranks)
         exposed = max(_exposed_share(by_rank[r]) for r in ranks)
         extra_s = float(np.max(m.wire_s[rows] - m.bytes[rows] / reference))
@@ -485,7 +442,7 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     peers_bw = peers_median(np.where(valid, bandwidth, np.nan))
     with np.errstate(invalid="ignore"):
         # A slow link moves the bytes slower: a rank that finishes late at the peers' bandwidth was only
-        # descheduled at the end (4 CPU-bound ranks on 2 cores: 3.8 ms late at 69 vs 71 MB/s).
+        # descheduled at the end (CPU-bound ranks sharing cores finish late at their peers' bandwidth).
         share = LINK_BANDWIDTH_BESIDE_STRAGGLER if len(stragglers) else LINK_BANDWIDTH
         slower = ~(bandwidth > share * peers_bw)  # unknown bandwidth does not clear a rank
         flagged = np.flatnonzero((z >= Z_MIN) & (excess >= LINK_MIN_LATENESS * step) & slower
