@@ -154,7 +154,8 @@ def launch_bound(t: RankTable) -> list[Finding]:
             per_rank.append({"rank": int(t.rank[i]), "void_share": void, "gpu_busy_s": g.busy_s, "gap_us": gap * 1e6,
                              "window_s": p.window_s, "sync_share": sync_share, "mean_kernel_us": mean_kernel * 1e6,
                              "kernels": g.kernels, "kernels_per_s": g.kernels / p.window_s})
-            why += _launch_why(int(t.rank[i]), void, sync_share, mean_kernel, gap, g.queue_p50_s if g.launches else None)
+            why += _launch_why(int(t.rank[i]), void, sync_share, mean_kernel, gap,
+                               g.queue_p50_s if g.launches else None)
             if g.launches:  # joined launches: how long each waited for the GPU
                 per_rank[-1].update(launches=g.launches, queue_p50_us=g.queue_p50_s * 1e6,
                                     queue_p99_us=g.queue_p99_s * 1e6)

@@ -96,7 +96,8 @@ def hang(patterns: Sequence[RankPattern], timeout_s: float = DEFAULT_HANG_TIMEOU
         return [Finding(
             kind="noncomm_hang", ranks=odd, function=stuck[0]["python_function"], component=None,
             score=float(n), cost=1.0, criterion=split[2],
-            why=why + [Why("ranks_in_common_state", n, len(odd), "ranks", ">")] if split[2] == "minority_state" else why,
+            why=[*why, Why("ranks_in_common_state", n, len(odd), "ranks", ">")] if split[2] == "minority_state"
+            else why,
             summary=(f"no progress for {stalled:.0f} s: {n} {'ranks wait' if n > 1 else 'rank waits'} in "
                      f"{op or 'a collective'} ({common}) "
                      f"that {'rank' if len(odd) == 1 else 'ranks'} {', '.join(map(str, odd))} never reached; "

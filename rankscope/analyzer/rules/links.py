@@ -214,7 +214,7 @@ def _slow_factor(m: LinkMatrix) -> np.ndarray:
 
 def _slow_nodes(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray
                 ) -> dict[int, tuple[float, list[Why]]]:
-    """rank -> the throughput its links fell short of (and the figures that found each slow: a finding's why),
+    """rank -> (the throughput its links fell short of, the figures that found them slow: a finding's why),
     for each rank with MIN_NODE_LINKS judged links or more,
     every one slower than its slow factor below the median of its role's pacing links that do not touch the rank:
     those of its own peer group where there are any (TCP_SLOW_FACTOR_IN_GROUP), else the role's others.
@@ -245,9 +245,10 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: Li
 def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray
                     ) -> dict[int, tuple[float, float, list[Why]]]:
     """One pass of _slow_nodes: rank -> (the throughput its links fell short of, the median share of it
-    they reached: the lower, the surer, the figures that found them slow). A link between pipeline stages moves at the reading stage's pace, so
+    they reached: the lower, the surer). A link between pipeline stages moves at the reading stage's pace, so
     it only clears a rank (at or above its reference), never accuses one: the stage a slow rank holds up
-    reads slowly from every sender."""
+    reads slowly from every sender. Third in the tuple: the figures that found its links slow (the finding's
+    why)."""
     role = roles.id
     median, count = _role_medians(pacing, role, bw)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
@@ -413,14 +414,14 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
         )
 
     out = []
-    for r, (reference, why) in sorted(nodes.items()):
+    for r, (reference, figures) in sorted(nodes.items()):
         rows = judged & ((m.src == r) | (m.dst == r))
         speeds = _rates(float(bw[rows].min()), float(bw[rows].max()))
         host = by_rank[r].host if r in by_rank else "?"
         out.append(finding([r], rows, reference, (
             f"every link of rank {r} (on host {host}) is slow: {np.count_nonzero(rows)} links at {speeds} vs "
             f"{_rate(reference)} on the others: suspect its NIC or host, not one link"), {"rank": r, "host": host},
-            "link_matrix_slow_rank", why))
+            "link_matrix_slow_rank", figures))
     for i in np.flatnonzero(slow & ~by_node):
         src, dst = int(m.src[i]), int(m.dst[i])
         normal = [r for r in (src, dst) if normal_of[r] > 0]

@@ -238,7 +238,8 @@ def explain(t: RankTable, found: Straggling, i: int) -> tuple[str, list[Why]]:
             ("arrives_last", [*outlier, later, why("late_share", share, LATE_STEPS, "share of steps")]),
             ("arrives_last_far_behind", [*outlier, later, some, why("late_by", late_by, FAR_LATE_BY, "share of step"),
                                          rarely]),
-            ("arrives_last_often", [*outlier, later, some, often, why("late_steps", share * c.steps, LATE_RATIO_STEPS, "steps")]),
+            ("arrives_last_often", [*outlier, later, some, often,
+                                    why("late_steps", share * c.steps, LATE_RATIO_STEPS, "steps")]),
             ("always_late", [why("late_share", share, ALWAYS_LATE, "share of steps"), rarely,
                              why("late_by", late_by, ALWAYS_LATE_BY, "share of step"),
                              why("own_work_excess", excess, 0.0, "share of step", ">"),
@@ -574,7 +575,8 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
         out.append(Finding(
             kind="cpu_contention", ranks=[int(t.rank[i])], function=None, component="cpu",
             score=float(z[i]), cost=cost, criterion="cpu_contended",
-            why=explain(t, found, i)[1] + _contention_why(int(t.rank[i]), runq_excess[i], found.ran[i], excess[i], other),
+            why=[*explain(t, found, i)[1],
+                 *_contention_why(int(t.rank[i]), runq_excess[i], found.ran[i], excess[i], other)],
             summary=(f"rank {t.rank[i]}'s main thread waits {ms(float(runq_excess[i]))} more per step than its "
                      f"peers' for a CPU it is ready to use, mostly while {who} ran; "
                      f"costs {cost:.0%} of step time"),
