@@ -253,14 +253,15 @@ def explain(t: RankTable, found: Straggling, i: int) -> tuple[str, list[Why]]:
     arrived = [[later, why("late_share", share, SMALL_LATE, "share of steps"),  # later, worked, or leads
                 why("late_share", share, SMALL_RATIO * peers, f"share of steps, {SMALL_RATIO:g}x the peers'")],
                [user, why("own_work_excess", excess, STRAGGLER_MIN_EXCESS, "share of step"), after], leads]
-    works = [[why("own_extra_work", c.works[i] / late_s, SMALL_RAN, "share of the lateness")], [user]]
+    worked = why("own_extra_work", c.works[i] / late_s, SMALL_RAN, "share of the lateness")
+    works = [[worked], [user]]
     waits = [[outlier[2]], leads]
     through = [[why("held_lead", c.lead[i], c.lead_bar[i], "share of steps ahead of every peer")],
                [why("faulting_excess", found.paged[i] / step, FAULTS_SPREAD, "share of step", ">"),
                 why("mostly_held_lead", c.mostly[i], FAULTS_HELD, "share of steps ahead of every peer")]]
     small = list(product(arrived, works, waits))
     if i in found.held:
-        return _first([("late_all_through", [*x, *y, *z, *h]) for (x, y, z), h in product(small, through)]
+        return _first([("late_all_through", [*x, *y, *z, worked, *h]) for (x, y, z), h in product(small, through)]
                       + [("longer_in_user_mode", [*x, *y, *z, user]) for x, y, z in small])
     if i in found.small:
         return _first([("small_straggler", [*x, *y, *z]) for x, y, z in small])
