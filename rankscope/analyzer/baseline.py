@@ -78,8 +78,18 @@ class Reference:
         above it with this one (RUN_WINDOWS at most; alone, this one) Z_MIN of that mean's spread above it."""
         if not self.above(step_s, threshold):
             return False
-        run = [*self.running[-(RUN_WINDOWS - 1):], step_s]
+        run = self._run(step_s)
         return float(np.mean(run)) - self.profile.step_s >= Z_MIN * self.noise_s / math.sqrt(len(run))
+
+    def run_z(self, step_s: float) -> float:
+        """What `slower` holds to Z_MIN: how far the mean of the run of windows above the baseline (with this
+        one) lies above it, in that mean's spread."""
+        run = self._run(step_s)
+        return (float(np.mean(run)) - self.profile.step_s) / (self.noise_s / math.sqrt(len(run)))
+
+    def _run(self, step_s: float) -> list[float]:
+        """This window's step time after those of the windows running above the baseline (RUN_WINDOWS at most)."""
+        return [*self.running[-(RUN_WINDOWS - 1):], step_s]
 
     @property
     def noise_s(self) -> float:

@@ -94,5 +94,6 @@ class Confirmer:
                 if ok:
                     held.append(f)
                 else:
-                    unconfirmed.append({"kind": f["kind"], "ranks": f["ranks"], "windows": times})
+                    unconfirmed.append({"kind": f["kind"], "ranks": f["ranks"], "windows": times,
+                                        **{k: f[k] for k in ("criterion", "why") if k in f}})
             doc["unconfirmed"], doc["findings"] = unconfirmed, held

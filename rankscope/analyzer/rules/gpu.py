@@ -9,12 +9,12 @@ import numpy as np
 
 from rankscope.analyzer.differential import peer_deviation, peers_median
 from rankscope.analyzer.metrics import HOST_COLLECTIVES, RankTable
-from rankscope.analyzer.rules.stragglers import straggling
+from rankscope.analyzer.rules.stragglers import explain, straggling
 from rankscope.analyzer.rules.wording import ms, rank_list
 from rankscope.analyzer.thresholds import (CLOCK_DROP, LAUNCH_GAP_MAX_S, LAUNCH_SYNC_MAX, MIN_RANKS, PAIR_RANKS,
                                            QUEUE_AHEAD_S, SMALL_KERNEL_S, STRAGGLER_MIN_EXCESS, VOID_MIN, Z_FLOOR,
                                            Z_MIN)
-from rankscope.schema.finding import Finding
+from rankscope.schema.finding import Finding, Why
 from rankscope.schema.patterns import NCCL_KERNELS, Role
 
 THROTTLE_REASONS = {0x4: "software power cap", 0x8: "hardware slowdown", 0x10: "sync boost",
@@ -48,8 +48,13 @@ def gpu_throttle(t: RankTable) -> list[Finding]:
             continue
         reasons = _reasons(h.throttle_reasons)
         cost = float(np.clip(excess[i] / step, 0.0, 1.0))  # what-if: as a compute straggler's
+        rank = int(t.rank[i])
         out.append(Finding(
-            kind="gpu_throttle", ranks=[int(t.rank[i])], function=None, component="gpu", score=float(z[i]), cost=cost,
+            kind="gpu_throttle", ranks=[rank], function=None, component="gpu", score=float(z[i]), cost=cost,
+            criterion="gpu_clock_drop",
+            why=[*explain(t, found, i)[1],
+                 Why("clock_drop", peers - ratio[i], CLOCK_DROP, "of max SM clock, below the peers'", rank=rank),
+                 Why("throttle_reasons", len(reasons), 1, "slowdown reasons", rank=rank)],
             summary=(f"rank {t.rank[i]}'s GPU {h.index} runs at {h.sm_clock_mhz} MHz ({ratio[i]:.0%} of its "
                      f"{h.max_sm_clock_mhz} MHz) while its peers' run at {peers:.0%}, slowed by "
                      f"{' and '.join(reasons)} ({h.temperature_c} C, {h.power_w} W); the rank computes "
@@ -99,7 +104,9 @@ def gpu_straggler(t: RankTable, named: set[int]) -> list[Finding]:
             ("its peers'", "the other ranks wait")
         out.append(Finding(
             kind="compute_straggler", ranks=[rank], function=top.name if top else None, component="gpu",
-            score=float(z[i]), cost=cost,
+            score=float(z[i]), cost=cost, criterion="gpu_works_longer",
+            why=[Why("gpu_work_z", z[i], Z_MIN, "robust z", rank=rank),
+                 Why("gpu_work_excess", excess[i] / step, STRAGGLER_MIN_EXCESS, "share of step", rank=rank)],
             summary=(f"rank {rank}'s GPU works {ms(float(excess[i]))} longer per step than {others[0]} "
                      f"({ms(float(work[i]))} against {ms(peers)}{kernel}); {others[1]} for it inside NCCL's "
                      f"kernels; costs {cost:.0%} of step time"),
@@ -111,10 +118,23 @@ def gpu_straggler(t: RankTable, named: set[int]) -> list[Finding]:
     return out
 
 
+def _launch_why(rank: int, void: float, sync_share: float, mean_kernel_s: float, gap_s: float,
+                queue_s: float | None) -> list[Why]:
+    """The figures launch_bound named a rank's GPU by (`queue_s`: its median launch-to-start delay where its
+    launches were joined, else None)."""
+    return [Why("gpu_idle_share", void, VOID_MIN, "share of window", ">=", rank),
+            Why("gpu_wait_share", sync_share, LAUNCH_SYNC_MAX, "share of window", "<=", rank),
+            Why("mean_kernel_us", mean_kernel_s * 1e6, SMALL_KERNEL_S * 1e6, "us", "<=", rank),
+            Why("idle_gap_us", gap_s * 1e6, LAUNCH_GAP_MAX_S * 1e6, "us between kernels", "<=", rank),
+            *([Why("launch_queue_us", queue_s * 1e6, QUEUE_AHEAD_S * 1e6, "us", "<", rank)] if queue_s is not None
+              else [])]
+
+
 def launch_bound(t: RankTable) -> list[Finding]:
     """Ranks whose GPU idles between kernels while the host is not waiting for it: the host cannot launch
     work fast enough (short kernels, the launch path dominates). Needs the CUPTI shim's GPU busy time."""
     per_rank = []
+    why: list[Why] = []
     for i in compress(range(len(t)), map(attrgetter("gpu"), t.patterns)):  # ranks with the CUPTI shim's view
         p = t.patterns[i]
         g = p.gpu
@@ -134,6 +154,8 @@ def launch_bound(t: RankTable) -> list[Finding]:
             per_rank.append({"rank": int(t.rank[i]), "void_share": void, "gpu_busy_s": g.busy_s, "gap_us": gap * 1e6,
                              "window_s": p.window_s, "sync_share": sync_share, "mean_kernel_us": mean_kernel * 1e6,
                              "kernels": g.kernels, "kernels_per_s": g.kernels / p.window_s})
+            why += _launch_why(int(t.rank[i]), void, sync_share, mean_kernel, gap,
+                               g.queue_p50_s if g.launches else None)
             if g.launches:  # joined launches: how long each waited for the GPU
                 per_rank[-1].update(launches=g.launches, queue_p50_us=g.queue_p50_s * 1e6,
                                     queue_p99_us=g.queue_p99_s * 1e6)
@@ -153,6 +175,7 @@ def launch_bound(t: RankTable) -> list[Finding]:
     return [Finding(
         kind="launch_bound", ranks=ranks, function="cuLaunchKernel", component="host",
         score=void / VOID_MIN, cost=void,  # at most the idle share could be won back
+        criterion="launch_bound", why=sorted(why, key=lambda w: w.rank),
         summary=(f"{rank_list(ranks)}: the GPU is idle {void:.0%} of the time between short kernels "
                  f"({mean_us:.0f} us on average, {rate:.0f} kernels/s{waits}) while the host does not wait for it: "
                  f"the host cannot launch work fast enough (CUDA graphs or larger kernels help); "

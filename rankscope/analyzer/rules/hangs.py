@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from rankscope.analyzer.thresholds import DEFAULT_HANG_TIMEOUT_S
-from rankscope.schema.finding import Finding
+from rankscope.schema.finding import Finding, Why
 from rankscope.schema.patterns import RankPattern
 
 HANGS = frozenset({"noncomm_hang", "comm_hang"})  # the kinds this module finds
@@ -55,19 +55,20 @@ def _stopped(p: RankPattern) -> bool:
     return "do_signal_stop" in p.where or p.where.startswith("stopped")
 
 
-def _non_arrivals(running: list[RankPattern]) -> tuple[set[int], str] | None:
-    """The ranks that never reached the collective, and what the others share; None: all entered it."""
+def _non_arrivals(running: list[RankPattern]) -> tuple[set[int], str, str] | None:
+    """The ranks that never reached the collective, what the others share, and the test that told them
+    (the finding's criterion); None: all entered it."""
     stopped = {p.rank for p in running if _stopped(p)}
     waiting = [p for p in running if _waiting(p)]
     if waiting:  # a rank in the same state whose entry was not seen (enqueued before attach) waits too
         states = {_state(p) for p in waiting}
         late = {p.rank for p in running if not _waiting(p) and (_stopped(p) or _state(p) not in states)}
-        return (late, _state(waiting[0])) if late else None
+        return (late, _state(waiting[0]), "blocked_outside_comm") if late else None
     if stopped and len(stopped) < len(running):
-        return stopped, Counter(_state(p) for p in running if p.rank not in stopped).most_common(1)[0][0]
+        return stopped, Counter(_state(p) for p in running if p.rank not in stopped).most_common(1)[0][0], "stopped"
     common, n = Counter(_state(p) for p in running).most_common(1)[0]
     if n * 2 > len(running) and n < len(running):
-        return {p.rank for p in running if _state(p) != common}, common
+        return {p.rank for p in running if _state(p) != common}, common, "minority_state"
     return None
 
 
@@ -84,6 +85,7 @@ def hang(patterns: Sequence[RankPattern], timeout_s: float = DEFAULT_HANG_TIMEOU
                         "python_function": _python_where(p), "stalled_for_s": _stalled_for(p)}
                        for p in running), key=lambda r: r["rank"])
     evidence = {"timeout_s": timeout_s, "stalled_for_s": stalled, "waiting_state": common, "per_rank": per_rank}
+    why = [Why("stalled_for_s", stalled, timeout_s, "s")]  # the least stalled running rank's
     op = next(filter(None, (_last_op(p) for p in running)), None)
     if split:
         odd = sorted(split[0])
@@ -93,7 +95,9 @@ def hang(patterns: Sequence[RankPattern], timeout_s: float = DEFAULT_HANG_TIMEOU
                           + (r["where"] or "unknown") for r in stuck)
         return [Finding(
             kind="noncomm_hang", ranks=odd, function=stuck[0]["python_function"], component=None,
-            score=float(n), cost=1.0,
+            score=float(n), cost=1.0, criterion=split[2],
+            why=[*why, Why("ranks_in_common_state", n, len(odd), "ranks", ">")] if split[2] == "minority_state"
+            else why,
             summary=(f"no progress for {stalled:.0f} s: {n} {'ranks wait' if n > 1 else 'rank waits'} in "
                      f"{op or 'a collective'} ({common}) "
                      f"that {'rank' if len(odd) == 1 else 'ranks'} {', '.join(map(str, odd))} never reached; "
@@ -103,6 +107,7 @@ def hang(patterns: Sequence[RankPattern], timeout_s: float = DEFAULT_HANG_TIMEOU
     ranks = sorted(p.rank for p in running)
     return [Finding(
         kind="comm_hang", ranks=ranks, function=op, component="link", score=float(len(running)), cost=1.0,
+        criterion="all_in_collective", why=why,
         summary=(f"no progress for {stalled:.0f} s: every rank is in {op or 'a collective'} ({common}) and none "
                  f"completes"),
         evidence=evidence,

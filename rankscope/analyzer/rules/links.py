@@ -36,7 +36,7 @@ from rankscope.analyzer.thresholds import (EXACT_ROLE_LINKS, FAST_TCP_WIRE_S, LI
                                            MIN_BYTES, MIN_LINKS, MIN_NODE_LINKS, MIN_RANKS, MIN_STEPS,
                                            MIN_TCP_SEND_BYTES, MIN_TCP_WIRE_S, SLOW_FACTOR, TCP_SLOW_FACTOR,
                                            TCP_SLOW_FACTOR_IN_GROUP, Z_FLOOR, Z_MIN)
-from rankscope.schema.finding import Finding
+from rankscope.schema.finding import Finding, Why
 from rankscope.schema.patterns import LinkStats, RankPattern, Role
 
 @dataclass(frozen=True)
@@ -213,8 +213,9 @@ def _slow_factor(m: LinkMatrix) -> np.ndarray:
 
 
 def _slow_nodes(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray
-                ) -> dict[int, float]:
-    """rank -> the throughput its links fell short of, for each rank with MIN_NODE_LINKS judged links or more,
+                ) -> dict[int, tuple[float, list[Why]]]:
+    """rank -> (the throughput its links fell short of, the figures that found them slow: a finding's why),
+    for each rank with MIN_NODE_LINKS judged links or more,
     every one slower than its slow factor below the median of its role's pacing links that do not touch the rank:
     those of its own peer group where there are any (TCP_SLOW_FACTOR_IN_GROUP), else the role's others.
 
@@ -225,28 +226,29 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: Li
     such chain, usually one). In a ring of four, the rank sending to a slow rank has that link and one more,
     and TCP over loopback runs at the pace its ends get a CPU: both its links can fall below the bar, and it
     would be a second suspect beside the slow rank."""
-    found: dict[int, float] = {}
+    found: dict[int, tuple[float, list[Why]]] = {}
     judged, pacing = judged.copy(), pacing.copy()
     while True:
         suspects = _slow_node_pass(m, judged, pacing, roles, bw)
         if not suspects:
             return found
-        surer = {r: (share, r) for r, (_, share) in suspects.items()}  # ties by rank: the surest always stays
+        surer = {r: (share, r) for r, (_, share, _) in suspects.items()}  # ties by rank: the surest always stays
         waits = {max(int(src), int(dst), key=surer.__getitem__)  # a suspect sharing a link with a surer one
                  for src, dst in zip(m.src[judged], m.dst[judged]) if src in suspects and dst in suspects}
         kept = [r for r in suspects if r not in waits]
-        found.update((r, suspects[r][0]) for r in kept)
+        found.update((r, (suspects[r][0], suspects[r][2])) for r in kept)
         gone = np.isin(m.src, kept) | np.isin(m.dst, kept)
         judged &= ~gone
         pacing &= ~gone
 
 
 def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray
-                    ) -> dict[int, tuple[float, float]]:
+                    ) -> dict[int, tuple[float, float, list[Why]]]:
     """One pass of _slow_nodes: rank -> (the throughput its links fell short of, the median share of it
     they reached: the lower, the surer). A link between pipeline stages moves at the reading stage's pace, so
     it only clears a rank (at or above its reference), never accuses one: the stage a slow rank holds up
-    reads slowly from every sender."""
+    reads slowly from every sender. Third in the tuple: the figures that found its links slow (the finding's
+    why)."""
     role = roles.id
     median, count = _role_medians(pacing, role, bw)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
@@ -280,8 +282,17 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
     out = {}
     for e in np.flatnonzero((n_within >= MIN_NODE_LINKS) & (n_slow == n_within) & ~cleared):
         mine = (at == e) & slow
-        out[int(ends[e])] = (float(np.median(reference[mine])), float(np.median(bw[link[mine]] / reference[mine])))
+        why = [Why("slow_links", n_slow[e], MIN_NODE_LINKS, "links, every judged link of the rank")]
+        why += [_slowdown(m, link[k], reference[k], bw[link[k]], factor[k]) for k in np.flatnonzero(mine)]
+        out[int(ends[e])] = (float(np.median(reference[mine])), float(np.median(bw[link[mine]] / reference[mine])),
+                             why)
     return out
+
+
+def _slowdown(m: LinkMatrix, i: int, reference: float, bw: float, factor: float) -> Why:
+    """Link i's figure: how many times slower than the `reference` it is held to, against its slow factor."""
+    return Why("link_slowdown", reference / bw, factor, f"times slower than its peers' links: {m.src[i]} -> {m.dst[i]}",
+               ">")
 
 
 def _sends_between_slow(m: LinkMatrix, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray, r: int) -> bool:
@@ -375,8 +386,8 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
     window_s = float(np.median([p.window_s for p in patterns]))
     matrix = m.dense() if np.count_nonzero(n_judged) <= MATRIX_MAX_RANKS else None
 
-    def finding(ranks: list[int], rows: np.ndarray, reference: float, summary: str,
-                extra: dict[str, Any]) -> Finding:
+    def finding(ranks: list[int], rows: np.ndarray, reference: float, summary: str, extra: dict[str, Any],
+                criterion: str, why: list[Why]) -> Finding:
         worst = float(bw[rows].min())
         # A ring or tree collective moves at its slowest link's pace, so at the others' median throughput its
         # transfer time would shrink by (1 - worst / reference). The ranks' COMM share of the window bounds the
@@ -392,7 +403,7 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
         cost = float(np.clip(min(min(share, exposed) * (1.0 - worst / reference), extra_s / window_s), 0.0, 1.0))
         return Finding(
             kind="slow_link", ranks=ranks, function=None, component="link", score=reference / worst, cost=cost,
-            summary=f"{summary}; costs {cost:.0%} of step time",
+            criterion=criterion, why=why, summary=f"{summary}; costs {cost:.0%} of step time",
             evidence={**extra, "bandwidth_Bps": worst, "peers_bandwidth_Bps": reference, "comm_share": share,
                       **({"exposed_comm_share": exposed} if exposed < 1.0 else {}),
                       "extra_wire_s": extra_s,
@@ -403,13 +414,14 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
         )
 
     out = []
-    for r, reference in sorted(nodes.items()):
+    for r, (reference, figures) in sorted(nodes.items()):
         rows = judged & ((m.src == r) | (m.dst == r))
         speeds = _rates(float(bw[rows].min()), float(bw[rows].max()))
         host = by_rank[r].host if r in by_rank else "?"
         out.append(finding([r], rows, reference, (
             f"every link of rank {r} (on host {host}) is slow: {np.count_nonzero(rows)} links at {speeds} vs "
-            f"{_rate(reference)} on the others: suspect its NIC or host, not one link"), {"rank": r, "host": host}))
+            f"{_rate(reference)} on the others: suspect its NIC or host, not one link"), {"rank": r, "host": host},
+            "link_matrix_slow_rank", figures))
     for i in np.flatnonzero(slow & ~by_node):
         src, dst = int(m.src[i]), int(m.dst[i])
         normal = [r for r in (src, dst) if normal_of[r] > 0]
@@ -417,8 +429,19 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
                0: "(too few other links of these ranks to rule out a slow node)"}[len(normal)]
         out.append(finding([src, dst], np.arange(len(m)) == i, float(median[i]), (
             f"link {src} -> {dst} moves {_rate(float(bw[i]))} vs {_rate(float(median[i]))} on the job's other "
-            f"links {why}: a slow link"), {"src": src, "dst": dst}))
+            f"links {why}: a slow link"), {"src": src, "dst": dst}, "link_matrix_slow",
+            [Why("role_links", count[i], MIN_LINKS, "judged links of its role"),
+             _slowdown(m, i, float(median[i]), float(bw[i]), float(_slow_factor(m)[i]))]))
     return out
+
+
+def _late_finish_why(rank: int, z: float, late: float, bandwidth: float, share: float) -> list[Why]:
+    """The figures slow_link named a rank by: its finish lateness (`late`: beyond its peers', a share of the step)
+    and its bandwidth against its peers' (`bandwidth`; NaN: unknown, which does not clear it)."""
+    return [Why("finish_late_z", z, Z_MIN, "robust z", ">=", rank),
+            Why("finish_late_excess", late, LINK_MIN_LATENESS, "share of step", ">=", rank),
+            *([Why("bandwidth_share", bandwidth, share, "of the peers' bandwidth", "<=", rank)]
+              if np.isfinite(bandwidth) else [])]
 
 
 def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> list[Finding]:
@@ -450,6 +473,8 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     if flagged.size == 0:
         return []
 
+    why = {int(t.rank[i]): _late_finish_why(int(t.rank[i]), z[i], excess[i] / step, bandwidth[i] / peers_bw, share)
+           for i in flagged}
     per_rank = [{
         "rank": int(t.rank[i]), "z": float(z[i]), "finish_lateness_s": float(late[i]),
         "excess_s": float(excess[i]), "arrival_lateness_s": float(a.arrival_late_s[i]),
@@ -458,6 +483,7 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     per_rank.sort(key=lambda r: r["rank"])
     ranks = [r["rank"] for r in per_rank]
     worst = max(per_rank, key=lambda r: r["excess_s"])
+    lead = max(per_rank, key=lambda r: r["z"])["rank"]  # the rank the score is of
     cost = float(np.clip(worst["excess_s"] / step, 0.0, 1.0))
     bw = ""
     if np.isfinite(worst["bandwidth_Bps"]) and np.isfinite(peers_bw):
@@ -466,6 +492,8 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     return [Finding(
         kind="slow_link", ranks=ranks, function=a.op, component="link",
         score=max(r["z"] for r in per_rank), cost=cost,
+        criterion="late_finish_low_bandwidth" if len(why[lead]) > 2 else "late_finish_bandwidth_unknown",
+        why=[w for r in ranks for w in why[r]],
         summary=(f"{rank_list(ranks)} {'finishes' if len(ranks) == 1 else 'finish'} {a.op} "
                  f"{range_ms([r['excess_s'] for r in per_rank])} after {'its' if len(ranks) == 1 else 'their'} "
                  f"peers{bw} while {'its' if len(ranks) == 1 else 'their'} compute is normal: a slow link; "

@@ -12,8 +12,8 @@ from rankscope.analyzer.metrics import DATA_LOADING, RankTable
 from rankscope.analyzer.rules.stragglers import STRAGGLERS
 from rankscope.analyzer.rules.wording import ms
 from rankscope.analyzer.thresholds import (BROAD_SHARE, CPU_RAN_SHARE, CPU_WAIT_SHARE, GROWN_SHARE, NAMING_SHARE,
-                                           PYTHON_SHARE, SLOWDOWN_THRESHOLD, STRAGGLER_SHARE)
-from rankscope.schema.finding import Finding
+                                           PYTHON_SHARE, SLOWDOWN_THRESHOLD, STRAGGLER_SHARE, Z_MIN)
+from rankscope.schema.finding import Finding, Why
 
 
 def regression(t: RankTable, ref: Reference, now: StepProfile | None,
@@ -62,9 +62,17 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
                  f"({_busy(t)}); {name or 'host work'} grew by {ms(growth)} per step waiting with them")
     else:
         where = f"{function or 'host work outside CUDA and NCCL calls'} grew by {ms(growth)} per step"
+    why = [Why("step_growth", grown / base.step_s, threshold, "share of the baseline step"),
+           Why("run_growth_z", ref.run_z(now.step_s), Z_MIN, "the baseline's noise (robust z)"),
+           Why("part_growth", growth / grown, NAMING_SHARE, "share of the step's growth"),
+           Why("ranks_grown_share", broad, BROAD_SHARE, "share of ranks")]
+    if starved:
+        why += [Why("cpu_wait_growth", waited / grown, CPU_WAIT_SHARE, "share of the step's growth"),
+                Why("cpu_run_growth", ran / grown, CPU_RAN_SHARE, "share of the step's growth", "<")]
     return [Finding(
         kind="regression", ranks=sorted(int(r) for r in t.rank[valid]), function=function, component=component,
         score=grown / ref.noise_s, cost=cost,
+        criterion="slower_waiting_for_cpu" if starved else "step_slower_than_baseline", why=why,
         summary=(f"every rank is slower than the job's baseline: {ms(now.step_s)} per step instead of "
                  f"{ms(base.step_s)} (+{grown / base.step_s:.0%}); {where}; costs {cost:.0%} of step time"),
         evidence={"cpu_starved": starved, "runq_growth_s": waited, "oncpu_growth_s": ran,  # NaN: None (plain)

@@ -4,6 +4,7 @@ host work, a data-loading function, Python GC, or waiting for a CPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,7 +18,7 @@ from rankscope.analyzer.thresholds import (ALWAYS_LATE, ALWAYS_LATE_BY, CONTENDE
                                            MIN_RANKS, OTHER_WORK, PAIR_RANKS, PEERS_RARELY, PYTHON_SHARE, SMALL_HELD,
                                            SMALL_LATE, SMALL_RAN, SMALL_RATIO, SMALL_USER, SMALL_WINDOWS, STEADY_SPAN,
                                            STEADY_WINDOWS, STRAGGLER_MIN_EXCESS, Z_FLOOR, Z_MIN)
-from rankscope.schema.finding import Finding
+from rankscope.schema.finding import Finding, Why
 from rankscope.schema.patterns import RankPattern, Role
 
 STRAGGLERS = frozenset({"compute_straggler", "input_straggler", "python_gc", "cpu_contention"})  # this module's kinds
@@ -57,12 +58,24 @@ def late_through(a: Alignment, paged: np.ndarray, step: float, runq: np.ndarray,
     _runq_excess) and worked no longer in user mode (`user`; NaN: unknown); a rank faulting beyond the ranks'
     usual spread (`paged`: faulting), by FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). A window
     of one piece, by as much in either half of it (Alignment.halves_lead); False where it is shorter."""
+    lead, mostly = _leads(a)
+    with np.errstate(invalid="ignore"):
+        leads = lead >= _lead_bar(paged, step, runq, user)
+        return leads | ((paged > FAULTS_SPREAD * step) & (mostly >= FAULTS_HELD))
+
+
+def _leads(a: Alignment) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: its held lead and its mostly held lead, either half's in a window of one piece (late_through)."""
+    return (np.where(np.isfinite(a.held_lead), a.held_lead, a.halves_lead),
+            np.where(np.isfinite(a.mostly_held_lead), a.mostly_held_lead, a.halves_lead))
+
+
+def _lead_bar(paged: np.ndarray, step: float, runq: np.ndarray, user: np.ndarray) -> np.ndarray:
+    """Per row: the held lead that makes it late all through the window (late_through): CONTENDED_HELD where
+    it was held behind others for a CPU and worked no longer in user mode, SMALL_HELD otherwise."""
     with np.errstate(invalid="ignore"):
         contended = (runq >= STRAGGLER_MIN_EXCESS * step) & (runq >= paged) & (user < SMALL_USER * step)
-        lead = np.where(np.isfinite(a.held_lead), a.held_lead, a.halves_lead)
-        mostly = np.where(np.isfinite(a.mostly_held_lead), a.mostly_held_lead, a.halves_lead)
-        leads = lead >= np.where(contended, CONTENDED_HELD, SMALL_HELD)
-        return leads | ((paged > FAULTS_SPREAD * step) & (mostly >= FAULTS_HELD))
+    return np.where(contended, CONTENDED_HELD, SMALL_HELD)
 
 
 def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
@@ -93,6 +106,23 @@ class Straggling:
     user: np.ndarray  # in user mode longer than its peers a step (NaN: no kernel view)
     work: np.ndarray
     comm_med: float
+    checks: Checks  # what it compared, per row: the findings' `why` (explain)
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What straggling() compared, per row, beside Straggling's own arrays: what `explain` reads."""
+
+    step: float
+    comm_excess: np.ndarray  # time in collectives beyond the peers' (below 0: it waits less)
+    arrivals: Arrivals | None = None  # None: the collectives not lined up (totals only)
+    share: np.ndarray | None = None  # late share, and its peers' (_late_shares)
+    peers_share: np.ndarray | None = None
+    steps: float = 0.0  # the window's steps
+    works: np.ndarray | None = None  # own extra work that the lateness must be SMALL_RAN of (ran + waited + GPU)
+    lead: np.ndarray | None = None  # held lead (late_through's), and the bar it had to clear
+    lead_bar: np.ndarray | None = None
+    mostly: np.ndarray | None = None
 
 
 def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None) -> Straggling | None:
@@ -119,10 +149,12 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     gpu_excess = _gpu_busy_excess(t)
     ran = peer_deviation(t.oncpu_s, 0.0)[1] - faults
     small = held = thin = steady = np.zeros(valid.shape, dtype=bool)
+    comm_excess = peer_deviation(np.where(valid, t.comm_s, np.nan), 0.0)[1]
+    checks = Checks(step, comm_excess)
     with np.errstate(invalid="ignore"):
         # Against the others only, as its work is: of three ranks, a straggler whose peer is late too (a broadcast's
         # root it holds up) is the median and would wait no less than itself.
-        waits_less = peer_deviation(np.where(valid, t.comm_s, np.nan), 0.0)[1] < 0
+        waits_less = comm_excess < 0
         outlier = (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
         flagged = valid & outlier
         if a is not None:
@@ -170,8 +202,77 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             held = small & ((works & through) | busier)
             steady = valid & ~np.isfinite(a.held_lead) & (outlier | (late_by > 0))
             steady &= (user >= SMALL_USER * step) & ~flagged & ~small
+            lead, mostly = _leads(a)
+            checks = Checks(step, comm_excess, arrives, *_late_shares(a, valid), steps,
+                            ran + waited + np.clip(np.nan_to_num(own_gpu, nan=0.0), 0.0, None), lead,
+                            _lead_bar(paged, step, _runq_excess(t), user), mostly)
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
-                      np.flatnonzero(steady), z, excess, faults, paged, gpu_excess, ran, user, work, comm_med)
+                      np.flatnonzero(steady), z, excess, faults, paged, gpu_excess, ran, user, work, comm_med, checks)
+
+
+def explain(t: RankTable, found: Straggling, i: int) -> tuple[str, list[Why]]:
+    """Why row `i` is among `found`: the test that named it (a finding's criterion) and the figures that test
+    compared (its `why`), of the branches straggling() takes for the set the row is in, the first whose every
+    figure crosses its threshold."""
+    c, step, rank = found.checks, found.checks.step, int(t.rank[i])
+
+    def why(measure: str, value: float, threshold: float, unit: str, op: str = ">=") -> Why:
+        return Why(measure, float(value), float(threshold), unit, op, rank)
+
+    excess = found.excess[i] / step
+    outlier = [why("own_work_z", found.z[i], Z_MIN, "robust z"),
+               why("own_work_excess", excess, STRAGGLER_MIN_EXCESS, "share of step"),
+               why("collective_wait_vs_peers", c.comm_excess[i], 0.0, "s", "<")]
+    if c.arrivals is None:  # totals only
+        return _first([("works_longer", outlier)])
+    late_s, share = c.arrivals.late_by[i], c.share[i]
+    late_by = late_s / step
+    peers = float(np.nan_to_num(c.peers_share[i], nan=1.0))
+    later = why("late_by", late_by, STRAGGLER_MIN_EXCESS, "share of step")
+    some = why("late_share", share, LATE_SOME, "share of steps")
+    rarely = why("peers_late_share", peers, PEERS_RARELY, "share of steps", "<=")
+    often = why("late_share", share, LATE_RATIO * np.nan_to_num(c.peers_share[i]),
+                f"share of steps, {LATE_RATIO:g}x the peers'")
+    if i in found.rows:
+        return _first([
+            ("arrives_last", [*outlier, later, why("late_share", share, LATE_STEPS, "share of steps")]),
+            ("arrives_last_far_behind", [*outlier, later, some, why("late_by", late_by, FAR_LATE_BY, "share of step"),
+                                         rarely]),
+            ("arrives_last_often", [*outlier, later, some, often,
+                                    why("late_steps", share * c.steps, LATE_RATIO_STEPS, "steps")]),
+            ("always_late", [why("late_share", share, ALWAYS_LATE, "share of steps"), rarely,
+                             why("late_by", late_by, ALWAYS_LATE_BY, "share of step"),
+                             why("own_work_excess", excess, 0.0, "share of step", ">"),
+                             why("collective_wait_shortfall", (found.comm_med - t.comm_s[i]) / late_s, 0.5,
+                                 "share of the lateness")]),
+            ("arrives_last_often", [*outlier, later, some, often]),  # over few steps: waiting for a CPU (thin)
+        ])
+    user = why("user_time_excess", found.user[i] / step, SMALL_USER, "share of step")
+    after = why("late_by", late_by, 0.0, "share of step", ">")
+    leads = [user, why("late_share", share, peers, "share of steps, the peers'", ">"), after]
+    arrived = [[later, why("late_share", share, SMALL_LATE, "share of steps"),  # later, worked, or leads
+                why("late_share", share, SMALL_RATIO * peers, f"share of steps, {SMALL_RATIO:g}x the peers'")],
+               [user, why("own_work_excess", excess, STRAGGLER_MIN_EXCESS, "share of step"), after], leads]
+    worked = why("own_extra_work", c.works[i] / late_s, SMALL_RAN, "share of the lateness")
+    works = [[worked], [user]]
+    waits = [[outlier[2]], leads]
+    through = [[why("held_lead", c.lead[i], c.lead_bar[i], "share of steps ahead of every peer")],
+               [why("faulting_excess", found.paged[i] / step, FAULTS_SPREAD, "share of step", ">"),
+                why("mostly_held_lead", c.mostly[i], FAULTS_HELD, "share of steps ahead of every peer")]]
+    small = list(product(arrived, works, waits))
+    if i in found.held:
+        return _first([("late_all_through", [*x, *y, *z, worked, *h]) for (x, y, z), h in product(small, through)]
+                      + [("longer_in_user_mode", [*x, *y, *z, user]) for x, y, z in small])
+    if i in found.small:
+        return _first([("small_straggler", [*x, *y, *z]) for x, y, z in small])
+    return _first([("steady_straggler", [user, *outlier]), ("steady_straggler", [user, after])])
+
+
+def _first(branches: list[tuple[str, list[Why]]]) -> tuple[str, list[Why]]:
+    """The first branch whose every figure crossed its threshold (the first, where none did: the test of the
+    rule's why says so), each figure once."""
+    name, figures = next((b for b in branches if all(w.crossed() for w in b[1])), branches[0])
+    return name, list(dict.fromkeys(figures))
 
 
 class Arrivals(NamedTuple):
@@ -192,12 +293,10 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, fa
     """Per row: how it arrives at the collectives (Arrivals), over the window's `steps`, its lateness less what
     its extra page faults are excused (`faults`: excused_faults)."""
     late = np.where(valid, a.arrival_late_s, np.nan)
+    share, peers_share = _late_shares(a, valid)
     with np.errstate(invalid="ignore"):
         late_by = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0) - faults
         later = late_by >= STRAGGLER_MIN_EXCESS * step
-        share = np.where(valid, a.late_share, np.nan)
-        peers_share = share - peer_deviation(share, 0.0)[1]
-        share = np.nan_to_num(share, nan=0.0)
         rarely = np.nan_to_num(peers_share, nan=1.0) <= PEERS_RARELY
         surely = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (late_by >= FAR_LATE_BY * step) & rarely)
         ratio = (share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share))
@@ -208,6 +307,12 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, fa
         thin = later & ratio & ~surely & (share * steps < LATE_RATIO_STEPS)
         return Arrivals(later & (surely | ratio), (late_by >= ALWAYS_LATE_BY * step) & always, some, oftener, thin,
                         late_by)
+
+
+def _late_shares(a: Alignment, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the share of the steps it arrived late in (0: not compared), and its peers' (NaN: unknown)."""
+    share = np.where(valid, a.late_share, np.nan)
+    return np.nan_to_num(share, nan=0.0), share - peer_deviation(share, 0.0)[1]
 
 
 def _runq_excess(t: RankTable) -> np.ndarray:
@@ -228,6 +333,16 @@ def _contended(t: RankTable, rows: np.ndarray, found: Straggling) -> np.ndarray:
     excess = found.excess
     with np.errstate(invalid="ignore"):
         return rows[(runq >= CONTENTION_SHARE * excess[rows]) & ~(ran >= CONTENTION_RAN * excess[rows])]
+
+
+def _contention_why(rank: int, runq: float, ran: float, excess: float, other: float) -> list[Why]:
+    """The figures _contended and cpu_contention weighed a straggler's extra time by (`excess`: Straggling's):
+    its wait for a CPU beyond its peers' (`runq`), its time on one (`ran`; NaN: unknown, which does not clear
+    it), and the share of its wait behind other jobs' processes (`other`, _other_work)."""
+    ran_why = [Why("cpu_run_excess", ran / excess, CONTENTION_RAN, "share of its extra time", "<", rank)]
+    return [Why("cpu_wait_excess", runq / excess, CONTENTION_SHARE, "share of its extra time", ">=", rank),
+            *(ran_why if np.isfinite(ran) else []),
+            Why("waited_for_other_jobs", other, OTHER_WORK, "share of its wait", ">=", rank)]
 
 
 def _other_work(p: RankPattern) -> float:
@@ -349,6 +464,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     medians = _peer_medians(own, valid, flagged)
     peers_kernel = (t.kernel_s - peer_deviation(t.kernel_s, 0.0)[1], t.faults - peer_deviation(t.faults, 0.0)[1])
     groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
+    explained = {int(t.rank[i]): explain(t, found, i) for i in flagged}
     for i, med in zip(flagged, medians):
         host_excess, fn_excess = own[i, 0] - med[0], own[i, 1:] - med[1:]
         if paging[i] > 0 and paging[i] >= 0.5 * excess[i]:  # mostly faulting in memory (if at all), in the kernel
@@ -400,6 +516,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         # Its page faults within the ranks' usual spread (excused) count only where they are what it is named
         # for: beside a spin they are the spread, not the fault.
         cost = float(np.clip(max(r["cost_s"] for r in per_rank) / step, 0.0, 1.0))
+        lead = max(per_rank, key=lambda r: r["z"])["rank"]  # the rank the score is of
         caller = per_rank[0]["python_function"]
         where = {"gpu": f"GPU work, waits in {function}" + (f" called from {caller}" if caller else ""),
                  "cpu": f"host work in {function}" if function else "host work outside CUDA and NCCL calls",
@@ -413,6 +530,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         out.append(Finding(
             kind=kind, ranks=ranks, function=function, component=component,
             score=max(r["z"] for r in per_rank), cost=cost,
+            criterion=explained[lead][0], why=[w for r in ranks for w in explained[r][1]],
             summary=(f"{rank_list(ranks)} {verb} {range_ms([r['excess_s'] for r in per_rank])} longer per step "
                      f"than {'its' if len(ranks) == 1 else 'their'} peers ({where}); the other ranks wait for "
                      f"{who} {waits}; costs {cost:.0%} of step time"),
@@ -442,7 +560,8 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
     own: set[int] = set()
     for i in _contended(t, found.rows, found):
         p = t.patterns[i]
-        if _other_work(p) < OTHER_WORK:
+        other = _other_work(p)
+        if other < OTHER_WORK:
             own.add(int(t.rank[i]))
             continue
         main = p.sched["main"]
@@ -456,7 +575,9 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
         who = ", ".join([f"{n['name']} (pid {n['pid']})" for n in neighbours if not n["job"]][:2]) or "other tasks"
         out.append(Finding(
             kind="cpu_contention", ranks=[int(t.rank[i])], function=None, component="cpu",
-            score=float(z[i]), cost=cost,
+            score=float(z[i]), cost=cost, criterion="cpu_contended",
+            why=[*explain(t, found, i)[1],
+                 *_contention_why(int(t.rank[i]), runq_excess[i], found.ran[i], excess[i], other)],
             summary=(f"rank {t.rank[i]}'s main thread waits {ms(float(runq_excess[i]))} more per step than its "
                      f"peers' for a CPU it is ready to use, mostly while {who} ran; "
                      f"costs {cost:.0%} of step time"),
