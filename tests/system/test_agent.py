@@ -2,14 +2,10 @@
 import os
 import signal
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
-import pytest
-from conftest import AgentProcess, diagnose_json, maps_library, one_line_error, run, wait_until
+from conftest import diagnose_json, one_line_error, run, wait_until
 
 from rankscope.sim.harness import free_port
-from rankscope.sim.job import SimJob, start_job
 
 from rankscope.agent.host.symbols import code_byte
 from rankscope.analyzer.stability import HOLD_S
@@ -22,43 +18,33 @@ def _findings(a) -> list:
     return a.get("/v1/diagnosis")["findings"]
 
 
-@dataclass
-class Straggling:
-    """An agent over a 4-rank job whose rank 1's GPU is twice as slow: its first window and the first that
-    reported the straggler."""
-
-    job: SimJob
-    agent: AgentProcess
-    first: dict
-    named: dict
-
-
-@pytest.fixture(scope="module")
-def straggling() -> Iterator[Straggling]:
-    job = start_job(4, faults=["slow-gpu:1:2"])
-    a = None
-    try:
-        wait_until(lambda: all(maps_library(p, "libnccl.so.2") for p in job.pids), 30, "ranks to load the stand-ins")
-        a = AgentProcess("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
-        first = wait_until(lambda: (d := a.get("/v1/diagnosis"))["window"]["end"] and d, 10, "the first window")
-        named = wait_until(lambda: (d := a.get("/v1/diagnosis"))["findings"] and d, 30, "the finding")
-        yield Straggling(job, a, first, named)
-    finally:
-        if a is not None:
-            a.stop()
-        job.stop()
-
-
-def test_diagnosis_as_soon_as_the_finding_held_over_hold_s(straggling):
-    """A finding is reported once it held over HOLD_S (1.5 s windows: from the fourth after attach, 6 s)."""
-    first, named = straggling.first, straggling.named
+def test_a_finding_is_reported_once_held_over_hold_s_and_diagnose_asks_the_agent_for_it(sim_job, agent):
+    """A finding is reported once it held over HOLD_S (1.5 s windows: from the fourth after attach, 6 s);
+    `diagnose --agent` then gets the agent's verdict from a window that closed after it asked, and refuses
+    processes the agent does not watch. One job and agent for both: a second would take HOLD_S again."""
+    job = sim_job(4, faults=("slow-gpu:1:2",))
+    other = sim_job(2)
+    a = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
+    first = wait_until(lambda: (d := a.get("/v1/diagnosis"))["window"]["end"] and d, 10, "the first window")
     assert first["findings"] == [], first  # seen at most once yet: listed as unconfirmed
+    named = wait_until(lambda: (d := a.get("/v1/diagnosis"))["findings"] and d, 30, "the finding")
     assert [(f["kind"], f["ranks"]) for f in named["findings"]] == [("compute_straggler", [1])], named["findings"]
     assert named["window"]["end"] - first["window"]["start"] >= HOLD_S
-    targets = straggling.agent.get("/v1/targets")["targets"]
+    targets = a.get("/v1/targets")["targets"]
     assert sorted(t["rank"] for t in targets) == [0, 1, 2, 3]
     assert all(t["state"] == "running" and {"cuda", "nccl"} <= set(t["libraries"]) for t in targets)
     assert all(any(lib.startswith("cpython-3.") for lib in t["libraries"]) for t in targets)
+
+    asked = time.time()
+    doc = diagnose_json(job.pids, WINDOW_S, "--agent", a.url)
+    assert doc["job"] == job.job_id and doc["window"]["end"] >= asked + WINDOW_S
+    assert sorted(r["pid"] for r in doc["ranks"]) == sorted(job.pids)
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("compute_straggler", [1])], doc["findings"]
+    # Not the agent's processes: said in one line, nothing attached by diagnose.
+    err = one_line_error(run("diagnose", "--pid", str(other.pids[0]), "--duration", "1", "--agent", a.url))
+    assert f"does not watch pid {other.pids[0]}" in err and "without --agent" in err
+    err = one_line_error(run("diagnose", "--pid", str(job.pids[0]), "--agent", a.url, "--save-patterns", "/tmp/x"))
+    assert "--save-patterns" in err
 
 
 def test_exited_rank_is_reported_and_the_rest_still_served(sim_job, agent):
@@ -148,23 +134,6 @@ def test_slowdown_of_every_rank_is_a_regression_and_raises_the_detail(sim_job, a
     # Bounded: back to light detail after --deep-seconds, though the job stays slow.
     back = wait_until(lambda: (d := a.get("/v1/diagnosis"))["mode"]["level"] == "light" and d, 15, "light mode")
     assert back["findings"][0]["kind"] == "regression"
-
-
-def test_diagnose_through_the_agent_gets_its_verdict_and_refuses_what_it_does_not_watch(straggling, sim_job):
-    job, a = straggling.job, straggling.agent
-    other = sim_job(2)
-    # The agent's verdict, held since `straggling` saw it named: a window that closed after the ask
-    asked = time.time()
-    doc = diagnose_json(job.pids, WINDOW_S, "--agent", a.url)
-    assert doc["job"] == job.job_id and doc["window"]["end"] >= asked + WINDOW_S
-    assert sorted(r["pid"] for r in doc["ranks"]) == sorted(job.pids)
-    named = [f for f in doc["findings"] if f["kind"] == "compute_straggler"]
-    assert named and named[0]["ranks"] == [1], doc["findings"]
-    # Not the agent's processes: said in one line, nothing attached by diagnose.
-    err = one_line_error(run("diagnose", "--pid", str(other.pids[0]), "--duration", "1", "--agent", a.url))
-    assert f"does not watch pid {other.pids[0]}" in err and "without --agent" in err
-    err = one_line_error(run("diagnose", "--pid", str(job.pids[0]), "--agent", a.url, "--save-patterns", "/tmp/x"))
-    assert "--save-patterns" in err
 
 
 def test_diagnose_through_an_absent_agent_says_so():

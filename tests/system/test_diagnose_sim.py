@@ -1,6 +1,4 @@
 """End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 from conftest import diagnose_json, maps_library, wait_until
@@ -8,7 +6,7 @@ from conftest import diagnose_json, maps_library, wait_until
 from rankscope.agent.session import Session
 from rankscope.analyzer.diagnosis import diagnose
 from rankscope.schema.wire import decode_patterns
-from rankscope.sim.job import SimJob, start_job
+from rankscope.sim.job import start_job
 
 OBSERVE_S = 4.0
 
@@ -26,14 +24,15 @@ def test_healthy_job_has_no_finding(sim_job):
 
 
 @pytest.fixture(scope="module")
-def slow_gpu(tmp_path_factory) -> Iterator[tuple[SimJob, dict, bytes]]:
-    """A 4-rank job whose rank 2's GPU is twice as slow, one diagnosed window of it and its saved patterns."""
+def slow_gpu(tmp_path_factory) -> tuple[list[int], dict, bytes]:
+    """One diagnosed window of a 4-rank job whose rank 2's GPU is twice as slow: its ranks' pids, the document
+    and the saved patterns (the job stopped after: it would load the machine under the module's other tests)."""
     job = start_job(4, faults=["slow-gpu:2:2"])
     try:
         wait_until(lambda: all(maps_library(p, "libnccl.so.2") for p in job.pids), 30, "ranks to load the stand-ins")
         saved = tmp_path_factory.mktemp("slow-gpu") / "window.msgpack"
         doc = diagnose_json(job.pids, OBSERVE_S, "--save-patterns", str(saved))
-        yield job, doc, saved.read_bytes()
+        return list(job.pids), doc, saved.read_bytes()
     finally:
         job.stop()
 
@@ -50,9 +49,9 @@ def test_slow_gpu_is_a_compute_straggler(slow_gpu):
 
 def test_saved_patterns_are_the_window_behind_the_verdict(slow_gpu):
     """--save-patterns keeps the raw data: read back, it holds every rank and gives the same verdict."""
-    job, doc, saved = slow_gpu
+    pids, doc, saved = slow_gpu
     patterns = decode_patterns(saved)
-    assert sorted(p.pid for p in patterns) == sorted(job.pids)
+    assert sorted(p.pid for p in patterns) == sorted(pids)
     # One window for all: it opens once every rank is watched (the first attached is not watched longer).
     assert len({(p.window_start, p.window_end) for p in patterns}) == 1
     assert doc["window"]["end"] - doc["window"]["start"] == pytest.approx(OBSERVE_S, abs=1.0)
