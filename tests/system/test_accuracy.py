@@ -123,20 +123,18 @@ def test_many_reordered_buckets_give_the_step_and_no_straggler(job):
 
 
 def test_pipeline_stages_are_compared_within_their_stage(job):
-    """Stage 0 (ranks 0, 1) waits for the heavier stage 1 in send/recv by design: no straggler; a rank of
-    stage 1 that computes half a step longer (the matrix's compute fault: a fixed 30 ms was a third of a
-    step on a slower VM, a small straggler that one look leaves unconfirmed) is compared with its stage peer
-    and found."""
-    healthy = job("pipeline_stages.py", 4)
-    doc = diagnose(healthy)
+    """Stage 0 (ranks 0, 1) waits for the heavier stage 1 in send/recv by design: no straggler; then a rank of
+    stage 1 spins half its own pace longer (the matrix's compute fault, switched on in the running job) and is
+    compared with its stage peer and found."""
+    j = job("pipeline_stages.py", 4, "spin:3:0.5@go")
+    doc = diagnose(j)
     assert verdict(doc) == [], doc["findings"]
-    assert_step_time(healthy, doc)
+    assert_step_time(j, doc)
     functions = {r["rank"]: r for r in doc["ranks"]}
     assert functions[0]["comm_s"] > 0.3 * doc["step_time_s"], functions[0]  # its waits in recv are communication
-    healthy.kill()
 
-    slow = job("pipeline_stages.py", 4, f"compute:3:{max(0.03, doc['step_time_s'] / 2):.3f}")
-    doc = diagnose(slow)
+    j.go()  # diagnose's window opens after it attaches, every step of it spun
+    doc = diagnose(j)
     assert verdict(doc) == [("compute_straggler", [3])], doc["findings"]
 
 
