@@ -83,8 +83,7 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         **({"lk": [[k.comm, k.rank, k.peer, int(k.send), k.steps, k.bytes, k.wire_s, k.peer_wait_s]
                    for k in p.links]} if p.links else {}),
         **({"cg": [[c.op, c.count, c.total_s, c.p99_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
-        **({"tcp": [[f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
-                    for f in p.tcp]} if p.tcp else {}),
+        **({"tcp": [_tcp_to_wire(f) for f in p.tcp]} if p.tcp else {}),
         **({"rd": True} if p.raised_detail else {}),
         **({"pyu": p.python_untimed} if p.python_untimed else {}),
         **({"cpu": [p.cpus.count, p.cpus.idle]} if p.cpus is not None else {}),
@@ -95,6 +94,12 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
 def _gpu_to_wire(g: GpuActivity) -> list:
     row = [g.busy_s, g.kernel_s, g.copy_s, g.kernels, [[k.name, k.count, k.total_s] for k in g.top]]
     return row if g.launches is None else [*row, g.launches, g.queue_p50_s, g.queue_p99_s]
+
+
+def _tcp_to_wire(f: TcpFlow) -> list:
+    """A connection's row; the limit accounting appended where the agent reported it (older agents did not)."""
+    row = [f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
+    return row if f.sndbuf_s is None else [*row, f.sndbuf_s, f.retrans, f.min_rtt_s]
 
 
 class PatternDecodeError(ValueError):
@@ -283,11 +288,20 @@ def _links_from_wire(raw: Any) -> list[LinkStats]:
 def _tcp_from_wire(raw: Any) -> list[TcpFlow]:
     out = []
     for row in _list(raw, "tcp"):
-        local, remote, sends, sent, received, wire_s, wait_s, srtt_s = _list(row, "tcp flow", 8)
+        row = _list(row, "tcp flow")
+        if len(row) not in (8, 11):  # 8: an agent without the limit accounting
+            raise PatternDecodeError(f"tcp flow: expected 8 or 11 fields, got {len(row)}")
+        local, remote, sends, sent, received, wire_s, wait_s, srtt_s = row[:8]
+        limits = {}
+        if len(row) == 11:
+            sndbuf_s, retrans, min_rtt_s = row[8:]
+            limits = {"sndbuf_s": _seconds(sndbuf_s, "tcp sndbuf_s"), "retrans": _int(retrans, "tcp retrans"),
+                      "min_rtt_s": _seconds(min_rtt_s, "tcp min_rtt_s")}
         out.append(TcpFlow(local=_str(local, "tcp local"), remote=_str(remote, "tcp remote"),
                            sends=_int(sends, "tcp sends"), sent=_int(sent, "tcp sent"),
                            received=_int(received, "tcp received"), wire_s=_seconds(wire_s, "tcp wire_s"),
-                           peer_wait_s=_seconds(wait_s, "tcp peer_wait_s"), srtt_s=_seconds(srtt_s, "tcp srtt_s")))
+                           peer_wait_s=_seconds(wait_s, "tcp peer_wait_s"), srtt_s=_seconds(srtt_s, "tcp srtt_s"),
+                           **limits))
     return out
 
 
