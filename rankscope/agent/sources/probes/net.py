@@ -1,7 +1,11 @@
-"""TCP connections of watched processes (bpf/net.bpf.c): per connection, the bytes it moved each way and how
-long it had data to send, from the kernel's own tcp_info accounting. gloo (and NCCL's socket transport)
+"""TCP connections of watched processes (bpf/net.bpf.c): per connection, the bytes it moved each way, how long
+it had data to send and how much of that the receiver's window or the sender's buffer held it, its
+retransmits and round trips, from the kernel's own tcp_info accounting. gloo (and NCCL's socket transport)
 move tensors over such connections, so the link matrix (analyzer/rules/links.py) judges links without NCCL's
-profiler plugin. Costs one map update per send or receive call of a watched process (~0.5 us)."""
+profiler plugin, and only where the network held them. Read in the kernel at the send and receive calls the
+probe already sees, not through sock_diag: no netlink dump per window, no entering each rank's network
+namespace, and the socket's counters exactly when the process uses it. Costs one map update per send or
+receive call of a watched process (~0.5 us)."""
 from __future__ import annotations
 
 import gzip
