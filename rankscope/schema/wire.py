@@ -83,7 +83,11 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         **({"lk": [[k.comm, k.rank, k.peer, int(k.send), k.steps, k.bytes, k.wire_s, k.peer_wait_s]
                    for k in p.links]} if p.links else {}),
         **({"cg": [[c.op, c.count, c.total_s, c.p99_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
-        **({"tcp": [_tcp_to_wire(f) for f in p.tcp]} if p.tcp else {}),
+        **({"tcp": [[f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
+                    for f in p.tcp]} if p.tcp else {}),
+        # A key of its own, so that analyzers older than the limit accounting still read the flows.
+        **({"tcpl": [_tcp_limits_to_wire(f) for f in p.tcp]} if any(f.sndbuf_s is not None for f in p.tcp)
+           else {}),
         **({"rd": True} if p.raised_detail else {}),
         **({"pyu": p.python_untimed} if p.python_untimed else {}),
         **({"cpu": [p.cpus.count, p.cpus.idle]} if p.cpus is not None else {}),
@@ -96,10 +100,9 @@ def _gpu_to_wire(g: GpuActivity) -> list:
     return row if g.launches is None else [*row, g.launches, g.queue_p50_s, g.queue_p99_s]
 
 
-def _tcp_to_wire(f: TcpFlow) -> list:
-    """A connection's row; the limit accounting appended where the agent reported it (older agents did not)."""
-    row = [f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
-    return row if f.sndbuf_s is None else [*row, f.sndbuf_s, f.retrans, f.min_rtt_s]
+def _tcp_limits_to_wire(f: TcpFlow) -> list | None:
+    """A connection's limit accounting, beside its "tcp" row (None: not reported)."""
+    return None if f.sndbuf_s is None else [f.sndbuf_s, f.retrans, f.min_rtt_s]
 
 
 class PatternDecodeError(ValueError):
@@ -285,23 +288,26 @@ def _links_from_wire(raw: Any) -> list[LinkStats]:
     return out
 
 
-def _tcp_from_wire(raw: Any) -> list[TcpFlow]:
+def _tcp_limits_from_wire(raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    sndbuf_s, retrans, min_rtt_s = _list(raw, "tcp limits", 3)
+    return {"sndbuf_s": _seconds(sndbuf_s, "tcp sndbuf_s"), "retrans": _int(retrans, "tcp retrans"),
+            "min_rtt_s": _seconds(min_rtt_s, "tcp min_rtt_s")}
+
+
+def _tcp_from_wire(raw: Any, raw_limits: Any) -> list[TcpFlow]:
+    """The flows of "tcp", each with its limit accounting from "tcpl" where given (older agents send none)."""
+    rows = _list(raw, "tcp")
+    limits = [None] * len(rows) if raw_limits is None else _list(raw_limits, "tcpl", len(rows))
     out = []
-    for row in _list(raw, "tcp"):
-        row = _list(row, "tcp flow")
-        if len(row) not in (8, 11):  # 8: an agent without the limit accounting
-            raise PatternDecodeError(f"tcp flow: expected 8 or 11 fields, got {len(row)}")
-        local, remote, sends, sent, received, wire_s, wait_s, srtt_s = row[:8]
-        limits = {}
-        if len(row) == 11:
-            sndbuf_s, retrans, min_rtt_s = row[8:]
-            limits = {"sndbuf_s": _seconds(sndbuf_s, "tcp sndbuf_s"), "retrans": _int(retrans, "tcp retrans"),
-                      "min_rtt_s": _seconds(min_rtt_s, "tcp min_rtt_s")}
+    for row, row_limits in zip(rows, limits):
+        local, remote, sends, sent, received, wire_s, wait_s, srtt_s = _list(row, "tcp flow", 8)
         out.append(TcpFlow(local=_str(local, "tcp local"), remote=_str(remote, "tcp remote"),
                            sends=_int(sends, "tcp sends"), sent=_int(sent, "tcp sent"),
                            received=_int(received, "tcp received"), wire_s=_seconds(wire_s, "tcp wire_s"),
                            peer_wait_s=_seconds(wait_s, "tcp peer_wait_s"), srtt_s=_seconds(srtt_s, "tcp srtt_s"),
-                           **limits))
+                           **_tcp_limits_from_wire(row_limits)))
     return out
 
 
@@ -350,7 +356,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             links=_links_from_wire(d.get("lk", [])),
             collectives_gpu=[CollectiveGpu(*r) for r in _call_totals_from_wire(d.get("cg", []), "cg", "collective gpu",
                                                                                "p99_s")],
-            tcp=_tcp_from_wire(d.get("tcp", [])),
+            tcp=_tcp_from_wire(d.get("tcp", []), d.get("tcpl")),
             raised_detail=d.get("rd", False) is True,
             python_untimed=_str(d.get("pyu", ""), "pyu"),
             cpus=_cpus_from_wire(d.get("cpu")),

@@ -343,13 +343,21 @@ def test_tcp_limit_accounting_round_trips_and_an_older_agents_rows_decode_withou
     assert q.tcp[0].min_rtt_s == pytest.approx(0.000042, rel=1e-6)
     assert (q.tcp[1].sndbuf_s, q.tcp[1].retrans, q.tcp[1].min_rtt_s) == (None, None, None)
     wire = msgpack.unpackb(encode_patterns([p]), raw=False)
-    assert [len(row) for row in wire[0]["tcp"]] == [11, 8]  # an older agent's row is the 8 fields alone
+    assert [len(row) for row in wire[0]["tcp"]] == [8, 8]  # as older analyzers read them
+    assert wire[0]["tcpl"] == [[0.25, 14, pytest.approx(0.000042)], None]
+    assert "tcpl" not in msgpack.unpackb(encode_patterns([with_tcp(typical())]), raw=False)[0]
+
+
+@pytest.mark.parametrize("value", [[[0.1, 2]], [[0.1, -2, 0.0], None], [[0.1, 2, 0.0]], [[-0.1, 2, 0.0], None], {}])
+def test_malformed_tcp_limits_raise_decode_error(value):
+    wire = msgpack.unpackb(encode_patterns([with_tcp(typical())]), raw=False)
+    wire[0]["tcpl"] = value  # one entry per flow of "tcp" (two), each three fields or None
+    with pytest.raises(PatternDecodeError):
+        decode_patterns(msgpack.packb(wire))
 
 
 @pytest.mark.parametrize("value", [[["a:1", "b:2", 1, 1, 1, 0.1, 0.0]], [[1, "b:2", 1, 1, 1, 0.1, 0.0, 0.0]],
                                    [["a:1", "b:2", -1, 1, 1, 0.1, 0.0, 0.0]], [["a:1", "b:2", 1, 1, 1, -0.1, 0.0, 0.0]],
-                                   [["a:1", "b:2", 1, 1, 1, 0.1, 0.0, 0.0, 0.1, 2]],
-                                   [["a:1", "b:2", 1, 1, 1, 0.1, 0.0, 0.0, 0.1, -2, 0.0]],
                                    {}])
 def test_malformed_tcp_flows_raise_decode_error(value):
     wire = msgpack.unpackb(encode_patterns([with_tcp(typical())]), raw=False)
