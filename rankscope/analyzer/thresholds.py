@@ -169,6 +169,9 @@ FAST_TCP_WIRE_S = _t("links", "FAST_TCP_WIRE_S", 2 * MIN_TCP_WIRE_S, "s",
                      "a TCP link too fast to time paces its role at most at its bytes over this")
 MIN_TCP_SEND_BYTES = _t("links", "MIN_TCP_SEND_BYTES", 4 << 10, "bytes a send",
                         "smaller TCP sends are bound by round trips and CPU turns, not bandwidth: not judged")
+NETWORK_LIMITED_SHARE = _t("links", "NETWORK_LIMITED_SHARE", 0.5, "share of time with data to send",
+                           "a TCP flow busy (neither window- nor send-buffer-limited) less than this is an end's "
+                           "pace: not judged")
 EXACT_ROLE_LINKS = _t("links", "EXACT_ROLE_LINKS", 64, "links",
                       "up to this many links in a role a rank is held to exactly the links it does not touch")
 MATRIX_MAX_RANKS = _t("links", "MATRIX_MAX_RANKS", 32, "ranks",

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import RANKSCOPE, check_document
 
+from rankscope.schema.wire import decode_patterns
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
 import launch  # noqa: E402
 
@@ -138,6 +140,20 @@ def test_pipeline_stages_are_compared_within_their_stage(job):
     assert verdict(doc) == [("compute_straggler", [3])], doc["findings"]
 
 
+def test_a_healthy_pipeline_on_an_oversubscribed_host_is_no_slow_link_nor_straggler(job):
+    """Two stages of two ranks on 2 CPUs, stage 1 computing ~2.7x stage 0: the activations crawl to the busy
+    stage and every rank waits for a CPU its own job holds, but no link nor rank is at fault. Every
+    connection the agent reports carries the kernel's limit accounting the link rule decides on."""
+    j = job("pipeline_stages.py", 4)
+    doc = diagnose(j)
+    assert verdict(doc) == [], doc["findings"]
+    assert_step_time(j, doc)
+    [saved] = j.log.parent.glob(f"{j.run_id}-*.msgpack")
+    flows = [f for p in decode_patterns(saved.read_bytes()) for f in p.tcp]
+    assert len(flows) >= 8, flows  # each rank: its stage peer and its other-stage peer, both ways
+    assert all(f.sndbuf_s is not None and f.retrans is not None and f.min_rtt_s is not None for f in flows), flows
+
+
 def test_a_rate_limited_link_names_its_rank_from_the_kernels_tcp_accounting(job):
     """Rank 2 in its own network namespace, its traffic shaped to 100 Mbit/s each way: gloo's ring sends to
     and from it over the slow link, and the other ranks' link between them is the reference. The job starts
@@ -153,6 +169,7 @@ def test_a_rate_limited_link_names_its_rank_from_the_kernels_tcp_accounting(job)
     assert len(links) == 2 and all(2 in (r["src"], r["dst"]) for r in links), links  # to and from it, in a ring
     assert {r["source"] for r in links} == {"tcp"}
     assert all(r["bandwidth_Bps"] < 13.5e6 for r in links), links  # 100 Mbit/s is 12.5 MB/s
+    assert all(r["busy_share"] >= 0.5 for r in links), links  # the network held them: shaped, not an end
     assert_step_time(j, doc)
     j.shape_link(False)
     assert "tbf" not in qdiscs(j)

@@ -9,8 +9,10 @@ Two sources measure a link's throughput:
   the sender being late, so it stands in only where the sender's pattern lacks the link (a pattern keeps at
   most MAX_LINKS rows).
 - The kernel's TCP accounting (gloo, NCCL's socket transport): each rank reports its busiest connections,
-  the bytes it sent and how long the connection had data to send. A connection's far end is the pattern
-  whose connection has the two addresses reversed. Plugin rows take precedence over a pair they both cover.
+  the bytes it sent, how long the connection had data to send, and how much of that time the receiver's
+  window or the sender's buffer held it: only a flow the network held is judged (NETWORK_LIMITED_SHARE). A
+  connection's far end is the pattern whose connection has the two addresses reversed. Plugin rows take
+  precedence over a pair they both cover.
 
 Links are compared within their role: the pair of peer groups (analyzer/peers.py) their ends belong to, or
 within a group (any). Pipeline stages pass activations between stages and all-reduce within them, and the two
@@ -34,10 +36,36 @@ from rankscope.analyzer.rules.wording import range_ms, rank_list
 from rankscope.analyzer.thresholds import (EXACT_ROLE_LINKS, FAST_TCP_WIRE_S, LINK_BANDWIDTH,
                                            LINK_BANDWIDTH_BESIDE_STRAGGLER, LINK_MIN_LATENESS, MATRIX_MAX_RANKS,
                                            MIN_BYTES, MIN_LINKS, MIN_NODE_LINKS, MIN_RANKS, MIN_STEPS,
-                                           MIN_TCP_SEND_BYTES, MIN_TCP_WIRE_S, SLOW_FACTOR, TCP_SLOW_FACTOR,
-                                           TCP_SLOW_FACTOR_IN_GROUP, Z_FLOOR, Z_MIN)
+                                           MIN_TCP_SEND_BYTES, MIN_TCP_WIRE_S, NETWORK_LIMITED_SHARE, SLOW_FACTOR,
+                                           TCP_SLOW_FACTOR, TCP_SLOW_FACTOR_IN_GROUP, Z_FLOOR, Z_MIN)
 from rankscope.schema.finding import Finding, Why
 from rankscope.schema.patterns import LinkStats, RankPattern, Role
+
+@dataclass(frozen=True)
+class TcpLimits:
+    """Per link of a LinkMatrix, the kernel's limit accounting of its TCP connections, summed over them; NaN where
+    unknown (NCCL's rows, an agent that did not report it)."""
+
+    sndbuf_s: np.ndarray  # of the link's wire time, held by the sender's buffer
+    retrans: np.ndarray  # segments retransmitted
+    srtt_s: np.ndarray  # the smoothed round trip, its connections' largest
+    min_rtt_s: np.ndarray  # the minimum round trip, its connections' smallest
+
+    def busy_share(self, wire_s: np.ndarray, rwnd_s: np.ndarray) -> np.ndarray:
+        """The share of the time with data to send that neither end held: wire time is busy and send-buffer
+        limited time, `rwnd_s` the receiver-window-limited time beside it (NaN: unknown, or no such time)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (wire_s - self.sndbuf_s) / (wire_s + rwnd_s)
+
+    def row(self, i: int, wire_s: float, rwnd_s: float) -> dict[str, Any]:
+        """What evidence shows of link i's limits ({} where unknown)."""
+        total = wire_s + rwnd_s
+        if not np.isfinite(self.sndbuf_s[i]) or total <= 0:
+            return {}
+        return {"busy_share": (wire_s - self.sndbuf_s[i]) / total, "rwnd_limited_share": rwnd_s / total,
+                "sndbuf_limited_share": self.sndbuf_s[i] / total, "retrans": int(self.retrans[i]),
+                "srtt_s": float(self.srtt_s[i]), "min_rtt_s": float(self.min_rtt_s[i])}
+
 
 @dataclass(frozen=True)
 class LinkMatrix:
@@ -51,6 +79,7 @@ class LinkMatrix:
     peer_wait_s: np.ndarray  # the sender waiting for the receiver's credit (0 for receiver-measured links)
     from_sender: np.ndarray  # bool: measured on the sender's send rows only (False: a recv row stood in)
     tcp: np.ndarray  # bool: measured by the kernel's TCP accounting (False: NCCL's profiler plugin)
+    limits: TcpLimits
 
     def __len__(self) -> int:
         return self.src.size
@@ -64,14 +93,21 @@ class LinkMatrix:
 
     @property
     def judged(self) -> np.ndarray:
-        """Links with enough traffic in the window to judge their throughput."""
-        return self._bulk & (self.wire_s > 0) & ~self._too_fast_to_time
+        """Links with enough traffic in the window to judge their throughput, held by the network."""
+        return self._bulk & (self.wire_s > 0) & ~self._too_fast_to_time & self.network_limited
+
+    @property
+    def network_limited(self) -> np.ndarray:
+        """Links whose pace is the network's: busy for NETWORK_LIMITED_SHARE of their time with data to send, or
+        not known otherwise (NCCL's rows; an agent without the limit accounting: judged as before)."""
+        with np.errstate(invalid="ignore"):
+            return ~(self.limits.busy_share(self.wire_s, self.peer_wait_s) < NETWORK_LIMITED_SHARE)
 
     @property
     def pacing(self) -> np.ndarray:
         """Links that set the pace a role's links are compared with: the judged ones, and TCP links that moved
-        as much too fast to time."""
-        return self._bulk & ((self.wire_s > 0) | self._too_fast_to_time)
+        as much too fast to time; not those an end held (their pace is not the network's)."""
+        return self._bulk & ((self.wire_s > 0) | self._too_fast_to_time) & self.network_limited
 
     @property
     def _too_fast_to_time(self) -> np.ndarray:
@@ -91,7 +127,8 @@ class LinkMatrix:
                 "step_latency_s": float(self.wire_s[i] / self.steps[i]) if self.steps[i] else None,
                 "peer_wait_s": float(self.peer_wait_s[i]),
                 "measured_by": "sender" if self.from_sender[i] else "receiver",
-                "source": "tcp" if self.tcp[i] else "nccl_profiler"}
+                "source": "tcp" if self.tcp[i] else "nccl_profiler",
+                **self.limits.row(i, self.wire_s[i], self.peer_wait_s[i])}
 
     def dense(self) -> dict[str, Any]:
         """The src x dst throughput matrix over the ranks that appear in a judged link (None: no judged link)."""
@@ -135,21 +172,28 @@ def link_matrix(patterns: Sequence[RankPattern]) -> LinkMatrix:
         acc[2] += k.wire_s
         acc[3] += k.peer_wait_s if by_sender else 0.0
         acc[4] &= by_sender
-    for pair, acc in _tcp_links(patterns).items():
+    tcp, tcp_limits = _tcp_links(patterns)
+    for pair, acc in tcp.items():
         totals.setdefault(pair, acc)
     pairs = sorted(totals)
     cols = list(zip(*(totals[pair] for pair in pairs))) or [()] * 6
+    unknown = [np.nan] * 4
+    limits = np.array([tcp_limits.get(pair, unknown) if totals[pair][5] else unknown for pair in pairs],
+                      dtype=float).reshape(len(pairs), 4)
     return LinkMatrix(src=np.array([s for s, _ in pairs], dtype=np.int64),
                       dst=np.array([d for _, d in pairs], dtype=np.int64),
                       steps=np.array(cols[0], dtype=np.int64), bytes=np.array(cols[1], dtype=np.int64),
                       wire_s=np.array(cols[2], dtype=float), peer_wait_s=np.array(cols[3], dtype=float),
-                      from_sender=np.array(cols[4], dtype=bool), tcp=np.array(cols[5], dtype=bool))
+                      from_sender=np.array(cols[4], dtype=bool), tcp=np.array(cols[5], dtype=bool),
+                      limits=TcpLimits(*limits.T))
 
 
-def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[Any]]:
-    """(src, dst) -> [sends, bytes, wire, peer wait, True, True] from the patterns' TCP connections. A
-    connection's peer is the rank whose connection has its two ends reversed; an address two ranks claim
-    (two hosts behind one NAT) places nothing."""
+def _tcp_links(patterns: Sequence[RankPattern]
+               ) -> tuple[dict[tuple[int, int], list[Any]], dict[tuple[int, int], list[float]]]:
+    """(src, dst) -> [sends, bytes, wire, peer wait, True, True] from the patterns' TCP connections, and (src,
+    dst) -> [send-buffer time, retransmits, largest srtt, smallest min RTT] where every connection of the pair
+    reported them. A connection's peer is the rank whose connection has its two ends reversed; an address two
+    ranks claim (two hosts behind one NAT) places nothing."""
     patterns = list(compress(patterns, map(attrgetter("tcp"), patterns)))  # most have none: skipped in C
     owner: dict[str, int] = {}
     twice: set[str] = set()
@@ -158,6 +202,7 @@ def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[An
             if owner.setdefault(f.local, p.rank) != p.rank:
                 twice.add(f.local)
     totals: dict[tuple[int, int], list[Any]] = {}
+    limits: dict[tuple[int, int], list[float]] = {}
     for p in patterns:
         for f in p.tcp:
             dst = owner.get(f.remote)
@@ -168,7 +213,15 @@ def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[An
             acc[1] += f.sent
             acc[2] += f.wire_s
             acc[3] += f.peer_wait_s
-    return totals
+            lim = limits.setdefault((p.rank, dst), [0.0, 0, 0.0, np.inf])
+            if f.sndbuf_s is None or f.retrans is None or f.min_rtt_s is None:
+                lim[0] = np.nan  # one connection unknown: the pair's limits unknown
+            else:
+                lim[0] += f.sndbuf_s
+                lim[1] += f.retrans
+                lim[2] = max(lim[2], f.srtt_s)
+                lim[3] = min(lim[3], f.min_rtt_s)
+    return totals, {pair: lim if np.isfinite(lim[0]) else [np.nan] * 4 for pair, lim in limits.items()}
 
 
 WITHIN = -2  # the "group pair" of a link within one peer group, whichever group
@@ -401,12 +454,18 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
         exposed = max(_exposed_share(by_rank[r]) for r in ranks)
         extra_s = float(np.max(m.wire_s[rows] - m.bytes[rows] / reference))
         cost = float(np.clip(min(min(share, exposed) * (1.0 - worst / reference), extra_s / window_s), 0.0, 1.0))
+        busy = m.limits.busy_share(m.wire_s, m.peer_wait_s)[rows]
+        limited = bool(np.isfinite(busy).all())  # the kernel's limit accounting of every link named
+        if limited:
+            why = [*why, Why("network_limited_share", float(busy.min()), NETWORK_LIMITED_SHARE,
+                             "share of time with data to send")]
         return Finding(
             kind="slow_link", ranks=ranks, function=None, component="link", score=reference / worst, cost=cost,
             criterion=criterion, why=why, summary=f"{summary}; costs {cost:.0%} of step time",
             evidence={**extra, "bandwidth_Bps": worst, "peers_bandwidth_Bps": reference, "comm_share": share,
                       **({"exposed_comm_share": exposed} if exposed < 1.0 else {}),
                       "extra_wire_s": extra_s,
+                      **({"network_limited": True} if limited else {}),
                       "judged_links": int(np.count_nonzero(judged)),
                       "links": [m.row(i) for i in np.flatnonzero(rows)],
                       **({"link_matrix": matrix} if matrix is not None else {}),

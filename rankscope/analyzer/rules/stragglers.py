@@ -345,6 +345,22 @@ def _contention_why(rank: int, runq: float, ran: float, excess: float, other: fl
             Why("waited_for_other_jobs", other, OTHER_WORK, "share of its wait", ">=", rank)]
 
 
+def _waited_for_job(t: RankTable, rows: np.ndarray, found: Straggling) -> np.ndarray:
+    """The straggling rows whose extra time is waiting for a CPU behind their own job's processes: that wait
+    (the run-queue wait beyond the peers', at the share of it the scheduler saw the job's own processes hold the
+    CPU) is at least CONTENTION_SHARE of it, while the rank ran no longer than its peers by the straggler bar,
+    nor in user mode by SMALL_USER. A job with more busy ranks than CPUs holds each rank back in turn, the one
+    with more to do at least as often (a pipeline stage computing three times its upstream's, 4 ranks on 2
+    CPUs); a rank that works longer runs longer. Unknown times (NaN) clear no one; an older agent marks no
+    neighbour as the job's, so its patterns keep their verdicts."""
+    step = t.job_step_s
+    job_share = np.array([1.0 - _other_work(t.patterns[i]) for i in rows])
+    with np.errstate(invalid="ignore"):
+        behind_job = _runq_excess(t)[rows] * job_share >= CONTENTION_SHARE * found.excess[rows]
+        ran_no_longer = (found.ran[rows] < STRAGGLER_MIN_EXCESS * step) & ~(found.user[rows] >= SMALL_USER * step)
+        return rows[behind_job & ran_no_longer]
+
+
 def _other_work(p: RankPattern) -> float:
     """The share of the rank's wait behind its named neighbours that was behind processes outside its job (1.0
     when none is named; an older agent marks none as the job's, so its patterns keep their verdicts)."""
@@ -429,14 +445,18 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     found = straggling(t, a=a)
     if found is None:
         return []
-    small = np.setdiff1d(found.small, _contended(t, found.small, found))
+
+    def waiting(rows: np.ndarray) -> np.ndarray:
+        return np.union1d(_contended(t, rows, found), _waited_for_job(t, rows, found))
+
+    small = np.setdiff1d(found.small, waiting(found.small))
     unheld = _findings(t, a, found, np.setdiff1d(small, found.held))
     for f in unheld:
         f.evidence["confirm_windows"] = SMALL_WINDOWS
-    steady = _findings(t, a, found, np.setdiff1d(found.steady, _contended(t, found.steady, found)))
+    steady = _findings(t, a, found, np.setdiff1d(found.steady, waiting(found.steady)))
     for f in steady:
         f.evidence.update(confirm_windows=STEADY_WINDOWS, confirm_span=STEADY_SPAN)
-    named = np.setdiff1d(found.rows, np.union1d(found.thin, _contended(t, found.rows, found)))
+    named = np.setdiff1d(found.rows, np.union1d(found.thin, waiting(found.rows)))
     return _findings(t, a, found, np.union1d(named, np.intersect1d(small, found.held))) + unheld + steady
 
 
@@ -557,7 +577,9 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
     step = t.job_step_s
     runq_excess = _runq_excess(t)
     out = []
-    own: set[int] = set()
+    # Late behind its own job's processes, without the wait doing no more than its peers: no finding either.
+    own = {int(t.rank[i]) for i in _waited_for_job(t, np.union1d(found.rows, np.union1d(found.small, found.steady)),
+                                                   found)}
     for i in _contended(t, found.rows, found):
         p = t.patterns[i]
         other = _other_work(p)
