@@ -124,6 +124,15 @@ def test_many_reordered_buckets_give_the_step_and_no_straggler(job):
     assert_step_time(j, doc)
 
 
+def test_a_held_out_static_graph_ddp_job_runs_healthy_with_its_own_step(job):
+    """A job of the matrix's held-out set (one the analyzer was not tuned on): DDP with static_graph and
+    gradient_as_bucket_view, two ranks, nothing injected."""
+    j = job("ddp_static_graph.py", 2)
+    doc = diagnose(j)
+    assert verdict(doc) == [], doc["findings"]
+    assert_step_time(j, doc)
+
+
 def test_pipeline_stages_are_compared_within_their_stage(job):
     """Stage 0 (ranks 0, 1) waits for the heavier stage 1 in send/recv by design: no straggler; then a rank of
     stage 1 spins half its own pace longer (the matrix's compute fault, switched on in the running job) and is
