@@ -20,6 +20,7 @@ from rankscope.agent.service.http import make_app
 from rankscope.agent.service.snapshot import Snapshot
 from rankscope.analyzer.cluster import merge
 from rankscope.analyzer.diagnosis import diagnose_job
+from rankscope.schema.wire import encode_patterns
 
 TOKEN = "cluster-token"
 N, PER_HOST, SLOW = 8, 2, 5  # 4 nodes of 2 ranks; rank 5 on node2 computes slowly
@@ -156,9 +157,11 @@ def test_the_token_is_sent_to_agents(cluster_token, expect):
 
 
 def test_a_large_answer_arrives_whole():
-    many = [dataclasses.replace(typical(r), pid=10_000 + r) for r in range(4000)]
+    """An answer of many reads: over 1 MiB, sixteen times the 64 KiB the client reads at once."""
+    many = [dataclasses.replace(typical(r), pid=10_000 + r) for r in range(1200)]
+    assert len(encode_patterns(many)) > 1 << 20
     agent = _one_agent(make_app(lambda: Snapshot(patterns=many), TOKEN))
-    assert agent.state == "up" and agent.ranks == 4000
+    assert agent.state == "up" and agent.ranks == 1200
 
 
 def _app(handler) -> web.Application:
