@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import check_document
+from kept import agent_run, run_names, window, window_names
 from test_analyzer import set_function, simulate
 from test_analyzer_baseline import RANKS, warmed
 from test_analyzer_gpu import gpu, health, with_health
@@ -19,42 +20,24 @@ from test_analyzer_links import job as link_job
 from test_analyzer_links import ring
 
 from rankscope.agent.service.cluster_analyzer import AgentStatus
-from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.cluster import diagnose_cluster
-from rankscope.analyzer.diagnosis import diagnose, diagnose_job
-from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
+from rankscope.analyzer.diagnosis import diagnose_job
 from rankscope.analyzer.rules.nodes import LostRanks
-from rankscope.analyzer.stability import Confirmer
 from rankscope.schema.document import diagnosis_schema
-from rankscope.schema.wire import decode_patterns
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-HANG_TIMEOUT_S = 4.0  # as the accuracy matrix diagnoses its hang windows
 KINDS = set(diagnosis_schema()["$defs"]["kind"]["enum"])
 
 
 def kept_windows() -> list[dict]:
     """One look (`diagnose`) at every kept window of a real job, with the hang timeout its fault needs."""
-    faults = {name: w["fault"] for name, w in json.loads((DATA / "windows" / "windows.json").read_text()).items()}
-    docs = []
-    for path in sorted([*(DATA / "windows").glob("*.msgpack"), *(DATA / "agent-windows").glob("*.msgpack")]):
-        hang = faults.get(path.stem) in ("hang", "sigstop")
-        docs += diagnose(decode_patterns(path.read_bytes()), HANG_TIMEOUT_S if hang else DEFAULT_HANG_TIMEOUT_S).values()
-    return docs
+    return [doc for folder in ("windows", "agent-windows") for name in window_names(folder)
+            for doc in window(folder, name).values()]
 
 
 def kept_agent_runs() -> list[dict]:
     """Every window of every kept agent run, as the agent serves it: against the job's own baseline, each finding
     under `unconfirmed` until it held long enough."""
-    docs = []
-    for run in sorted(p for p in (DATA / "agent-windows" / "runs").iterdir() if p.is_dir()):
-        baselines: dict[str, Baseline] = {}
-        confirmer = Confirmer()
-        for path in sorted(run.glob("*.msgpack"), key=lambda p: int(p.stem)):
-            window = diagnose(decode_patterns(path.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines)
-            confirmer.confirm(window)
-            docs += window.values()
-    return docs
+    return [doc for name in run_names() for docs in agent_run(name) for doc in docs.values()]
 
 
 def hand_built() -> list[dict]:

@@ -7,12 +7,12 @@ import json
 import shutil
 import statistics
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
+from kept import agent_run, run_names, window, window_names
 from test_analyzer import set_function, simulate
 from test_analyzer_baseline import RANKS, _window, warmed
 from test_analyzer_contention import HOG, with_sched
@@ -23,14 +23,11 @@ from test_analyzer_python import with_python
 
 from rankscope.agent.report import render
 from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline
-from rankscope.analyzer.diagnosis import diagnose, diagnose_job
+from rankscope.analyzer.diagnosis import diagnose_job
 from rankscope.analyzer.rules.nodes import LostRanks, unreachable
-from rankscope.analyzer.stability import Confirmer
 from rankscope.schema.finding import Finding, Why
 from rankscope.schema.patterns import FunctionStats, Role
-from rankscope.schema.wire import decode_patterns
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 # The tests each kind's rules can name a finding by (docs/api.md lists them with their figures).
 CRITERIA = {
     "compute_straggler": {"arrives_last", "arrives_last_far_behind", "arrives_last_often", "always_late",
@@ -83,17 +80,10 @@ def checked(docs: dict[str, dict]) -> list[dict]:
     return out
 
 
-def _windows(folder: str) -> Iterator[tuple[Path, float]]:
-    """The folder's windows, each with the hang timeout its test diagnoses it with (the matrix's 4 s for hangs)."""
-    listed = DATA / folder / "windows.json"
-    faults = {name: w.get("fault") for name, w in json.loads(listed.read_text()).items()} if listed.exists() else {}
-    for path in sorted((DATA / folder).glob("*.msgpack")):
-        yield path, 4.0 if faults.get(path.stem) in ("hang", "sigstop") else 30.0
-
-
 def test_every_finding_of_the_kept_real_windows_says_why():
-    seen = [f for folder in ("windows", "gpu-windows", "agent-windows") for path, timeout in _windows(folder)
-            for f in checked(diagnose(decode_patterns(path.read_bytes()), timeout))]
+    """Each window with the hang timeout its test diagnoses it with (the matrix's 4 s for hangs)."""
+    seen = [f for folder in ("windows", "gpu-windows", "agent-windows") for name in window_names(folder)
+            for f in checked(window(folder, name))]
     assert {f["kind"] for f in seen} >= {"compute_straggler", "input_straggler", "cpu_contention", "slow_link",
                                          "noncomm_hang"}
 
@@ -101,12 +91,8 @@ def test_every_finding_of_the_kept_real_windows_says_why():
 def test_every_finding_of_the_kept_agent_runs_says_why_and_so_do_their_suspects():
     """Windows in order with the job's baseline, confirmed as the agent does: its held and pending ones too."""
     seen = []
-    for run in sorted((DATA / "agent-windows" / "runs").iterdir()):
-        baselines: dict[str, Baseline] = {}
-        confirmer = Confirmer()
-        for path in sorted(run.glob("*.msgpack"), key=lambda p: int(p.stem)):
-            docs = diagnose(decode_patterns(path.read_bytes()), 30.0, baselines)
-            confirmer.confirm(docs)
+    for name in run_names():
+        for docs in agent_run(name, 30.0):
             seen += checked(docs)
             assert all(u["criterion"] and u["why"] for doc in docs.values() for u in doc["unconfirmed"])
     assert {f["kind"] for f in seen} >= {"compute_straggler", "regression"}

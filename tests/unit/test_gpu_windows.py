@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kept import window
 
 from rankscope.analyzer.diagnosis import diagnose
 from rankscope.schema.wire import decode_patterns
@@ -36,7 +37,7 @@ def injected(name: str) -> list | None:
 
 
 def _diagnosed(name: str) -> dict:
-    return next(iter(diagnose(decode_patterns((DATA / f"{name}.msgpack").read_bytes())).values()))
+    return next(iter(window("gpu-windows", name).values()))
 
 
 @pytest.mark.parametrize("name", sorted(WINDOWS))

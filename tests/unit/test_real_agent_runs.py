@@ -9,20 +9,15 @@ matrix's agent case, the window its fault was switched on in, and what the run s
 tested without a line of code.
 """
 import json
-from pathlib import Path
 
 import pytest
+from kept import DATA, RUN_DIR, agent_run
 from test_accuracy_replay import bench_accuracy
 
-from rankscope.analyzer.baseline import Baseline
-from rankscope.analyzer.diagnosis import diagnose
-from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 from rankscope.analyzer.rules.stragglers import SMALL_WINDOWS, STEADY_SPAN
-from rankscope.analyzer.stability import OFTEN, SPAN, Confirmer
-from rankscope.schema.wire import decode_patterns
+from rankscope.analyzer.stability import OFTEN, SPAN
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "agent-windows"
-RUNS = json.loads((DATA / "runs.json").read_text())
+RUNS = json.loads((DATA / "agent-windows" / "runs.json").read_text())
 BENCH = bench_accuracy()
 FAULTS = {f.name: f for f in BENCH.FAULTS}
 SHAPES = {s.name: s for s in BENCH.SHAPES}
@@ -34,15 +29,8 @@ CONFIRM_WITHIN = max(STEADY_SPAN, SPAN * max(SMALL_WINDOWS, OFTEN))
 
 def reported(name: str) -> list[tuple[int, str, list[int]]]:
     """(window, kind, ranks) of every finding the agent would report over the run's windows."""
-    baselines: dict[str, Baseline] = {}
-    confirmer = Confirmer()
-    out = []
-    windows = sorted((DATA / "runs" / name).glob("*.msgpack"), key=lambda p: int(p.stem))
-    for i, path in enumerate(windows):
-        docs = diagnose(decode_patterns(path.read_bytes()), DEFAULT_HANG_TIMEOUT_S, baselines)
-        confirmer.confirm(docs)
-        out += [(i, f["kind"], f["ranks"]) for doc in docs.values() for f in doc["findings"]]
-    return out
+    return [(i, f["kind"], f["ranks"]) for i, docs in enumerate(agent_run(name))
+            for doc in docs.values() for f in doc["findings"]]
 
 
 def names_the_fault(run: dict, kind: str, ranks: list[int]) -> bool:
@@ -62,7 +50,7 @@ def test_a_healthy_agent_run_reports_nothing(name):
 @pytest.mark.parametrize("name", sorted(n for n in RUNS if FAULTS[RUNS[n]["fault"]].expect is not None))
 def test_an_agent_run_names_its_fault_soon_after_the_onset_and_nothing_else(name):
     run = RUNS[name]
-    onset, last = run["onset"], len(list((DATA / "runs" / name).glob("*.msgpack"))) - 1
+    onset, last = run["onset"], len(list((RUN_DIR / name).glob("*.msgpack"))) - 1
     found = reported(name)
     assert [f for f in found if f[0] < onset] == [], run["note"]  # nothing before the fault
     assert [f for f in found if not names_the_fault(run, f[1], f[2])] == [], run["note"]

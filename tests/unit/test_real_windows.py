@@ -13,20 +13,12 @@ a strict xfail, so a fix shows as a pass and the window as right. A window added
 line of code.
 """
 import json
-from functools import cache
-from pathlib import Path
 
 import pytest
+from kept import DATA, HANGS, window
 from test_accuracy_replay import bench_accuracy
 
-from rankscope.analyzer.diagnosis import diagnose
-from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
-from rankscope.schema.wire import decode_patterns
-
-DATA = Path(__file__).resolve().parents[1] / "data" / "windows"
-WINDOWS = json.loads((DATA / "windows.json").read_text())
-HANG_TIMEOUT_S = 4.0  # as the matrix runs diagnose on hangs
-HANGS = ("hang", "sigstop")
+WINDOWS = json.loads((DATA / "windows" / "windows.json").read_text())
 # Jobs that oversubscribe their host's CPUs: there the job's own what-if parts from the straggler's extra work
 # (what the cost reports) either way, the others' waiting lending it CPU (cnn-3's job lost about half of what
 # was spun) or its spinning taking theirs; the matrix checks their cost against the delay injected.
@@ -53,12 +45,9 @@ def cases(check: str, names=sorted(WINDOWS)) -> list:
             if check in WINDOWS[n].get("known_wrong", {}) else n for n in names]
 
 
-@cache
 def diagnosed(name: str) -> dict:
-    """The window's document (one per window: the checks only read it)."""
-    hang = WINDOWS[name]["fault"] in HANGS
-    patterns = decode_patterns((DATA / f"{name}.msgpack").read_bytes())
-    return next(iter(diagnose(patterns, HANG_TIMEOUT_S if hang else DEFAULT_HANG_TIMEOUT_S).values()))
+    """The window's document, diagnosed with the hang timeout the matrix gives its fault."""
+    return next(iter(window("windows", name).values()))
 
 
 def test_every_kept_window_names_a_fault_the_matrix_injects():
