@@ -128,7 +128,7 @@ def test_rank_that_never_reaches_the_collective_is_a_noncomm_hang(sim_job):
     assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], \
         [(f["kind"], f["ranks"], f["evidence"].get("per_rank")) for f in doc["findings"]]
     f = doc["findings"][0]
-    assert f["cost"] == 1.0 and "rank 1: in rank.py:wait_forever, clock_nanosleep" in f["summary"]
+    assert f["cost"] == 1.0 and "rank 1 sleeps in rank.py:wait_forever (clock_nanosleep)" in f["summary"]
     assert f["function"] == "rank.py:wait_forever"
 
 

@@ -112,7 +112,7 @@ def _hangs() -> list[dict]:
         [hung_rank(0, "waiting for ncclAllReduce (futex (futex_wait))"), hung_rank(1, "futex (futex_wait)"),
          hung_rank(2, "clock_nanosleep (hrtimer_nanosleep)")],
         [hung_rank(0, "futex (futex_wait_queue)"), hung_rank(1, "futex (do_signal_stop)")],
-        [hung_rank(r, "futex (futex_wait)") for r in range(3)] + [hung_rank(3, "clock_nanosleep (hrtimer_nanosleep)")],
+        [hung_rank(r, "futex (futex_wait)") for r in range(3)] + [hung_rank(3, "poll (do_sys_poll)")],
         [hung_rank(r, "futex (futex_wait)") for r in range(4)],
     ]
     return [f for ps in jobs for f in checked({"j": diagnose_job(ps, 30.0)})]
