@@ -98,9 +98,10 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     records = Collectives.of(patterns) if records is None else records
     # The training thread's wait for its collectives (Role.EXPOSED) is their time on other threads seen again:
     # left out, the roles' times partition the step (rules/links.py reads it from the patterns).
-    functions = FunctionTable.of(patterns).without(Role.EXPOSED)
+    probed = FunctionTable.of(patterns)  # the steps read DDP's count of its steps (Role.EXPOSED) from it
+    functions = probed.without(Role.EXPOSED)
     window_s = window_seconds(patterns)
-    split = step_split(patterns, records, window_s, functions)
+    split = step_split(patterns, records, window_s, probed)
     step = split.step_s
     if job_step_s is not None and np.isfinite(job_step_s):
         step[records.counts > 0] = job_step_s

@@ -125,20 +125,23 @@ def _start_up(seq: Sequence[tuple[str, int]]) -> int:
     return last if last <= len(seq) // 2 else 0
 
 
-def _periods(enter: np.ndarray, candidates: list[_Candidate]) -> np.ndarray:
-    """Per row of `enter` (ranks x collectives, one key sequence): k of its period, 0 where none.
+def _periods(enter: np.ndarray, candidates: list[_Candidate], one_a_step: np.ndarray) -> np.ndarray:
+    """Per row of `enter` (ranks x collectives, one key sequence): k of its period, 0 where none. `one_a_step`:
+    per row, whether the rank's own count of its synchronized steps says one collective a step.
     - The smallest candidate holds distinct collectives, each a whole number of times: that is one step by
       names and sizes (steps may still alternate in length, two loader workers in phase, so that timing
       alone would call two steps one).
     - One kind of collective only (DDP's buckets all of one size, or one bucket): the long gaps between calls
       decide. Bursts of K calls a step leave a long gap (across the forward pass) every K calls, at a fixed
-      spacing; a step of one call leaves long gaps only where a step ran late, at random places."""
+      spacing; a step of one call leaves long gaps only where a step ran late, at random places, or where the
+      job pauses every K steps (a checkpoint's save every 25: a lattice as regular as bursts), which only
+      the count of its steps tells apart."""
     rows = enter.shape[0]
     if not candidates:
         return np.zeros(rows, np.intp)
     ks = np.ones(rows, np.intp) * candidates[0].k
     if len(candidates[0].keys) == 1 and enter.shape[1] > 2:
-        ks = _burst(enter, {c.k for c in candidates})
+        ks = np.where(one_a_step, candidates[0].k, _burst(enter, {c.k for c in candidates}))
         # Bursts are the job's: the ranks of one sequence show the same ones. A period most of them do not share
         # is hiccups on one rank that fell K calls apart (an agent's light window of 64 all-reduces of the 2-rank
         # MLP: two 16 ms gaps 31 calls apart on rank 1 made a 203 ms "step" of a 6 ms job, and the job's
@@ -153,6 +156,16 @@ def _spans(enter: np.ndarray, c: _Candidate) -> np.ndarray | None:
     on); None where no key repeats. Every instant between the first and the last call lies in k of them."""
     parts = [enter[:, pos[per:]] - enter[:, pos[:-per]] for pos, per in c.keys if pos.size > per]
     return np.concatenate(parts, axis=1) if parts else None
+
+
+def _one_a_step(functions: FunctionTable, rows: np.ndarray, seq: Sequence[tuple[str, int]]) -> np.ndarray:
+    """Per row: whether its calls of the sequence's first op are one per synchronized step, where the rank
+    counts those steps (DDP's reducer waits for its buckets once a step: Role.EXPOSED); False where unknown."""
+    synced = [j for j, role in enumerate(functions.roles) if role == Role.EXPOSED]
+    if not synced:
+        return np.zeros(rows.size, bool)
+    steps = functions.count[rows][:, synced].max(axis=1)
+    return (steps > 0) & (np.rint(functions.count_of(seq[0][0])[rows] / np.maximum(steps, 1)) == 1)
 
 
 def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
@@ -308,13 +321,13 @@ def step_split(patterns: Sequence[RankPattern], records: Collectives | None = No
             after = _proposed(seq[head:])
             if after and (not candidates or after[0].k < candidates[0].k):
                 seq, enter, candidates = seq[head:], enter[:, head:], after
-        ks = _periods(enter, candidates)
+        functions = FunctionTable.of(patterns) if functions is None else functions
+        ks = _periods(enter, candidates, _one_a_step(functions, rows, seq))
         for c in candidates:
             mine = np.flatnonzero(ks == c.k)
             if not mine.size or (spans := _spans(enter[mine], c)) is None:
                 continue
             # The window's call counts cover all of it (the collectives shipped may cover only its last steps).
-            functions = FunctionTable.of(patterns) if functions is None else functions
             op, per_step, shipped = _period_op(seq, c)
             at = rows[mine]
             steps = functions.count_of(op)[at] / per_step
