@@ -35,6 +35,7 @@ from rankscope.schema.patterns import RankPattern, Role
 
 MIN_REPEATS = 2  # a period must be seen at least twice to be believed
 NOT_EVERY_STEP = 0.05  # share of the sequence that may be collectives not called every step
+EXTRA_CALLS = 0.1  # calls a step that a key of the period may hold beyond its share (outside the steps)
 WHOLE_STEPS = 0.5  # share of the runs of k collectives that must hold a whole step (order varies at the edges)
 LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times the median one is long...
 # ...and at least this share of the mean gap: NCCL's calls only enqueue, so a step's bucket all-reduces leave
@@ -81,11 +82,14 @@ def _candidates(keys: np.ndarray) -> list[_Candidate]:
     not required: a step's collectives may complete in any order.
     A key called `per` times a step holds up to `per` calls more or fewer than its share (the sequence cuts a
     step at either end), whatever the window's length: every key's count then implies the same number of steps
-    within one. A tolerance growing with the count (a tenth of it) let 8 of a step's 9 all-gathers pass for a
+    within one, the fewest that any key implies. A tolerance growing with the count (a tenth of it) let 8 of a step's 9 all-gathers pass for a
     step's share in a long sequence (FSDP2, 445 gathers and 49 steps in a window): most runs of 13 are a step
     of 14 less one gather, and the step read 8/9 of its length. A looser bound also took 12 for a step of 14
     where a send called once a step counted 9, 1.5 from the 10.5 that 12 implies; a tighter one than `per`
     loses a pipeline stage's period (3 calls a step of one key, 12 shipped where 13.7 was its share).
+    A key may also hold calls outside the steps, EXTRA_CALLS a step at most: the Trainer's gather of the loss
+    at each logging step and before its first step (112 gathers in 107 steps; taken as the step's share
+    they also made the all-reduces fall short of theirs).
     Keys called in fewer than half the steps (DDP's broadcast of the module's state before the first step, a
     logging step's gather) are no part of the period, up to NOT_EVERY_STEP of the sequence: left in, they
     admitted no period at all, and the step fell back to the window over the calls of one all-reduce."""
@@ -100,7 +104,8 @@ def _candidates(keys: np.ndarray) -> list[_Candidate]:
         every = per > 0  # the others are called in fewer than half the steps: not the step's
         if not every.any() or counts[~every].sum() > NOT_EVERY_STEP * n or per.sum() != k:
             continue
-        if (np.abs(counts - per * n / k) > per)[every].any():
+        steps = float((counts / np.maximum(per, 1))[every].min())  # extra calls only add: the fewest is the steps
+        if (counts - per * steps > per + EXTRA_CALLS * steps)[every].any():
             continue
         if np.mean(((running[k:] - running[:-k])[:, every] == per[every]).all(axis=1)) < WHOLE_STEPS:
             continue
