@@ -59,8 +59,10 @@ UPPER_QUARTILE = 0.75
 # ...and this much longer: a step the scheduler held back a few time slices (a neighbour's load: 20-40 ms
 # stalls of a 6.5 ms step) is a slow step, not time spent outside the steps.
 PAUSE_MIN_S = 0.1
-LEAD_DRIFT = 1.0  # the steps before the first shipped collective may run this much slower than the shipped ones
-# and be steps: a neighbour's load coming and going made a window's first 200 steps 28% slower than its last 64
+# The steps before the first shipped collective may run this much slower than the shipped ones: only the time
+# beyond is outside steps (a neighbour's load coming and going made a window's first 200 steps 28% slower than
+# its last 64; a checkpoint's save among the 45 steps before a light window's last 32 made them 50% slower).
+LEAD_DRIFT = 0.25
 
 
 def _key_ids(keys: Sequence) -> np.ndarray:
@@ -246,8 +248,9 @@ def _split(spans: np.ndarray, k: int, first: np.ndarray, last: np.ndarray, windo
     - A span PAUSE_STEPS x the upper quartile of the spans and PAUSE_MIN_S beyond it holds a pause (a
       checkpoint's save, an evaluation): the step is the mean of the others, and a pause's time beyond a step
       is outside steps (it lies in k spans, so their excess is summed and divided by k).
-    - Before the first shipped collective: the unseen steps and one cut by the window's start; longer by
-      (PAUSE_STEPS - 1) steps, and by LEAD_DRIFT of them (the job's pace may drift), is start-up or a pause.
+    - Before the first shipped collective: the unseen steps and one cut by the window's start, LEAD_DRIFT
+      slower than the shipped ones at most (the job's pace may drift); time beyond that, (PAUSE_STEPS - 1)
+      steps and PAUSE_MIN_S at least, is start-up or a pause.
       After the last one: one step; longer by (PAUSE_STEPS - 1) steps is the tail (the job ended or stalled).
     - Where the shipped collectives cover the window, or the rest of it held a pause, the step is theirs;
       else the rest is steps at its own pace, and the step is the window's time in steps over the steps its
@@ -259,8 +262,8 @@ def _split(spans: np.ndarray, k: int, first: np.ndarray, last: np.ndarray, windo
     paused = spans > np.maximum(PAUSE_STEPS * quartile, quartile + PAUSE_MIN_S)
     step = np.nanmean(np.where(paused, np.nan, spans), axis=1)  # never all NaN: the quartile's own span is kept
     excess = np.where(paused, spans - step[:, None], 0.0)
-    lead = first - window_start - (unseen + 1) * step
-    long_lead = lead > np.maximum(np.maximum(PAUSE_STEPS - 1, LEAD_DRIFT * (unseen + 1)) * step, PAUSE_MIN_S)
+    lead = first - window_start - (unseen + 1) * (1 + LEAD_DRIFT) * step
+    long_lead = lead > np.maximum((PAUSE_STEPS - 1) * step, PAUSE_MIN_S)
     lead = np.where(long_lead & (steps >= 1), lead, 0.0)  # no call count: what came before is unknown
     tail = window_start + window_s - last - step
     tail = np.where(tail > np.maximum((PAUSE_STEPS - 1) * step, PAUSE_MIN_S), tail, 0.0)

@@ -9,7 +9,7 @@ import pytest
 from rankscope.agent.report import render
 from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline
 from rankscope.analyzer.diagnosis import diagnose_job
-from rankscope.analyzer.steps import step_split
+from rankscope.analyzer.steps import LEAD_DRIFT, step_split
 from rankscope.schema.patterns import CollectiveColumns, FunctionStats, RankPattern, Role
 
 T0 = 1_700_000_000.0
@@ -73,7 +73,8 @@ def test_a_job_starting_up_in_the_window_is_timed_by_its_steps():
     end = T0 + 10.0
     split = step_split(_ranks(_one_bucket(starts), T0, end))
     assert split.step_s == pytest.approx([0.125] * 2, rel=0.02)
-    assert split.outside_s == pytest.approx([2.5] * 2, abs=0.15)
+    # Less the step the window's start may have cut, at the pace before the shipped steps may hold.
+    assert split.outside_s == pytest.approx([2.5] * 2, abs=0.2)
 
 
 def test_a_pause_before_the_shipped_collectives_is_outside_steps():
@@ -82,7 +83,9 @@ def test_a_pause_before_the_shipped_collectives_is_outside_steps():
     end = float(starts[-1]) + 0.08
     split = step_split(_ranks(_one_bucket(starts), T0, end, shipped=30))
     assert split.step_s == pytest.approx([STEP] * 2, rel=0.02)
-    assert split.outside_s == pytest.approx([SAVE] * 2, abs=0.15)
+    # Less what the 10 unseen steps and the one cut may have run slower than the shipped ones.
+    allowed = LEAD_DRIFT * 11 * STEP
+    assert (SAVE - allowed - 0.1 <= split.outside_s).all() and (split.outside_s <= SAVE + 0.05).all(), split
 
 
 def test_steps_that_slow_down_before_the_shipped_collectives_are_steps():
@@ -123,7 +126,7 @@ def test_the_collectives_of_a_jobs_start_up_are_not_its_steps():
                                   ("gloo_allreduce", 1048576, 0.1), ("gloo_allreduce", 112, 0.11))]
     split = step_split(_ranks(head + steps, T0, T0 + 10.0))
     assert split.step_s == pytest.approx([step] * 2, rel=0.02)
-    assert split.outside_s == pytest.approx([6.15] * 2, abs=0.2)
+    assert split.outside_s == pytest.approx([6.15] * 2, abs=0.25)  # less the step its start may have cut
 
 
 def test_a_window_with_a_checkpoint_is_no_regression():
