@@ -1,10 +1,14 @@
 """The accuracy matrix: does rankscope name the right rank and cause on real PyTorch jobs of many shapes?
 
-    scripts/bench accuracy [--repeats N] [--windows K] [--shapes A,B] [--faults X,Y] [--json PATH]
-                           [--misses DIR] [--keep-all] [--load N]   (root)
+    scripts/bench accuracy [--repeats N] [--windows K] [--shapes A,B] [--faults X,Y] [--held-out | --tuning]
+                           [--out DIR] [--json PATH] [--misses DIR] [--keep-all] [--load N]   (root)
     scripts/bench accuracy --table RESULTS.json...   (the table of earlier runs, merged; each file names the
                                                       code it ran on: see code_version)
     scripts/bench accuracy --replay DIR...   (kept windows diagnosed again by the current analyzer)
+
+Shapes are of two sets: the tuning shapes, which the analyzer's thresholds were tuned on, and the held-out
+shapes (Shape.held_out: public frameworks' training loops, never tuned on), selected with --tuning and
+--held-out and tabled apart. Results and kept evidence go under --out (~/.cache/rankscope/accuracy).
 
 Each case is a fresh torchrun job of one shape (tests/jobs/: user-style training code, faults injected from
 outside the job's code by tests/jobs/inject/sitecustomize.py), or the simulated GPU job (rankscope.sim: its
@@ -74,6 +78,7 @@ from rankscope.sim.harness import free_port, wait_until  # noqa: E402
 from rankscope.sim.rank import GPU_S_PER_STEP  # noqa: E402
 
 RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
+DEFAULT_OUT = Path.home() / ".cache" / "rankscope" / "accuracy"  # outside any checkout: results are no source
 WARMUP_S = 8.0
 VICTIM_CPU = 1  # pinned cases: the victim's CPU, the hog's too
 OWN_REFERENCE_S = 6.0  # pinned and onset cases: the job's own step before the hog or the fault, the what-if
@@ -129,6 +134,9 @@ class Shape:
     note: str = ""
     sim: bool = False  # the simulated GPU job (script unused): its faults are rankscope.sim.faults specs
     faults: tuple[str, ...] = ()  # the faults the shape can take (default: all)
+    # A job the analyzer's thresholds were never tuned on (a public framework's training loop): its rows are
+    # the held-out measure of a rule change, reported apart from the tuning shapes'.
+    held_out: bool = False
 
     @property
     def victim_rank(self) -> int:
@@ -141,6 +149,8 @@ class Shape:
         return self.loads if fault == "loader" and self.loads >= 0 else self.victim_rank
 
 
+# The faults a held-out shape takes: those that act in any training loop with an in-process DataLoader.
+IN_PROCESS_FAULTS = ("healthy", "compute", "compute-small", "loader", "gc", "hang", "sigstop")
 SHAPES = [
     Shape("mlp-2", "mlp_regression.py", 2, note="2 ranks, 1 bucket, in-process loader, CPU-bound"),
     Shape("mlp-3-io", "mlp_regression.py", 3, base="loader:*:0.008", note="3 ranks, storage latency: idle CPU"),
@@ -154,6 +164,12 @@ SHAPES = [
     Shape("sim-4", "", 4, sim=True,
           faults=("healthy", "compute", "compute-small", "loader", "gc", "sigstop", "slowlink", "healthy-agent"),
           note="simulated GPU job: stand-in libcuda/libnccl, NCCL all-reduce; GPU-side faults"),
+    Shape("lightning-2", "lightning_trainer.py", 2, held_out=True, faults=IN_PROCESS_FAULTS,
+          note="Lightning Trainer, strategy=ddp on CPU, Adam, in-process loader (Lightning's sampler)"),
+    Shape("static-3", "ddp_static_graph.py", 3, held_out=True, faults=(*IN_PROCESS_FAULTS, "slowlink"),
+          note="DDP static_graph + gradient_as_bucket_view, residual MLP, SGD + cosine schedule"),
+    Shape("gpipe-2", "pipelining_gpipe.py", 2, held_out=True, faults=IN_PROCESS_FAULTS,
+          note="torch.distributed.pipelining: 2 stages, ScheduleGPipe, 4 micro-batches; both stages load"),
 ]
 
 
@@ -764,7 +780,8 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
         lost = [r.lost_err for r in rs if r.lost_err is not None]
         ttf = [r.to_finding_s for r in rs if r.to_finding_s is not None]
         truth = [r.truth_step_s for r in rs if r.truth_step_s]
-        rows.append({"shape": key[0], "fault": key[1], "runs": len(rs), "jobs": len({r.job for r in rs}),
+        rows.append({"shape": key[0], "fault": key[1], "held_out": is_held_out(key[0]), "runs": len(rs),
+                     "jobs": len({r.job for r in rs}),
                      "truth_step_s": med(truth),
                      "right": sum(r.right for r in rs), "step_err_worst": max(step) if step else None,
                      "false": sum(len(r.false) for r in rs), "errors": sum(bool(r.error) for r in rs),
@@ -779,11 +796,31 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
     return rows
 
 
+FAULT_EXPECTS = {f.name: f.expect for f in FAULTS}
+
+
+def is_held_out(shape: str) -> bool:
+    """Whether the shape named `shape` is held out (an unknown one, a batch's from before a rename, is not)."""
+    return any(s.name == shape and s.held_out for s in SHAPES)
+
+
+def selected(names: str, held_out: bool | None) -> list[Shape]:
+    """The shapes named in `names` (comma-separated) of the held-out set (True), the tuning set (False), or
+    both (None)."""
+    wanted = set(names.split(","))
+    return [s for s in SHAPES if s.name in wanted and (held_out is None or s.held_out == held_out)]
+
+
+def of_set(runs: list[Run], held_out: bool | None) -> list[Run]:
+    """The runs of the held-out shapes (True), of the tuning shapes (False), or all (None)."""
+    return runs if held_out is None else [r for r in runs if is_held_out(r.shape) == held_out]
+
+
 def short_of_bar(row: dict[str, Any]) -> str:
     """What a summarized case lacks against the bar (BAR_*), or "met": the table's last column, so a session
     reads what its matrix still owes without recounting. A case that can fail must be right in BAR_RIGHT of
     its runs, a healthy one in all; a false finding beside a right verdict is short too."""
-    expect = next((f.expect for f in FAULTS if f.name == row["fault"]), None)
+    expect = FAULT_EXPECTS.get(row["fault"])
     short = []
     if row["runs"] < BAR_RUNS:
         short.append(f"{BAR_RUNS - row['runs']} more runs")
@@ -885,6 +922,26 @@ def replay_agent(shape: Shape, fault: Fault, run: Run, windows: list[Path], trut
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """The rows' table, the tuning shapes' and the held-out shapes' apart (a section each, with its tally):
+    a rule change reads right only if it holds on jobs its thresholds were not tuned on."""
+    sections = []
+    for held_out, title in ((False, "tuning shapes"), (True, "held-out shapes")):
+        if part := [r for r in rows if is_held_out(r["shape"]) == held_out]:
+            sections.append(f"### {title}: {tally(part)}\n\n{cases_table(part)}")
+    return "\n\n".join(sections)
+
+
+def tally(rows: list[dict[str, Any]]) -> str:
+    """A section's line: right verdicts on faulty jobs, healthy runs with no finding, false findings."""
+    healthy = [r for r in rows if FAULT_EXPECTS.get(r["fault"]) is None]
+    faulty = [r for r in rows if r not in healthy]
+    count = lambda rs, key: sum(r[key] for r in rs)  # noqa: E731
+    return (f"right {count(faulty, 'right')}/{count(faulty, 'runs')} faulty runs, "
+            f"{count(healthy, 'right')}/{count(healthy, 'runs')} healthy runs clean, "
+            f"{count(rows, 'false')} false findings, {count(rows, 'errors')} runs failed")
+
+
+def cases_table(rows: list[dict[str, Any]]) -> str:
     pct = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
     lines = ["| shape | fault | step | right | jobs | false findings | step-time error (worst) | cost error | "
              "extra time vs injected | cost vs the job's loss (its loss) | time to finding | job slowed (missed) | "
@@ -911,8 +968,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=1, help="diagnose runs per job (hangs: 1)")
     ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     ap.add_argument("--faults", default=",".join(f.name for f in FAULTS))
-    ap.add_argument("--json", help="where the runs go (a replay's too; a live matrix's default: accuracy-results.json)")
-    ap.add_argument("--misses", default="accuracy-misses", help="where wrong verdicts keep their patterns and document")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--held-out", dest="held_out", action="store_const", const=True,
+                       help="only the held-out shapes (jobs the analyzer was not tuned on); with --table and "
+                            "--replay, only their runs")
+    which.add_argument("--tuning", dest="held_out", action="store_const", const=False,
+                       help="only the shapes the analyzer's thresholds were tuned on")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="where a live matrix's results and kept evidence go (default: %(default)s)")
+    ap.add_argument("--json", help="where the runs go (a replay's too; a live matrix's default: "
+                                   "OUT/accuracy-results.json)")
+    ap.add_argument("--misses", help="where wrong verdicts keep their patterns and document "
+                                     "(default: OUT/accuracy-misses)")
     ap.add_argument("--keep-all", action="store_true", help="keep every run's patterns and document in --misses")
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier runs' JSON files instead")
     ap.add_argument("--replay", nargs="+", metavar="DIR", type=Path,
@@ -927,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_accuracy: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
     if args.table:
-        print(table(summarize(merged(args.table))))
+        print(table(summarize(of_set(merged(args.table), args.held_out))))
         return 0
     if args.replay:
         missing = [str(d) for d in args.replay if not d.is_dir()]
@@ -935,7 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_accuracy: no such folder: {', '.join(missing)}", file=sys.stderr)
             return 2
         wanted_shapes, wanted_faults = set(args.shapes.split(",")), set(args.faults.split(","))
-        runs = in_matrix_order([r for r in replay(args.replay)
+        runs = in_matrix_order([r for r in of_set(replay(args.replay), args.held_out)
                                 if r.shape in wanted_shapes and r.fault in wanted_faults])
         if args.json:  # a matrix of the current analyzer from windows captured earlier: it merges with live batches
             shapes = [s for s in SHAPES if any(r.shape == s.name for r in runs)]
@@ -948,8 +1015,11 @@ def main(argv: list[str] | None = None) -> int:
     # Stopped with SIGTERM, the cleanups still run: a hog pinned at nice -5 left behind ran for 18 minutes
     # under the next matrix.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    shapes = [s for s in SHAPES if s.name in args.shapes.split(",")]
+    shapes = selected(args.shapes, args.held_out)
     faults = [f for f in FAULTS if f.name in args.faults.split(",")]
+    results = Path(args.json) if args.json else args.out / "accuracy-results.json"
+    misses = Evidence(Path(args.misses) if args.misses else args.out / "accuracy-misses", args.keep_all)
+    results.parent.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
     references = References.of(merged(args.healthy_from) if args.healthy_from else [])
     code = code_version()  # once, at the start: the checkout may change under a long matrix
@@ -960,7 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
                 for fault in sorted(filter(shape.takes, faults), key=lambda f: f.name != "healthy"):
                     try:
                         case = run_case(shape, fault, Path(tmp), references.step(shape.name),
-                                        Evidence(Path(args.misses), args.keep_all), args.windows,
+                                        misses, args.windows,
                                         references.pace(shape.name))
                     except Exception as e:  # noqa: BLE001  (a case that could not run is reported, not fatal)
                         case = [Run(shape.name, fault.name, False, [], [], error=f"{type(e).__name__}: {e}"[:300])]
@@ -971,7 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"{repeat + 1}/{args.repeats} {shape.name} {fault.name}: "
                             f"{'right' if run.right else 'WRONG'} {run.findings or '-'} step {run.step_s} vs "
                             f"{run.truth_step_s} cost {run.cost} vs {run.truth_cost} {run.error}")
-                    save(Path(args.json or "accuracy-results.json"), shapes, runs, code)
+                    save(results, shapes, runs, code)
     print(table(summarize(runs)))
     return 0
 

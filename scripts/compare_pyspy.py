@@ -1,7 +1,7 @@
 """`rankscope profile` against py-spy on the same running process, over the same interval: the folded stacks'
 shares, and the top functions' self shares.
 
-    .venv/bin/pip install py-spy && sudo .venv/bin/python scripts/compare_pyspy.py [--seconds 20] [--python PATH]
+    sudo .venv/bin/python scripts/compare_pyspy.py [--seconds 20] [--python PATH]   (py-spy: the test extras)
 
 Both sample on-CPU time at one rate (`rankscope profile --what cpu --format folded`, `py-spy record --format
 raw` without --idle) of a workload with a known mix of functions and stacks. A stack's share is its samples
@@ -90,6 +90,37 @@ def compare(title: str, spy: dict, ours: dict, top: int) -> float:
     return 100 * worst
 
 
+def overlap(spy: dict, ours: dict) -> float:
+    """The share of the samples that fall on the same stacks in both: the sum of each stack's smaller share."""
+    return sum(min(spy.get(k, 0.0), ours.get(k, 0.0)) for k in spy.keys() | ours.keys())
+
+
+def record(python: str, seconds: int, rate: int, blocking: bool = False) -> tuple[dict, dict]:
+    """py-spy's and rankscope's stack shares of WORKLOAD run by `python`, sampled together for `seconds`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "workload.py"
+        script.write_text(WORKLOAD)
+        proc = subprocess.Popen([python, str(script)], stdout=subprocess.PIPE, text=True)
+        try:
+            proc.stdout.readline()
+            ours_out, spy_out = Path(tmp) / "rankscope.folded", Path(tmp) / "pyspy.txt"
+            profile = subprocess.Popen([sys.executable, "-m", "rankscope.agent.cli", "profile", "--pid",
+                                        str(proc.pid), "--duration", str(seconds), "--what", "cpu", "--rate",
+                                        str(rate), "-o", str(ours_out)], stderr=subprocess.PIPE, text=True)
+            opened = profile.stderr.readline()  # "rankscope: sampling ...": the window is open
+            if "sampling" not in opened:
+                raise RuntimeError(f"rankscope profile: {opened}{profile.stderr.read()}")
+            subprocess.run([pyspy(), "record", "--pid", str(proc.pid), "--duration", str(seconds), "--rate",
+                            str(rate), "--format", "raw", "--nolineno", "--output", str(spy_out),
+                            *([] if blocking else ["--nonblocking"])], check=True, capture_output=True)
+            if profile.wait(timeout=60) != 0:
+                raise RuntimeError(f"rankscope profile: {profile.stderr.read()}")
+            return shares(spy_out.read_text()), shares(ours_out.read_text())
+        finally:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=int, default=20)
@@ -99,31 +130,10 @@ def main() -> int:
     ap.add_argument("--pyspy-blocking", action="store_true",
                     help="py-spy stops the process for each sample (no torn stacks; slows the workload)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "workload.py"
-        script.write_text(WORKLOAD)
-        proc = subprocess.Popen([args.python, str(script)], stdout=subprocess.PIPE, text=True)
-        try:
-            proc.stdout.readline()
-            ours_out, spy_out = Path(tmp) / "rankscope.folded", Path(tmp) / "pyspy.txt"
-            profile = subprocess.Popen([sys.executable, "-m", "rankscope.agent.cli", "profile", "--pid",
-                                        str(proc.pid), "--duration", str(args.seconds), "--what", "cpu", "--rate",
-                                        str(args.rate), "-o", str(ours_out)], stderr=subprocess.PIPE, text=True)
-            opened = profile.stderr.readline()  # "rankscope: sampling ...": the window is open
-            if "sampling" not in opened:
-                raise SystemExit(f"rankscope profile: {opened}{profile.stderr.read()}")
-            subprocess.run([pyspy(), "record", "--pid", str(proc.pid), "--duration", str(args.seconds), "--rate",
-                            str(args.rate), "--format", "raw", "--nolineno", "--output", str(spy_out),
-                            *([] if args.pyspy_blocking else ["--nonblocking"])], check=True, capture_output=True)
-            if profile.wait(timeout=60) != 0:
-                raise SystemExit(f"rankscope profile: {profile.stderr.read()}")
-            spy, ours = shares(spy_out.read_text()), shares(ours_out.read_text())
-        finally:
-            proc.kill()
-            proc.wait()
+    spy, ours = record(args.python, args.seconds, args.rate, args.pyspy_blocking)
     stacks = compare("folded stacks (share of on-CPU samples)", spy, ours, args.top)
     functions = compare("functions (self share)", self_shares(spy), self_shares(ours), args.top)
-    print(f"\nstacks: {100 * sum(min(spy.get(k, 0), ours.get(k, 0)) for k in spy.keys() | ours.keys()):.1f}% of the "
+    print(f"\nstacks: {100 * overlap(spy, ours):.1f}% of the "
           f"samples fall on the same stacks in both (the shares' overlap); largest differences: stacks "
           f"{stacks:.1f} pp, functions {functions:.1f} pp")
     return 0

@@ -1,6 +1,7 @@
 """Shared helpers: waiting on conditions (never on the clock alone), simulated jobs, an agent process."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -12,8 +13,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jsonschema
 import pytest
 
+from rankscope.schema.document import diagnosis_schema
 from rankscope.sim.harness import free_port, http_json, maps_library, terminate, wait_until
 from rankscope.sim.job import SimJob, start_job
 
@@ -194,7 +197,10 @@ class AgentProcess:
         wait_until(up, 60, "the agent to serve")
 
     def get(self, path: str) -> Any:
-        return http_json(self.url + path)
+        answer = http_json(self.url + path)
+        if path.startswith("/v1/diagnosis"):
+            check_document(answer)
+        return answer
 
     def stop(self) -> None:
         terminate(self.proc, 20)
@@ -219,7 +225,21 @@ def diagnose_json(pids: list[int], duration: float, *extra: str) -> dict:
     out = subprocess.run([*RANKSCOPE, "diagnose", "--pid", ",".join(map(str, pids)), "--duration", str(duration),
                           "--json", *extra], capture_output=True, text=True, timeout=duration + 60)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return check_document(json.loads(out.stdout))
+
+
+@functools.cache
+def _document_validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(diagnosis_schema())
+
+
+def check_document(doc: dict) -> dict:
+    """`doc`, once it is a diagnosis document as rankscope/schema/diagnosis.schema.json describes it: every
+    document the tests read from `diagnose --json` or an agent's /v1/diagnosis passes through here."""
+    errors = sorted(_document_validator().iter_errors(doc), key=lambda e: list(e.absolute_path))
+    assert not errors, "; ".join(f"{'/'.join(map(str, e.absolute_path)) or '(document)'}: {e.message}"
+                                 for e in errors[:5])
+    return doc
 
 
 

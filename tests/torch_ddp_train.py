@@ -15,6 +15,10 @@ every rank with RANK *):
   --slow-loader RANK:SECONDS            the rank's dataset sleeps in __getitem__, once per batch (input straggler)
   --stop-before-collective RANK:STEP    at that step the rank blocks forever in hang_before_collective(),
                                         before backward and its all-reduce (a hang)
+  --sleep-in-loop RANK:WHEN             at that step (or, WHEN a path, the first step once that file exists)
+                                        the rank sleeps an hour in main's loop itself, before backward (a
+                                        hang whose Python frame is the training loop)
+  --spin-in-loop RANK:WHEN              ...or computes there for good, in pure Python (busy on a CPU)
   --report PATH                         the rank's own step times as JSON ("{rank}" in PATH: one file per rank,
                                         else rank 0 only), rewritten every half second and at a normal end
   --read-ms MS                          every rank's batch read time (default 6)
@@ -61,6 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--busy-before-forward", default=env("TORCH_DDP_BUSY_BEFORE_FORWARD"), metavar="RANK:SECONDS")
     ap.add_argument("--slow-loader", default=env("TORCH_DDP_SLOW_LOADER"), metavar="RANK:SECONDS")
     ap.add_argument("--stop-before-collective", default=env("TORCH_DDP_STOP_BEFORE_COLLECTIVE"), metavar="RANK:STEP")
+    ap.add_argument("--sleep-in-loop", default=env("TORCH_DDP_SLEEP_IN_LOOP"), metavar="RANK:WHEN")
+    ap.add_argument("--spin-in-loop", default=env("TORCH_DDP_SPIN_IN_LOOP"), metavar="RANK:WHEN")
     ap.add_argument("--report", default=env("TORCH_DDP_REPORT"), metavar="PATH")
     ap.add_argument("--read-ms", type=float, default=float(env("TORCH_DDP_READ_MS", "6")),
                     help="every rank's simulated storage latency per batch (keeps the 2-core CPU from saturating)")
@@ -70,7 +76,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.busy_before_forward = rank_fault(args.busy_before_forward, float)
     args.slow_loader = rank_fault(args.slow_loader, float)
     args.stop_before_collective = rank_fault(args.stop_before_collective, int)
+    args.sleep_in_loop = rank_fault(args.sleep_in_loop, step_or_path)
+    args.spin_in_loop = rank_fault(args.spin_in_loop, step_or_path)
     return args
+
+
+def step_or_path(value: str) -> int | str:
+    return int(value) if value.isdigit() else value
+
+
+def due(when: int | str | None, step: int) -> bool:
+    """Whether a fault given as a step, or a file's path (from the first step the file exists), is due now."""
+    return when == step if isinstance(when, int) else when is not None and os.path.exists(when)
 
 
 def on_rank(fault, rank: int):
@@ -170,6 +187,8 @@ def main(argv: list[str]) -> int:
     straggle_s = on_rank(args.sleep_before_forward, rank)
     busy_s = on_rank(args.busy_before_forward, rank)
     stop_at = on_rank(args.stop_before_collective, rank)
+    sleep_at = on_rank(args.sleep_in_loop, rank)
+    spin_at = on_rank(args.spin_in_loop, rank)
     report = Report(args.report, rank)
 
     step = 0
@@ -189,6 +208,15 @@ def main(argv: list[str]) -> int:
             loss = loss_fn(model(x), y)
             if stop_at is not None and step == stop_at:
                 hang_before_collective(step)
+            sleeps, spins = due(sleep_at, step), due(spin_at, step)
+            if sleeps or spins:  # inline, so that the rank's Python frame is this loop's
+                print(f"torch_ddp_train: rank {rank} {'sleeps' if sleeps else 'spins'} in its loop at step {step}",
+                      file=sys.stderr, flush=True)
+                report.write()
+                if sleeps:
+                    time.sleep(3600)
+                while spins:
+                    pass
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP's hooks all-reduce the gradients (gloo) and wait for them
             reduced = time.time()

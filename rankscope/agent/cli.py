@@ -1,4 +1,6 @@
-"""The `rankscope` command line (contract.md): diagnose, agent, cluster, sim, demo; profile, trace and dump."""
+"""The `rankscope` command line: diagnose, agent, cluster, sim, demo; profile, trace and dump. The commands,
+the HTTP API and the diagnosis document are described in docs/api.md; the document's JSON Schema ships as
+rankscope/schema/diagnosis.schema.json."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +12,7 @@ import socket
 import sys
 import urllib.parse
 
+import rankscope
 from rankscope.agent.detail import DEEP, DEEP_SECONDS, LEVELS, LIGHT, Detail, SlowdownTrigger
 from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
@@ -312,6 +315,7 @@ def add_inject_shim(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rankscope", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the agent does")
+    parser.add_argument("--version", action="version", version=f"rankscope {rankscope.version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("diagnose", help="attach to a job's ranks, observe, print the diagnosis")

@@ -43,17 +43,44 @@ def render(doc: dict[str, Any]) -> str:
             f"score {f['score']:.1f}"
         )
         lines.append(f"   {f['summary']}")
+        lines += _why_lines(f)
     for u in suspects:
         lines.append(f"suspect: {u['kind']} of {_ranks(u['ranks'])}, seen in this window; a difference this small "
                      f"shows now and then on a healthy job too: `rankscope agent` reports it once seen in "
                      f"{u['needs']} of {u.get('of', SPAN * u['needs'])} windows")
         lines.append(f"   {u['summary']}")
+        lines += _why_lines(u)
     for u in pending:
         held = (f"{REGRESSION_WINDOWS} windows running" if u["kind"] == "regression" else
                 f"{CONFIRM_WINDOWS} windows running, or in {OFTEN} of {SPAN * OFTEN}")
         lines.append(f"suspect: {u['kind']} of {_ranks(u['ranks'])}, seen in {u['windows']} of the agent's windows; "
                      f"reported once it holds over {HOLD_S:.0f} s and {held}")
+        lines += _why_lines(u)
     return "\n".join(lines)
+
+
+def _why_lines(f: dict[str, Any]) -> list[str]:
+    """Why the rule named it (`because`: its criterion and the figures it compared), and what it outranked;
+    nothing for a document of an agent that did not say."""
+    lines = []
+    if f.get("criterion"):
+        several = len(f["ranks"]) > 1
+        figures = "; ".join((f"rank {w['rank']} " if several and w.get("rank") is not None else "")
+                            + f"{w['measure']} {_num(w['value'])} {w['op']} {_num(w['threshold'])} ({w['unit']})"
+                            for w in f.get("why", []))
+        lines.append(f"   because {f['criterion']}" + (f": {figures}" if figures else ""))
+    if f.get("outranked"):
+        lines.append("   outranked: " + "; ".join(
+            f"{o['kind']}" + (f" ({o['criterion']})" if o.get("criterion") else "") + f" of {_ranks(o['ranks'])} "
+            f"({o['reason']})" for o in f["outranked"]))
+    return lines
+
+
+def _num(x: float | None) -> str:
+    """A figure in three significant digits, whole from 1000 on; '?' where the document has none."""
+    if x is None:
+        return "?"
+    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -18,36 +18,17 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.differential import MAD_TO_SIGMA, Z_FLOOR, Z_MIN
+from rankscope.analyzer.differential import MAD_TO_SIGMA
 from rankscope.analyzer.metrics import RankTable
+from rankscope.analyzer.thresholds import KEEP_WINDOWS, MIN_WINDOWS, RUN_WINDOWS, SLOWDOWN_THRESHOLD, Z_FLOOR, Z_MIN
 
-KEEP_WINDOWS = 720  # an hour of 5 s windows: "recent"
-MIN_WINDOWS = 3  # fewer windows are no baseline
-# The baseline is the median window (the slower of two: in doubt, no finding): the job's usual pace. Not the
-# fastest, one lucky window of few (mlp-2 stepped 5.5 ms in its first window and 7.4-7.9 ms in the next nine
-# as neighbours' load came on), nor the best quarter, which lies below the usual pace by design: healthy
-# jobs drifting 10-13% for three windows were regressions from there (mlp-2 at 9.0, 9.1, 9.5, 9.1, 8.5,
-# 9.8, 8.2 ms, then 10.6, 9.8, 9.8: 3 spreads over the best quarter's 8.5 ms, 1.9 over the median's 9.1). A
-# regression's windows never join it (diagnosis.py), so the median stays the healthy pace.
-# The spread of the windows' step times is the larger of two estimates of a standard deviation: the median
-# absolute deviation's, robust but fragile over few windows (of three, two alike give ~0 whatever the third:
-# lm-2 beside a neighbour's on-and-off load stepped 103.5, 92.5 and 92.2 ms, a 0.4 ms spread, and its next
-# windows at its first window's 103-108 ms were a "regression"), and the mean absolute deviation's. A window
-# 10% above the baseline never joins it (diagnosis.py), so no far outlier inflates the mean.
+# The baseline is the median window (the slower of two: in doubt, no finding), the job's usual pace: not the
+# fastest (one lucky window), nor the best quarter, below the usual pace by design. Its noise is the smaller
+# of two estimates of the windows' sigma: their spread about the median (the larger of the median and the mean
+# absolute deviation's, as the median's alone reads ~0 over three windows of which two are alike), and the
+# mean change from one window to the next, which a slow trend (a job still warming up) does not inflate.
 MEAN_AD_TO_SIGMA = 1.2533  # mean absolute deviation of a normal distribution x sqrt(pi / 2): its sigma
-# Both read a trend as noise: a job still warming up when watching began (lm-2: 207, 209, 175, 168 ms) spread
-# ~25 ms about its median, so a window had to be 100 ms slower (Z_MIN spreads) to count, and a +38% regression
-# was named in 2 windows in a row, never 3. The step from one window to the next moves by noise alone, not by a
-# slow trend: where that spread is smaller (12.7 ms there), it is the one. Of noise alone both read alike.
 SUCCESSIVE_TO_SIGMA = 0.8862  # mean |difference| of two draws of a normal distribution x sqrt(pi) / 2: its sigma
-SLOWDOWN_THRESHOLD = 0.10  # a job this much slower than its baseline has regressed (and triggers deep mode)
-# A lasting shift is judged on the mean of the windows running above the baseline too, up to this many, each
-# the threshold above it: their mean moves by noise / sqrt(n), so it clears Z_MIN of that where one window
-# need not. A jittery young baseline (lm-2: 197, 160, 136, 157 ms, spread ~20 ms) asked one window to be
-# 80 ms slower, and a +37% regression (207-250 ms) never was three windows running; three such windows' mean
-# needs 46 ms. Not longer: a healthy job's pace wanders (slow for a few windows, then not), and a long run's
-# mean would call that lasting.
-RUN_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -97,8 +78,18 @@ class Reference:
         above it with this one (RUN_WINDOWS at most; alone, this one) Z_MIN of that mean's spread above it."""
         if not self.above(step_s, threshold):
             return False
-        run = [*self.running[-(RUN_WINDOWS - 1):], step_s]
+        run = self._run(step_s)
         return float(np.mean(run)) - self.profile.step_s >= Z_MIN * self.noise_s / math.sqrt(len(run))
+
+    def run_z(self, step_s: float) -> float:
+        """What `slower` holds to Z_MIN: how far the mean of the run of windows above the baseline (with this
+        one) lies above it, in that mean's spread."""
+        run = self._run(step_s)
+        return (float(np.mean(run)) - self.profile.step_s) / (self.noise_s / math.sqrt(len(run)))
+
+    def _run(self, step_s: float) -> list[float]:
+        """This window's step time after those of the windows running above the baseline (RUN_WINDOWS at most)."""
+        return [*self.running[-(RUN_WINDOWS - 1):], step_s]
 
     @property
     def noise_s(self) -> float:

@@ -12,8 +12,8 @@ from typing import Any
 
 from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.diagnosis import diagnose_job
-from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 from rankscope.analyzer.rules.nodes import LostRanks, unreachable
+from rankscope.analyzer.thresholds import DEFAULT_HANG_TIMEOUT_S
 from rankscope.schema.finding import plain
 from rankscope.schema.patterns import RankPattern
 

@@ -1,24 +1,25 @@
 """The diagnosis document of the contract, assembled from the rank patterns of one window."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress
 from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Baseline, Comparison, Reference, StepProfile
+from rankscope.analyzer.baseline import Baseline, Comparison, Reference, StepProfile
 from rankscope.analyzer.differential import align_collectives
 from rankscope.analyzer.metrics import RankTable, rank_table
 from rankscope.analyzer.peers import peer_groups
 from rankscope.analyzer.rules.gpu import gpu_straggler, gpu_throttle, launch_bound
-from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S, HANGS, hang
+from rankscope.analyzer.rules.hangs import HANGS, hang
 from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
 from rankscope.analyzer.rules.regression import explaining, regression, restated
 from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
 from rankscope.analyzer.stability import confirm_span, confirm_windows
+from rankscope.analyzer.thresholds import DEFAULT_HANG_TIMEOUT_S, SLOWDOWN_THRESHOLD
 from rankscope.schema.finding import Finding, plain
 from rankscope.schema.patterns import RankPattern
 
@@ -58,7 +59,15 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     otherwise: ~15 ms at 100,000 ranks)."""
     hung = hang(table.patterns, hang_timeout_s)
     if hung:  # a stalled job has no steps to compare: the hang is the whole story
+        for f in _compared(table, reference, slowdown_threshold, profile):
+            hung[0].outranks(f, "the job hangs: its few steps before the stall compare nothing")
         return hung
+    return _compared(table, reference, slowdown_threshold, profile)
+
+
+def _compared(table: RankTable, reference: Reference | None, slowdown_threshold: float,
+              profile: StepProfile | None) -> list[Finding]:
+    """The findings of the rules that compare ranks with their peers, and the job with its baseline."""
     groups = peer_groups(table.patterns, table.records)
     found: list[Finding] = []
     timed: list[Finding] = []
@@ -76,12 +85,15 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
         contended, waited_for_job = cpu_contention(peers, alignment)
         self_contended |= waited_for_job
         # A throttled GPU is the root cause of its rank's GPU-side straggling: report the cause, not the symptom.
-        stragglers = [f for f in compute_straggler(peers, alignment)
-                      if not (f.component == "gpu" and set(f.ranks) <= explained)]
+        stragglers = _kept(compute_straggler(peers, alignment), throttled,
+                           lambda f, by: f.component == "gpu" and set(f.ranks) <= explained and by.ranks[0] in f.ranks,
+                           "a throttled GPU is the cause of its rank's straggling")
         small += [f for f in stragglers if confirm_windows(f.evidence) > 1]
         stragglers = [f for f in stragglers if confirm_windows(f.evidence) == 1] + contended
         # Where the host shows nothing, the GPU may: NCCL's peers wait for a straggler inside its kernels.
-        on_gpu = gpu_straggler(peers, explained | {r for f in stragglers + small for r in f.ranks})
+        on_gpu = _kept(gpu_straggler(peers, set()), throttled + stragglers + small,
+                       lambda f, by: bool(set(f.ranks) & set(by.ranks)),
+                       "the rank was named already: its GPU time is that finding's")
         found += stragglers + on_gpu + throttled + node_fault(peers)
         timed += slow_link(peers, alignment, {r for f in found for r in f.ranks} | self_contended)
     found += launch_bound(table)
@@ -89,23 +101,52 @@ def findings_of(table: RankTable, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     # collective instants, serves jobs without the plugin and adds only what the matrix does not cover.
     measured = link_findings(table.patterns, {r for f in found for r in f.ranks} | self_contended)
     # ...nor what the matrix's slow links explain: in a ring, the rank receiving over a slow rank's link
-    # finishes its all-reduces last (mlp-4: the matrix named rank 3, the timing rule rank 2, its receiver).
+    # finishes its all-reduces last, and the timing rule would name that receiver beside the slow rank.
     covered = {r for f in measured for r in f.ranks} | {r for f in measured for row in f.evidence["links"]
                                                          for r in (row["src"], row["dst"])}
-    found += measured + [f for f in timed if not set(f.ranks) <= covered]
-    # Has the whole job changed? Asked beside the other findings too: one that held a single window (a slow
-    # link's transient) hid the regression of every rank's host time in the first slow windows, and deep
-    # detail, raised by the slowdown, then kept it from being compared for a minute (cnn-3, 1 run of 52). A
-    # regression in the collectives beside other findings restates them: the peers wait for the straggler.
+    found += measured + _kept(timed, measured, lambda f, by: set(f.ranks) <= covered and bool(set(f.ranks) & _ends(by)),
+                              "the link matrix measured the links its ranks' late finishes came from")
+    # Has the whole job changed? Asked beside the other findings too: a finding of a single window (a slow
+    # link's transient) must not hide a regression of every rank in its first slow windows, as deep detail,
+    # raised by the slowdown, then keeps it from being compared. A regression in the collectives beside other
+    # findings restates them: the peers wait for the straggler.
     if reference is not None:
         now = profile if profile is not None else StepProfile.of(table)
-        found += [f for f in regression(table, reference, now, slowdown_threshold)
-                  if not found or f.component != "link"]
+        costliest = sorted(found, key=_order)[:1]
+        found += _kept(regression(table, reference, now, slowdown_threshold), costliest,
+                       lambda f, by: f.component == "link",
+                       "a regression in the collectives beside it restates it: the peers wait for it")
     # ...unless a whole-job regression named every rank: the job being slower than its baseline does not say
-    # which rank it waits for (cnn-3: a tenth of the step spun on one rank, +13%, hid it for 20 s).
-    named = {r for f in found if f.kind != "regression" for r in f.ranks}
-    found += [f for f in small if not named & set(f.ranks)]
-    return sorted(found, key=lambda f: (-f.cost, -f.score, f.kind))
+    # which rank it waits for (a straggler slows the whole job too, and would hide behind it).
+    named = [f for f in found if f.kind != "regression"]
+    found += _kept(small, named, lambda f, by: bool(set(f.ranks) & set(by.ranks)),
+                   "the rank was named already: a small straggler adds only ranks nothing else named")
+    return sorted(found, key=_order)
+
+
+def _order(f: Finding) -> tuple[float, float, str]:
+    """The document's order: the costliest first."""
+    return -f.cost, -f.score, f.kind
+
+
+def _kept(candidates: list[Finding], winners: list[Finding], beats: Callable[[Finding, Finding], bool],
+          reason: str) -> list[Finding]:
+    """The `candidates` no winner beats (`beats(candidate, winner)`); each one beaten is recorded, with `reason`,
+    as outranked by the first winner that beats it."""
+    kept = []
+    for f in candidates:
+        by = next((w for w in winners if beats(f, w)), None)
+        if by is None:
+            kept.append(f)
+        else:
+            by.outranks(f, reason)
+            by.outranked += [o for o in f.outranked if o not in by.outranked]  # what it had outranked, it now does
+    return kept
+
+
+def _ends(f: Finding) -> set[int]:
+    """The ranks a link matrix finding names, and the ends of its slow links."""
+    return set(f.ranks) | {r for row in f.evidence["links"] for r in (row["src"], row["dst"])}
 
 
 def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
@@ -134,13 +175,15 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         explained_by = explaining(regressed, findings)
         if restated(explained_by, baseline.explained_by):
             findings.remove(regressed)
+            by = next(f for f in findings if explaining(regressed, [f]) and baseline.explained_by <= set(f.ranks))
+            by.outranks(regressed, "its delay is what the regression costs the job: the regression restates it")
         baseline.explained(frozenset().union(*explained_by))
     # A hung job has no steps: a window's few steps before the stall, or the whole window read as one step
     # (10 s for a 60 ms job), would mislead; the hang's evidence says how long it has stalled.
     hung = any(f.kind in HANGS for f in findings)
     # Per-rank columns (seconds per step) as plain lists once (100,000 ranks: no per-value conversion calls).
     # input_s (data loading) is part of host_s; gc_s and runq_s (waiting for a CPU) are the page's and the
-    # metrics' too (issue 18).
+    # metrics' too.
     values = [[None] * len(analyzed) if hung else _seconds(getattr(table, attr))
               for attr in ("step_s", "sync_s", "comm_s", "host_s", "input_s", "gc_s", "runq_s")]
     profile = None if hung else profile
@@ -152,8 +195,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         baseline.compared = compared
     if baseline is not None and comparable:
         # A window the threshold above the baseline but within its noise is no regression yet, nor the job's
-        # normal: left out, so that a slowdown cannot creep into the baseline and widen its noise (lm-2, its
-        # windows swinging +-25% before the onset: +60-90% after it was never named once they had joined).
+        # normal: left out, so that a slowdown cannot creep into the baseline and widen its noise until the
+        # slowdown is within it.
         # The window the agent attached in neither joins nor continues a run: the attach shared the job's CPUs.
         if not any(map(_attaching, patterns)):
             above = reference is not None and profile is not None and reference.above(profile.step_s,
@@ -169,7 +212,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     once = [] if baseline is not None else [f for f in listed if confirm_windows(f["evidence"]) > 1]
     suspects = [{"kind": f["kind"], "ranks": f["ranks"], "windows": 1, "needs": confirm_windows(f["evidence"]),
                  "of": confirm_span(f["evidence"]),
-                 "summary": f["summary"]} for f in once]
+                 "summary": f["summary"], "criterion": f["criterion"], "why": f["why"]} for f in once]
     return {
         "job": patterns[0].job,
         "window": plain({"start": min(map(attrgetter("window_start"), patterns)),
@@ -198,8 +241,7 @@ def _outside(table: RankTable) -> dict[str, float] | None:
 
 def _attaching(p: RankPattern) -> bool:
     """A window that began when the agent began watching the rank: its probes were being compiled and placed
-    on the job's CPUs meanwhile (lm-2 on 2 vCPUs: 282 ms steps in that window, 173-177 ms in the next three;
-    joining the baseline, it made the spread 33 ms, and a +30% regression was never named in 20 windows)."""
+    on the job's CPUs meanwhile, so its steps run slow, and joining the baseline it would widen its noise."""
     return p.since is not None and p.window_start <= p.since
 
 

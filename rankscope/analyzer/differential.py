@@ -17,20 +17,19 @@ import numpy as np
 from rankscope.analyzer.medians import row_medians
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.steps import step_times, window_starts
+from rankscope.analyzer.thresholds import (HELD_PIECES, HELD_STEPS, LATE_MARGIN, LEAVE_ONE_OUT_MAX, STEP_SPAN, Z_FLOOR,
+                                           Z_MIN)
 from rankscope.schema.patterns import RankPattern
 
-Z_MIN = 4.0  # robust z-score for an outlier
-Z_FLOOR = 0.005  # robust scale floor, as a fraction of the step time: z >= 4 then needs >= 2% of the step,
-# so on quiet jobs the excess bars below decide, on noisy ones the z-score
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution x 1.4826 = its standard deviation
 # Ops that do not end together on every rank of the group, so instants are not lined up by them:
 # point-to-point ops pair two ranks (the "same" send of two pipeline ranks goes to different neighbours at
 # different times), and a broadcast ends on a receiver once the root's data arrived, on the root once all
-# received (DDP's per-step buffer broadcast: 10 ms and 150 ms apart), which mismatched the instances.
+# received (DDP's per-step buffer broadcast), which would mismatch the instances.
 NOT_LINED_UP = re.compile(r"send|recv|broadcast", re.I)
 # ...yet every rank must arrive at a broadcast, and a straggler may be late there only: between a step's
-# all-reduce and the next step's buffer broadcast, the root waits for it (lm-2: 35 ms a step) and both then
-# reach the all-reduce together. Broadcasts are lined up by the lined-up collectives around them instead.
+# all-reduce and the next step's buffer broadcast, the root waits for it and both then reach the all-reduce
+# together. Broadcasts are lined up by the lined-up collectives around them instead.
 ROOTED = re.compile(r"broadcast", re.I)
 
 
@@ -54,8 +53,6 @@ def robust_z(x: np.ndarray, floor: float) -> np.ndarray:
     scale = max(MAD_TO_SIGMA * float(np.median(np.abs(vals - med))), floor, 1e-12)
     return (x - med) / scale
 
-
-LEAVE_ONE_OUT_MAX = 64  # below this many ranks, each rank is compared with the others only
 
 
 def peer_deviation(x: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
@@ -110,11 +107,6 @@ class Alignment:
         return cls(nan, nan.copy(), nan.copy(), nan.copy(), 0, None, nan.copy(), nan.copy(), nan.copy(), nan.copy())
 
 
-STEP_SPAN = 0.9  # a stretch of this many steps holds one instance of each collective of a step, never two
-LATE_MARGIN = 0.05  # later than the other ranks by this share of a step: that step, the rank was late
-HELD_PIECES = 5  # Alignment.held_lead: the window cut in up to this many pieces in time...
-HELD_STEPS = 40  # ...of at least this many steps each, and at least two (a 2 s agent window of 100 ms steps: none)
-
 
 def _late_per_step(enter: np.ndarray, step_s: float,
                    held: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -127,8 +119,8 @@ def _late_per_step(enter: np.ndarray, step_s: float,
     Lateness a rank inherits is not its own: `held` (same shape as `enter`) is how much longer than the
     quickest rank each rank stayed in a rooted collective (a broadcast's root waits there for the last
     receiver, the straggler), and that much of its lateness at the instances within a step after it is
-    forgiven (cnn-3: the root, held 30-47 ms a step, then arrived 35 ms late at the all-reduces, as late
-    as the straggler that held it, in 74% of the steps); None: no rooted instance was lined up. Last, how
+    forgiven (else the root, held there, arrives at the next all-reduces as late as the straggler that held
+    it); None: no rooted instance was lined up. Last, how
     steadily each rank was the late one (_held_lead: in every piece of the window, and in all but one; _halves_lead:
     in a window of one piece)."""
     first = enter.min(axis=0)
@@ -156,10 +148,9 @@ def _late_per_step(enter: np.ndarray, step_s: float,
 
 def _held_lead(was_late: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per rank (row of ranks x stretches in time order): the least, over the window's pieces, by which its
-    share of late stretches led the largest of the other ranks'. A rank a tenth of the step slower led by
-    0.15-0.5 in every piece of 10 s windows (2-rank MLP and LM jobs, 3-rank with storage latency); a healthy
-    rank of a host its job oversubscribes (cnn-3: 9 processes on 2 CPUs) late as often over the window led
-    by at most 0.07 in its weakest piece. Then the next least, of a window cut in all HELD_PIECES (else the
+    share of late stretches led the largest of the other ranks'. A rank a tenth of the step slower leads in
+    every piece; a healthy rank of an oversubscribed host, late as often over the window, is late in spells
+    and leads little in its weakest piece. Then the next least, of a window cut in all HELD_PIECES (else the
     least again). NaN for all when the window has fewer than two pieces of HELD_STEPS stretches."""
     n, m = was_late.shape
     pieces = min(HELD_PIECES, m // HELD_STEPS)
@@ -174,10 +165,9 @@ def _halves_lead(was_late: np.ndarray) -> np.ndarray:
     """Per rank (row of ranks x stretches), in a window of one piece only (HELD_STEPS to twice as many stretches:
     _held_lead NaN), the least lead over the other ranks that its late share guarantees in either half of it,
     wherever its late stretches fall: a rank late in a share s of the window is late in at least 2s - 1 of each
-    half, another late in o in at most 2o of either, so it leads by 2(s - o) - 1 at least. A rank faulting in
-    fresh memory on a loaded host, late in 96% of a 10 s window of 78 stretches (lm-2-long's 370 ms steps), its
-    peer in none: 0.92, where its held lead was NaN and its faults were excused as malloc's. NaN in a shorter
-    window (a 2 s agent window of one collective a step), and in a longer one, cut instead (_held_lead)."""
+    half, another late in o in at most 2o of either, so it leads by 2(s - o) - 1 at least: a window of few long
+    steps still tells a rank late all through it. NaN in a shorter window, and in a longer one, cut instead
+    (_held_lead)."""
     n, m = was_late.shape
     if n < 2 or not HELD_STEPS <= m < 2 * HELD_STEPS:
         return np.full(n, np.nan)
@@ -292,8 +282,8 @@ def align_collectives(patterns: Sequence[RankPattern], step_s: float | None = No
     # Collectives a host sync completed together (NCCL's, pending until it) share their `done`: the nearest
     # is then the first of the reference's group, for every one of them. Each matches the reference's record
     # at its own place in its group instead (its ordinal among the rank's run of one op ending at once; the
-    # sync completes them in one order on every rank of a sequence). Without, an H200 NCCL job's 12 all-reduces
-    # a step lined up none of them, and its straggler went unnamed (2026-12-04, gpu_accuracy).
+    # sync completes them in one order on every rank of a sequence). Without, a step's many all-reduces would
+    # all match the group's first, and none would line up.
     pos = _place_in_run(row, op, done)
     col = np.full(op.size, -1, dtype=np.intp)
     dist = np.full(op.size, np.inf)

@@ -82,16 +82,15 @@ class Collectives:
     def busy_share(self) -> np.ndarray:
         """Per pattern: the time at least one of its collectives was in flight, as a share of the time summed
         over them (1.0 without records). Under 1 where collectives overlap: DDP's gradient buckets all-reduced
-        at once on gloo's worker threads (lm-2-long: two of ~320 ms each, entered 16 ms apart), whose summed
+        at once on gloo's worker threads (two of a few hundred ms each, entered ms apart), whose summed
         time exceeds the wall time the rank spent waiting in them."""
         share = np.ones(self.counts.size)
         # Records come in the order they completed: a rank's collectives overlap where one entered before the
         # one before it (the same rank's) completed. Most ranks' never do (100,000 ranks: a few ms to tell), and
         # only the others are summed exactly. Not those a host sync completed together (NCCL's, pending from
         # their enqueue to the sync, share its end): their functions' time counts that sync's wait once, on the
-        # last of them (bpf/common.h, sync_return). Taken for overlap, an H200 NCCL job's 14 a step cut every
-        # rank's COMM to 7% of its wait, the rest read as host work alike on all, and a rank whose input took
-        # 23% of the step longer went unnamed (2026-12-04, gpu_accuracy).
+        # last of them (bpf/common.h, sync_return). Taken for overlap, a step's dozen of them would cut every
+        # rank's COMM to a fraction of its wait and leave the rest as host work alike on all, hiding a straggler.
         row, done = self.row, self.done
         overlap = (self.enter[1:] < done[:-1]) & (row[1:] == row[:-1]) & (done[1:] != done[:-1])
         if overlap.any():

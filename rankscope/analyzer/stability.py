@@ -20,28 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankscope.analyzer.rules.hangs import HANGS
+from rankscope.analyzer.thresholds import CONFIRM_WINDOWS, HISTORY, HOLD_S, OFTEN, REGRESSION_WINDOWS, SPAN
 
 AT_ONCE = HANGS | {"node_unreachable"}
-CONFIRM_WINDOWS = 2  # consecutive windows a finding must hold in before it is reported...
-HOLD_S = 6.0  # ...spanning at least this long. A healthy rank can run a quarter of the step late for a few
-# seconds: lm-2's rank 0, its attention forward 21-25 ms slower for two 2 s agent windows, then not (1 of 29
-# fresh healthy agent runs); a healthy cnn-3 link at 0.4 of its group's pace beside an on-and-off neighbour,
-# for the agent's first two windows (5.2 s: the first runs longer, from the attach). The agent's 5 s windows
-# span 10 s in two; 2 s windows need three.
-REGRESSION_WINDOWS = 3  # ...and a regression. A healthy job wanders: a 2-rank 4 ms MLP on 2 vCPUs ran 11-16%
-# slower than its best windows for two 2 s windows, then recovered, in 2 of 20 agent runs (its own log: +7-8%
-# over its earlier windows' median); a lasting slowdown holds in the third window too.
-OFTEN = 4  # ...or seen in this many of the last SPAN * OFTEN windows, not all in a row: a straggler a little
-SPAN = 2  # above the bar is named in some windows only (pipe-4's 2 s windows: in every other one), a healthy
-# rank as a small straggler in at most 2 of any 8 (74 agent runs kept by the matrix, healthy or regressed). A
-# small straggler's finding asks for this alone (`confirm_windows`). Not a regression: one that comes and goes
-# is the job's pace following its host's load (a healthy mlp-4 beside an on-and-off neighbour, 17-23% slower
-# in 4 windows of 8, never 3 running); a change of the job itself holds. Nor a slow link: a link limited by
-# its NIC or a shaper holds window after window, while TCP over loopback follows when its ends get a CPU
-# (a healthy cnn-3 rank on an oversubscribed host, its links at 0.42-0.50 of its group's pace in 4 windows
-# of 8, never 3 running, before and after a spin on another rank began: file 104).
-IN_ROW = {"regression", "slow_link"}
-HISTORY = 64  # windows kept per job: SPAN * K for any K a finding asks (a few sets of keys, a few kB a job)
+IN_ROW = {"regression", "slow_link"}  # kinds reported only in a row, never from windows seen on and off
 
 
 def confirm_windows(evidence: dict[str, Any]) -> int:
@@ -112,5 +94,6 @@ class Confirmer:
                 if ok:
                     held.append(f)
                 else:
-                    unconfirmed.append({"kind": f["kind"], "ranks": f["ranks"], "windows": times})
+                    unconfirmed.append({"kind": f["kind"], "ranks": f["ranks"], "windows": times,
+                                        **{k: f[k] for k in ("criterion", "why") if k in f}})
             doc["unconfirmed"], doc["findings"] = unconfirmed, held

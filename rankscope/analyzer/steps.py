@@ -31,38 +31,10 @@ import numpy as np
 from rankscope.analyzer.functions import FunctionTable
 from rankscope.analyzer.medians import row_medians
 from rankscope.analyzer.records import Collectives
+from rankscope.analyzer.thresholds import (BURSTS_SEEN, EXTRA_CALLS, FAR_GAP, LEAD_DRIFT, LONG_GAP, LONG_MEAN,
+                                           MIN_REPEATS, MISSED_BURSTS, NOT_EVERY_STEP, PAUSE_MIN_S, PAUSE_STEPS,
+                                           SHORT_SEQUENCE, UPPER_QUARTILE, WHOLE_STEPS, WINDOW_STEPS)
 from rankscope.schema.patterns import RankPattern, Role
-
-MIN_REPEATS = 2  # a period must be seen at least twice to be believed
-NOT_EVERY_STEP = 0.05  # share of the sequence that may be collectives not called every step
-EXTRA_CALLS = 0.1  # calls a step that a key of the period may hold beyond its share (outside the steps)
-WHOLE_STEPS = 0.5  # share of the runs of k collectives that must hold a whole step (order varies at the edges)
-LONG_GAP = 2.0  # a gap between calls of one kind of collective this many times the median one is long...
-# ...and at least this share of the mean gap: NCCL's calls only enqueue, so a step's bucket all-reduces leave
-# gaps of 5-160 us between them, and one of 0.16 ms among 0.01 ms ones was "long" (the sim's 12 buckets: no
-# burst seen, its step read at a twelfth). A step's long gap is never under the mean (it holds the rest).
-LONG_MEAN = 0.25
-BURSTS_SEEN = 3  # bursts a one-kind sequence must show to be believed...
-SHORT_SEQUENCE = 64  # ...unless it is this short (a light pattern's collectives): then two...
-# ...where they stand this far out (x the median gap): two places of a lattice show two long gaps K apart, as any
-# two long gaps are. A step's forward pass stands 10x (gloo's buckets, backward between them) to 1000x (NCCL's,
-# only enqueued) above its buckets' gaps; two hiccups of an agent's light window of mlp-4 (one all-reduce a
-# 10.9 ms step) 2.3x, 29 calls apart, read as a 317 ms step.
-FAR_GAP = 5.0
-MISSED_BURSTS = 8  # 1 in this many bursts may lack its long gap (a step that ran short)
-WINDOW_STEPS = 20  # steps in the window for the call counts to give the step (edges cost at most 1/20)
-# A span this many times the upper quartile of a window's spans holds time outside steps (a checkpoint's save,
-# an evaluation): steps that alternate in length (two loader workers in phase) differ by 3x at most, and their
-# upper quartile is the long ones.
-PAUSE_STEPS = 2.5
-UPPER_QUARTILE = 0.75
-# ...and this much longer: a step the scheduler held back a few time slices (a neighbour's load: 20-40 ms
-# stalls of a 6.5 ms step) is a slow step, not time spent outside the steps.
-PAUSE_MIN_S = 0.1
-# The steps before the first shipped collective may run this much slower than the shipped ones: only the time
-# beyond is outside steps (a neighbour's load coming and going made a window's first 200 steps 28% slower than
-# its last 64; a checkpoint's save among the 45 steps before a light window's last 32 made them 50% slower).
-LEAD_DRIFT = 0.25
 
 
 def _key_ids(keys: Sequence) -> np.ndarray:
@@ -84,17 +56,15 @@ def _candidates(keys: np.ndarray) -> list[_Candidate]:
     not required: a step's collectives may complete in any order.
     A key called `per` times a step holds up to `per` calls more or fewer than its share (the sequence cuts a
     step at either end), whatever the window's length: every key's count then implies the same number of steps
-    within one, the fewest that any key implies. A tolerance growing with the count (a tenth of it) let 8 of a step's 9 all-gathers pass for a
-    step's share in a long sequence (FSDP2, 445 gathers and 49 steps in a window): most runs of 13 are a step
-    of 14 less one gather, and the step read 8/9 of its length. A looser bound also took 12 for a step of 14
-    where a send called once a step counted 9, 1.5 from the 10.5 that 12 implies; a tighter one than `per`
-    loses a pipeline stage's period (3 calls a step of one key, 12 shipped where 13.7 was its share).
-    A key may also hold calls outside the steps, EXTRA_CALLS a step at most: the Trainer's gather of the loss
-    at each logging step and before its first step (112 gathers in 107 steps; taken as the step's share
-    they also made the all-reduces fall short of theirs).
+    within one, the fewest that any key implies. A tolerance growing with the count lets a step less one call
+    pass for a step in a long sequence (FSDP2's many all-gathers a step) and reads the step short; a looser
+    bound (1.5 calls for a key called once a step) lets a shorter period pass; a tighter one than `per` loses
+    the true period of a key called several times a step.
+    A key may also hold calls outside the steps, EXTRA_CALLS a step at most (a Trainer's gather of the loss at
+    each logging step and before its first step): taken as the step's share, they push the other keys short.
     Keys called in fewer than half the steps (DDP's broadcast of the module's state before the first step, a
-    logging step's gather) are no part of the period, up to NOT_EVERY_STEP of the sequence: left in, they
-    admitted no period at all, and the step fell back to the window over the calls of one all-reduce."""
+    logging step's gather) are no part of the period, up to NOT_EVERY_STEP of the sequence: left in, they admit
+    no period at all, and the step falls back to the window over the calls of one all-reduce."""
     n = keys.size
     uniq, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
     positions = [np.flatnonzero(keys == u) for u in uniq]
@@ -150,9 +120,7 @@ def _periods(enter: np.ndarray, candidates: list[_Candidate], one_a_step: np.nda
     if len(candidates[0].keys) == 1 and enter.shape[1] > 2:
         ks = np.where(one_a_step, candidates[0].k, _burst(enter, {c.k for c in candidates}))
         # Bursts are the job's: the ranks of one sequence show the same ones. A period most of them do not share
-        # is hiccups on one rank that fell K calls apart (an agent's light window of 64 all-reduces of the 2-rank
-        # MLP: two 16 ms gaps 31 calls apart on rank 1 made a 203 ms "step" of a 6 ms job, and the job's
-        # step, the median of two ranks, 104 ms).
+        # is hiccups on one rank that fell K calls apart, and would read as a step K times too long.
         periods, seen = np.unique(ks, return_counts=True)
         ks = np.where(np.isin(ks, periods[seen * 2 > rows]), ks, candidates[0].k)
     return ks
@@ -179,10 +147,10 @@ def _burst(enter: np.ndarray, allowed: set[int]) -> np.ndarray:
     """Per row of one kind of collective: K when its long gaps (LONG_GAP x the median gap, LONG_MEAN x the mean
     at least) fall every K calls, at one phase, at least BURSTS_SEEN times (twice in a short sequence, far out:
     FAR_GAP); else 1.
-    Any two long gaps recur at some spacing: two hiccups of a one-call step 218 calls apart made a 218-step
-    "burst" (4.1 s for an 18.8 ms step), so a sequence long enough to show three must show three.
-    The lattice need not be exact: a hiccup inside a burst (a 0.4 ms gap among the sim's 12 buckets 10 us
-    apart, beside the test suite's load) broke an exact one and the step read a twelfth. At most 1 in
+    Any two long gaps recur at some spacing (two hiccups of a one-call step K calls apart would make a K-call
+    "burst"), so a sequence long enough to show three must show three.
+    The lattice need not be exact: a hiccup inside a burst (a CPU turn lost between buckets microseconds apart)
+    would break an exact one and read the step at a fraction. At most 1 in
     MISSED_BURSTS of the lattice's places may lack its long gap, and at most half as many long gaps as it holds
     may fall off it (a multiple of K, which holds every other burst, has as many off it as on)."""
     gaps = np.diff(enter, axis=1)
@@ -255,8 +223,8 @@ def _split(spans: np.ndarray, k: int, first: np.ndarray, last: np.ndarray, windo
     - Where the shipped collectives cover the window, or the rest of it held a pause, the step is theirs;
       else the rest is steps at its own pace, and the step is the window's time in steps over the steps its
       call counts give (where the window holds fewer than WINDOW_STEPS, the shipped steps' within what those
-      counts allow: one step more or fewer). A job whose steps change within the window is not its last steps
-      (pipe-4 beside an on-and-off neighbour, 19 steps of 109 ms a window: its last four read 126 ms)."""
+      counts allow: one step more or fewer). A job whose steps change within the window (a neighbour's load
+      coming and going) is not its last steps."""
     at = min(spans.shape[1] - 1, int(UPPER_QUARTILE * spans.shape[1]))
     quartile = np.partition(spans, at, axis=1)[:, at, None]
     paused = spans > np.maximum(PAUSE_STEPS * quartile, quartile + PAUSE_MIN_S)

@@ -1,7 +1,7 @@
 // TCP sockets of watched processes: the kernel's own accounting of each connection (bytes acknowledged
-// and received, and the chrono timers of tcp_info: how long the socket was busy sending, limited by the
-// send buffer, or limited by the receiver's window), read from the socket whenever a watched thread sends
-// or receives on it. gloo, and NCCL's socket transport, move tensors over such connections, so a rank whose
+// and received, the chrono timers of tcp_info: how long the socket was busy sending, limited by the send
+// buffer, or limited by the receiver's window; segments retransmitted; smoothed and minimum round trip),
+// read from the socket whenever a watched thread sends or receives on it. gloo, and NCCL's socket transport, move tensors over such connections, so a rank whose
 // link is slow shows as bytes moving slowly while its sockets had data to send.
 //
 // Tracepoints, not kprobes: they need no kprobe support in the kernel (this project's hosts have none).
@@ -23,9 +23,12 @@ struct tcp_val {
     u16 local_port;
     u16 remote_port;
     u32 srtt_us;    // smoothed round trip, << 3 as the kernel keeps it
+    u32 min_rtt_us; // the connection's minimum round trip (windowed min filter): the path without queues
+    u32 pad2;
     u64 sends;      // send calls seen
-    u64 now[5];     // acked bytes, received bytes, busy, rwnd-limited, sndbuf-limited jiffies: latest
-    u64 base[5];    // the same at first sight, so a window counts only what it saw
+    u64 now[6];     // acked bytes, received bytes, busy, rwnd-limited, sndbuf-limited jiffies, segments
+                    // retransmitted: latest
+    u64 base[6];    // the same at first sight, so a window counts only what it saw
 };
 BPF_TABLE("lru_hash", struct tcp_key, struct tcp_val, tcp_socks, 4096);
 
@@ -43,13 +46,14 @@ static __always_inline void read_addr(u8 *out, void *sk, u16 family, u32 v4_off,
 // The counters now. A chrono period under way is not in chrono_stat until it ends: add it, as tcp_info does.
 static __always_inline void read_counters(void *sk, u64 *out) {
     u64 acked = 0, received = 0;
-    u32 start = 0, stat[3] = {};
+    u32 start = 0, stat[3] = {}, retrans = 0;
     u8 type_byte = 0;
     bpf_probe_read_kernel(&acked, sizeof(acked), sk + TP_BYTES_ACKED);
     bpf_probe_read_kernel(&received, sizeof(received), sk + TP_BYTES_RECEIVED);
     bpf_probe_read_kernel(&start, sizeof(start), sk + TP_CHRONO_START);
     bpf_probe_read_kernel(stat, sizeof(stat), sk + TP_CHRONO_STAT);
     bpf_probe_read_kernel(&type_byte, 1, sk + TP_CHRONO_TYPE_BIT / 8);
+    bpf_probe_read_kernel(&retrans, sizeof(retrans), sk + TP_TOTAL_RETRANS);
     u32 type = (type_byte >> (TP_CHRONO_TYPE_BIT % 8)) & 3;
     u32 ongoing = (u32)bpf_jiffies64() - start;
     switch (type) {  // 0: no period under way
@@ -62,6 +66,7 @@ static __always_inline void read_counters(void *sk, u64 *out) {
     out[2] = stat[0];
     out[3] = stat[1];
     out[4] = stat[2];
+    out[5] = retrans;
 }
 
 static __always_inline int on_tcp_io(void *sk, u16 family, u16 protocol, int ret, bool send) {
@@ -88,6 +93,7 @@ static __always_inline int on_tcp_io(void *sk, u16 family, u16 protocol, int ret
     // Racing updates from two threads on one socket only ever write values the socket held.
     read_counters(sk, v->now);
     bpf_probe_read_kernel(&v->srtt_us, sizeof(v->srtt_us), sk + TP_SRTT_US);
+    bpf_probe_read_kernel(&v->min_rtt_us, sizeof(v->min_rtt_us), sk + TP_MIN_RTT_US);
     if (send)
         __sync_fetch_and_add(&v->sends, 1);
     return 0;

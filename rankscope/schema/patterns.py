@@ -35,7 +35,7 @@ class Role(str, Enum):
 
     @property
     def component(self) -> str:
-        """The component (contract.md) that time in a function of this role belongs to."""
+        """The component (a finding's `component`, docs/api.md) that time in a function of this role belongs to."""
         return _COMPONENT[self]
 
 
@@ -315,6 +315,10 @@ class TcpFlow:
     wire_s: float  # the connection had data to send: busy, or held by its send buffer (jiffy resolution)
     peer_wait_s: float  # ...but the receiver's window was full: the peer did not read
     srtt_s: float  # smoothed round-trip time, last seen
+    # The kernel's limit accounting beyond those (None: an agent that did not report it)
+    sndbuf_s: float | None = None  # of wire_s, the time its send buffer held it: the sender's own limit
+    retrans: int | None = None  # segments retransmitted: losses on the path
+    min_rtt_s: float | None = None  # the connection's minimum round trip: srtt_s above it is queueing
 
 
 @dataclass

@@ -85,6 +85,9 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
         **({"cg": [[c.op, c.count, c.total_s, c.p99_s] for c in p.collectives_gpu]} if p.collectives_gpu else {}),
         **({"tcp": [[f.local, f.remote, f.sends, f.sent, f.received, f.wire_s, f.peer_wait_s, f.srtt_s]
                     for f in p.tcp]} if p.tcp else {}),
+        # A key of its own, so that analyzers older than the limit accounting still read the flows.
+        **({"tcpl": [_tcp_limits_to_wire(f) for f in p.tcp]} if any(f.sndbuf_s is not None for f in p.tcp)
+           else {}),
         **({"rd": True} if p.raised_detail else {}),
         **({"pyu": p.python_untimed} if p.python_untimed else {}),
         **({"cpu": [p.cpus.count, p.cpus.idle]} if p.cpus is not None else {}),
@@ -95,6 +98,11 @@ def _pattern_to_wire(p: RankPattern) -> dict[str, Any]:
 def _gpu_to_wire(g: GpuActivity) -> list:
     row = [g.busy_s, g.kernel_s, g.copy_s, g.kernels, [[k.name, k.count, k.total_s] for k in g.top]]
     return row if g.launches is None else [*row, g.launches, g.queue_p50_s, g.queue_p99_s]
+
+
+def _tcp_limits_to_wire(f: TcpFlow) -> list | None:
+    """A connection's limit accounting, beside its "tcp" row (None: not reported)."""
+    return None if f.sndbuf_s is None else [f.sndbuf_s, f.retrans, f.min_rtt_s]
 
 
 class PatternDecodeError(ValueError):
@@ -153,8 +161,8 @@ def _main_kernel_from_wire(raw: Any) -> dict[str, Any]:
 def _functions_from_wire(raw: Any) -> FunctionColumns:
     """Each row checked field by field as before; counts and bytes past int64 are refused (OverflowError).
     A function of a role this analyzer does not know (a newer agent's, checked like any other row) is left
-    out rather than refused: an agent upgraded before its cluster analyzer still has its windows read (the
-    seventeenth session's analyzers refused every window carrying DDP's exposed wait, role 7)."""
+    out rather than refused: an agent upgraded before its cluster analyzer still has its windows read (refusing
+    the row would lose the whole window, e.g. DDP's exposed wait, role 7, to an analyzer that predates it)."""
     if not isinstance(raw, dict):
         raise PatternDecodeError("fn: expected a map")
     names, roles, calls, times = [], [], [], []
@@ -210,7 +218,7 @@ def _neighbours_from_wire(raw: Any) -> list[Neighbour]:
     out = []
     for row in _list(raw, "nb"):
         row = _list(row, "neighbour")
-        if len(row) == 4:  # an agent from before `job` (2026-11-27): unknown, as no neighbour of the job
+        if len(row) == 4:  # an older agent's row, without `job`: read as no neighbour of the job
             row = [*row, False]
         name, pid, cgroup, waited, job = _list(row, "neighbour", 5)
         if not isinstance(job, bool):
@@ -280,14 +288,26 @@ def _links_from_wire(raw: Any) -> list[LinkStats]:
     return out
 
 
-def _tcp_from_wire(raw: Any) -> list[TcpFlow]:
+def _tcp_limits_from_wire(raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    sndbuf_s, retrans, min_rtt_s = _list(raw, "tcp limits", 3)
+    return {"sndbuf_s": _seconds(sndbuf_s, "tcp sndbuf_s"), "retrans": _int(retrans, "tcp retrans"),
+            "min_rtt_s": _seconds(min_rtt_s, "tcp min_rtt_s")}
+
+
+def _tcp_from_wire(raw: Any, raw_limits: Any) -> list[TcpFlow]:
+    """The flows of "tcp", each with its limit accounting from "tcpl" where given (older agents send none)."""
+    rows = _list(raw, "tcp")
+    limits = [None] * len(rows) if raw_limits is None else _list(raw_limits, "tcpl", len(rows))
     out = []
-    for row in _list(raw, "tcp"):
+    for row, row_limits in zip(rows, limits):
         local, remote, sends, sent, received, wire_s, wait_s, srtt_s = _list(row, "tcp flow", 8)
         out.append(TcpFlow(local=_str(local, "tcp local"), remote=_str(remote, "tcp remote"),
                            sends=_int(sends, "tcp sends"), sent=_int(sent, "tcp sent"),
                            received=_int(received, "tcp received"), wire_s=_seconds(wire_s, "tcp wire_s"),
-                           peer_wait_s=_seconds(wait_s, "tcp peer_wait_s"), srtt_s=_seconds(srtt_s, "tcp srtt_s")))
+                           peer_wait_s=_seconds(wait_s, "tcp peer_wait_s"), srtt_s=_seconds(srtt_s, "tcp srtt_s"),
+                           **_tcp_limits_from_wire(row_limits)))
     return out
 
 
@@ -336,7 +356,7 @@ def _pattern_from_wire(d: Any) -> RankPattern:
             links=_links_from_wire(d.get("lk", [])),
             collectives_gpu=[CollectiveGpu(*r) for r in _call_totals_from_wire(d.get("cg", []), "cg", "collective gpu",
                                                                                "p99_s")],
-            tcp=_tcp_from_wire(d.get("tcp", [])),
+            tcp=_tcp_from_wire(d.get("tcp", []), d.get("tcpl")),
             raised_detail=d.get("rd", False) is True,
             python_untimed=_str(d.get("pyu", ""), "pyu"),
             cpus=_cpus_from_wire(d.get("cpu")),

@@ -1,11 +1,12 @@
 """End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
 import numpy as np
 import pytest
-from conftest import diagnose_json, wait_until
+from conftest import diagnose_json, maps_library, wait_until
 
 from rankscope.agent.session import Session
 from rankscope.analyzer.diagnosis import diagnose
 from rankscope.schema.wire import decode_patterns
+from rankscope.sim.job import start_job
 
 OBSERVE_S = 4.0
 
@@ -22,9 +23,22 @@ def test_healthy_job_has_no_finding(sim_job):
     assert all(0.03 < r["step_time_s"] < 0.12 for r in doc["ranks"]), doc["ranks"]
 
 
-def test_slow_gpu_is_a_compute_straggler(sim_job):
-    job = sim_job(4, faults=("slow-gpu:2:2",))
-    doc = diagnose_json(job.pids, OBSERVE_S)
+@pytest.fixture(scope="module")
+def slow_gpu(tmp_path_factory) -> tuple[list[int], dict, bytes]:
+    """One diagnosed window of a 4-rank job whose rank 2's GPU is twice as slow: its ranks' pids, the document
+    and the saved patterns (the job stopped after: it would load the machine under the module's other tests)."""
+    job = start_job(4, faults=["slow-gpu:2:2"])
+    try:
+        wait_until(lambda: all(maps_library(p, "libnccl.so.2") for p in job.pids), 30, "ranks to load the stand-ins")
+        saved = tmp_path_factory.mktemp("slow-gpu") / "window.msgpack"
+        doc = diagnose_json(job.pids, OBSERVE_S, "--save-patterns", str(saved))
+        return list(job.pids), doc, saved.read_bytes()
+    finally:
+        job.stop()
+
+
+def test_slow_gpu_is_a_compute_straggler(slow_gpu):
+    _, doc, _ = slow_gpu
     top = doc["findings"][0]
     assert (top["kind"], top["ranks"], top["component"]) == ("compute_straggler", [2], "gpu"), doc["findings"]
     assert top["function"] == "cuStreamSynchronize"
@@ -33,20 +47,18 @@ def test_slow_gpu_is_a_compute_straggler(sim_job):
     assert _named(doc, "slow_link") == []
 
 
-def test_saved_patterns_are_the_window_behind_the_verdict(sim_job, tmp_path):
+def test_saved_patterns_are_the_window_behind_the_verdict(slow_gpu):
     """--save-patterns keeps the raw data: read back, it holds every rank and gives the same verdict."""
-    job = sim_job(4, faults=("slow-gpu:1:2",))
-    saved = tmp_path / "window.msgpack"
-    doc = diagnose_json(job.pids, OBSERVE_S, "--save-patterns", str(saved))
-    patterns = decode_patterns(saved.read_bytes())
-    assert sorted(p.pid for p in patterns) == sorted(job.pids)
+    pids, doc, saved = slow_gpu
+    patterns = decode_patterns(saved)
+    assert sorted(p.pid for p in patterns) == sorted(pids)
     # One window for all: it opens once every rank is watched (the first attached is not watched longer).
     assert len({(p.window_start, p.window_end) for p in patterns}) == 1
     assert doc["window"]["end"] - doc["window"]["start"] == pytest.approx(OBSERVE_S, abs=1.0)
     assert all(len(p.collectives) > 48 for p in patterns), [len(p.collectives) for p in patterns]  # the window's
     again = diagnose(patterns)[doc["job"]]
     assert [(f["kind"], f["ranks"]) for f in again["findings"]] == [(f["kind"], f["ranks"]) for f in doc["findings"]]
-    assert again["findings"][0]["ranks"] == [1]
+    assert again["findings"][0]["ranks"] == [2]
 
 
 def test_slow_link_is_named(sim_job):
@@ -116,7 +128,7 @@ def test_rank_that_never_reaches_the_collective_is_a_noncomm_hang(sim_job):
     assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], \
         [(f["kind"], f["ranks"], f["evidence"].get("per_rank")) for f in doc["findings"]]
     f = doc["findings"][0]
-    assert f["cost"] == 1.0 and "rank 1: in rank.py:wait_forever, clock_nanosleep" in f["summary"]
+    assert f["cost"] == 1.0 and "rank 1 sleeps in rank.py:wait_forever (clock_nanosleep)" in f["summary"]
     assert f["function"] == "rank.py:wait_forever"
 
 

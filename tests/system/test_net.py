@@ -1,5 +1,6 @@
 """The kernel's TCP accounting of a watched process's connections (real sock tracepoints, real eBPF): the
-bytes a connection moved, how long it had data to send, and how long the receiver's full window held it."""
+bytes a connection moved, how long it had data to send, how long the receiver's full window or the sender's
+buffer held it, its retransmits and round trips."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ import pytest
 from rankscope.agent.loader.program import ProbeProgram
 from rankscope.agent.session import Session
 from rankscope.agent.sources.probes import KINDS, KindUnavailable, net
+from rankscope.analyzer.thresholds import NETWORK_LIMITED_SHARE
 from rankscope.schema.patterns import TcpFlow
 from rankscope.sim.build import build_libraries
 
@@ -101,11 +103,22 @@ def test_a_fast_transfer_is_time_on_the_wire_within_the_transfer(fast):
     assert sender.peer_wait_s <= 0.5 * elapsed, (elapsed, sender)
 
 
+def test_a_fast_transfer_reports_the_kernels_limit_accounting(fast):
+    # Nothing held it but the connection itself: the analyzer takes it as the network's pace.
+    _, sender, _ = fast
+    assert sender.sndbuf_s is not None and sender.sndbuf_s <= sender.wire_s, sender
+    assert sender.retrans is not None and sender.min_rtt_s is not None, sender
+    assert 0 < sender.min_rtt_s <= 0.001, sender  # loopback, unqueued
+    assert sender.wire_s - sender.sndbuf_s >= NETWORK_LIMITED_SHARE * (sender.wire_s + sender.peer_wait_s), sender
+
+
 def test_a_slow_reader_is_time_waiting_for_the_peer():
     elapsed, sender, _ = transfer(4 << 20, "slow")
     assert elapsed > 0.3  # ~0.65 s at the reader's pace
     assert sender.peer_wait_s >= 0.5 * elapsed, (elapsed, sender)
     assert sender.wire_s <= 0.5 * elapsed, (elapsed, sender)
+    # The reader's pace, not the network's: the analyzer does not judge such a flow.
+    assert sender.wire_s - sender.sndbuf_s < NETWORK_LIMITED_SHARE * (sender.wire_s + sender.peer_wait_s), sender
 
 
 def test_a_kernel_without_the_sock_tracepoints_leaves_the_net_probes_out_and_keeps_the_rest(caplog):

@@ -136,9 +136,15 @@ def test_page_behind_a_token_shows_the_link_matrix_and_the_hang(served_snapshot,
     page = browse(f"{url}/?{urlencode({'token': token})}", shots / "page-links-and-hang.png", tmp_path / "profile")
     assert loaded(page)  # the cookie let its scripts fetch
     assert page.where(data_kind="slow_link", data_ranks="3,4")
+    (_, _, because), = page.where(data_criterion="link_matrix_slow")  # why, and what it outranked, under the summary
+    assert because == "because link_matrix_slow: role_links 8 >= 3 (judged links of its role); link_slowdown 5 > 1.5 " \
+                      "(times slower than its peers' links: 3 -> 4)"
+    (_, _, outranked), = page.where(**{"class": "why outranked"})
+    assert outranked.startswith("outranked: slow_link (late_finish_low_bandwidth) of rank 4 (the link matrix")
     cells = [a for t, a, _ in page.found if t == "rect" and "data-link" in a]
     assert len(cells) == 64 and [a["data-link"] for a in cells if a.get("stroke") == "#000"] == ["3>4"]
     (_, _, headline), = page.where(data_kind="noncomm_hang", data_ranks="2")
     assert "rank 2: noncomm hang" in headline
+    assert len(page.where(**{"class": "why"})) == 1  # the hang's document says no why (an older agent's): none shown
     stuck = [text for t, a, text in page.where(data_rank="2") if t == "tr" and "bad" in a.get("class", "")]
     assert stuck and "never reached the collective" in stuck[0] and "rank.py:wait_forever" in stuck[0]

@@ -206,7 +206,8 @@ def test_timeline_model(lib_dir):
     def near(value, expected):
         return expected * 0.97 <= value <= expected + slack
 
-    assert r["launch_s"] < 0.002, r  # asynchronous
+    # Asynchronous: the launch returns long before the 20 ms kernel it queued (a loaded machine may preempt it)
+    assert r["launch_s"] < 0.5 * 0.020, r
     assert near(r["kernel_20ms_s"], 0.020), r
     assert near(r["kernel_10ms_x2_s"], 0.020), r
     assert near(r["launch_ex_s"], 0.01536), r  # grid and block read from the CUlaunchConfig
@@ -215,7 +216,7 @@ def test_timeline_model(lib_dir):
     assert r["event_query_early"] == 600 and r["stream_query_busy"] == 600 and r["stream_query_idle"] == 0, r
     assert near(r["default_stream_s"], 0.005), r
     assert r["shm_name_matches"] and r["count_rank"] == [1, 0], r
-    assert r["enqueue_s"] < 0.002, r  # collectives only enqueue
+    assert r["enqueue_s"] < 0.5 * 0.010, r  # collectives only enqueue: back long before the 10 ms kernel ahead
     assert near(r["kernel_allreduce_kernel_s"], 0.015), r
     assert near(r["broadcast_100MB_s"], 0.010), r  # 10 GB/s
     assert near(r["broadcast_100MB_link2_s"], 0.020), r

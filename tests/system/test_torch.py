@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import diagnose_json, free_port, maps_library, wait_until
+from conftest import RANKSCOPE, diagnose_json, free_port, maps_library, wait_until
 
 from rankscope.schema.patterns import Role
 from rankscope.schema.wire import decode_patterns
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
+from launch import until_watching  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent.parent / "torch_ddp_train.py"
 RANKS = 3
@@ -172,7 +175,67 @@ def test_rank_that_stops_before_its_collective_is_a_noncomm_hang(torch_job):
     assert hung["function"] == "torch_ddp_train.py:hang_before_collective", hung
     stuck = next(r for r in hung["evidence"]["per_rank"] if r["rank"] == 1)
     assert stuck["where"].startswith("clock_nanosleep"), stuck
-    assert "rank 1: in torch_ddp_train.py:hang_before_collective" in hung["summary"]
+    assert "rank 1 sleeps in torch_ddp_train.py:hang_before_collective" in hung["summary"], hung["summary"]
+
+
+HANG_OBSERVE_S = 6.0
+HANG_TIMEOUT_S = 3.0
+
+
+def _diagnose_a_hang(job: TorchJob, go: Path, hung_before_attach: bool) -> dict:
+    """`rankscope diagnose` over a job whose fault waits for the file `go`: created once diagnose watches every
+    rank, or first (the job hangs before rankscope attaches: diagnose starts once the faulty rank said so)."""
+    if hung_before_attach:
+        go.touch()
+        wait_until(lambda: b"in its loop at step" in job.log.read_bytes(), 30, "the rank to hang", interval=0.05)
+    proc = subprocess.Popen([*RANKSCOPE, "diagnose", "--pid", ",".join(map(str, job.pids)), "--duration",
+                             str(HANG_OBSERVE_S), "--json", "--hang-timeout", str(HANG_TIMEOUT_S)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not hung_before_attach:
+        until_watching(proc)
+        go.touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return json.loads(out)
+
+
+def _hung(doc: dict, rank: int) -> tuple[dict, dict]:
+    """The one finding, and the per-rank evidence of `rank`."""
+    hung = doc["findings"][0]
+    return hung, next(r for r in hung["evidence"]["per_rank"] if r["rank"] == rank)
+
+
+@pytest.mark.parametrize("hung_before_attach", [False, True], ids=["attached-first", "hung-first"])
+def test_of_two_ranks_the_one_asleep_in_its_loop_is_a_noncomm_hang(torch_job, tmp_path, hung_before_attach):
+    """Rank 1 calls time.sleep in its training loop before backward; rank 0 waits for it in backward's
+    all-reduce. Two ranks: no majority of states to go by, but a timer's sleep is no collective's wait."""
+    go = tmp_path / "go"
+    job = torch_job("--sleep-in-loop", f"1:{go}", ranks=2)
+    doc = _diagnose_a_hang(job, go, hung_before_attach)
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], json.dumps(doc["findings"])
+    hung, asleep = _hung(doc, 1)
+    assert hung["function"] == "torch_ddp_train.py:main", hung
+    assert asleep["where"].startswith("clock_nanosleep") and asleep["side"] == "elsewhere", asleep
+    assert "rank 1 sleeps in torch_ddp_train.py:main (clock_nanosleep)" in hung["summary"], hung["summary"]
+    assert _hung(doc, 0)[1]["side"] == "collective", hung
+
+
+def test_of_three_ranks_hung_before_the_attach_the_one_asleep_is_a_noncomm_hang(torch_job, tmp_path):
+    go = tmp_path / "go"
+    job = torch_job("--sleep-in-loop", f"2:{go}")
+    doc = _diagnose_a_hang(job, go, hung_before_attach=True)
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [2])], json.dumps(doc["findings"])
+
+
+def test_a_rank_computing_in_its_loop_while_its_peer_waits_is_a_noncomm_hang(torch_job, tmp_path):
+    """Rank 1 spins in pure Python for good, on a CPU; rank 0 waits for it in backward."""
+    go = tmp_path / "go"
+    job = torch_job("--spin-in-loop", f"1:{go}", ranks=2)
+    doc = _diagnose_a_hang(job, go, hung_before_attach=True)
+    assert [(f["kind"], f["ranks"]) for f in doc["findings"]] == [("noncomm_hang", [1])], json.dumps(doc["findings"])
+    hung, busy = _hung(doc, 1)
+    assert busy["where"] == "running", busy
+    assert "rank 1 computes in torch_ddp_train.py:main (running)" in hung["summary"], hung["summary"]
 
 
 def _pin_all_threads(job: TorchJob, pin: Callable[[int, int], None]) -> None:

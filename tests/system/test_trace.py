@@ -1,12 +1,11 @@
 """Trace captures of a real torch job (tests/jobs/mlp_regression.py under torchrun: DDP over gloo, one gradient
 bucket, so one all-reduce a step): the traces validate, each rank's collectives are its steps, the scheduler
-track covers the capture, sampled Python stacks are the training loop's, and HolisticTraceAnalysis loads the set as one job whose temporal breakdown agrees
-with rankscope's own comm share of the same window. Also the agent's GET /v1/trace. Real eBPF: needs root.
+track covers the capture, sampled Python stacks are the training loop's, and HolisticTraceAnalysis loads the
+set as one job whose temporal breakdown agrees with rankscope's own shares of the same window. Also the agent's
+GET /v1/trace. Real eBPF: needs root.
 
-HTA is not a dependency of rankscope (it pulls JupyterLab): its test runs where `hta` imports, from this
-interpreter or from $RANKSCOPE_HTA_PATH, a directory it was installed into, e.g.
-    pip install --target DIR --no-deps HolisticTraceAnalysis "pandas<3" plotly networkx pydot psutil pyyaml \
-        python-dateutil pytz tzdata six narwhals pyparsing packaging
+HTA is no dependency of rankscope (it pulls JupyterLab) but one of its test extras, pinned with pandas < 3
+(HTA 0.5 fails inside its own code under pandas 3); it runs in a process of its own.
 """
 from __future__ import annotations
 
@@ -33,7 +32,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="eBPF needs root")
 
 RANKS = 2
 CAPTURE_S = 3.0
-COMM_SHARE_TOLERANCE = 0.03  # HTA's comm share of a rank against rankscope's, absolute
+# HTA's shares of a rank against rankscope's, absolute. HTA spans the first collective to the last of the
+# capture, rankscope the steps the window holds: a step cut at either end of the ~30 steps of CAPTURE_S moves
+# a share by up to a thirtieth.
+SHARE_TOLERANCE = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -116,37 +118,31 @@ def test_sampled_python_stacks_name_the_training_loop(traced):
         assert any("mlp_regression.py:main" in stack for stack in main)
 
 
-def _hta_path() -> str | None:
-    """A PYTHONPATH under which `hta` imports, or None."""
-    extra = os.environ.get("RANKSCOPE_HTA_PATH", "")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [extra, os.environ.get("PYTHONPATH")])))
-    ok = subprocess.run([sys.executable, "-c", "import hta.trace_analysis"], env=env, capture_output=True).returncode == 0
-    return env["PYTHONPATH"] if ok else None
-
-
 HTA_BREAKDOWN = r'''
 import json, sys
 from hta.trace_analysis import TraceAnalysis
 df = TraceAnalysis(trace_dir=sys.argv[1]).get_temporal_breakdown(visualize=False)
-print(json.dumps({int(r["rank"]): r["non_compute_time(us)"] / r["kernel_time(us)"] for _, r in df.iterrows()}))
+print(json.dumps({int(r["rank"]): {k: r[f"{k}_time(us)"] / r["kernel_time(us)"] for k in ("idle", "compute", "non_compute")}
+                  for _, r in df.iterrows()}))
 '''
 
 
-def test_hta_loads_the_job_and_agrees_on_the_comm_share(traced):
-    path = _hta_path()
-    if path is None:
-        pytest.skip("HolisticTraceAnalysis is not installed (see this module's docstring)")
+def test_hta_loads_the_job_and_agrees_on_each_ranks_shares(traced):
+    """HTA's temporal breakdown of each rank's collective stream: no compute (a CPU job's collectives are
+    communication to it), its communication share rankscope's comm share of the step, its idle share the rest."""
     out, docs = traced
     result = subprocess.run([sys.executable, "-c", HTA_BREAKDOWN, str(out)], capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, PYTHONPATH=path))
+                            timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    hta = {int(r): share for r, share in json.loads(result.stdout.splitlines()[-1]).items()}
+    hta = {int(r): shares for r, shares in json.loads(result.stdout.splitlines()[-1]).items()}
     assert sorted(hta) == list(range(RANKS))
     for rank, doc in docs.items():
         own = doc["rankscope"]["summary"]
-        ours = own["comm_s"] / own["step_time_s"]  # the diagnosis of the capture's own window
-        print(f"rank {rank}: comm share HTA {hta[rank]:.3f}, rankscope {ours:.3f}")
-        assert hta[rank] == pytest.approx(ours, abs=COMM_SHARE_TOLERANCE), (hta[rank], ours)
+        comm = own["comm_s"] / own["step_time_s"]  # the diagnosis of the capture's own window
+        print(f"rank {rank}: HTA {hta[rank]}, rankscope comm share {comm:.3f}")
+        assert hta[rank]["compute"] == 0
+        assert hta[rank]["non_compute"] == pytest.approx(comm, abs=SHARE_TOLERANCE), (hta[rank], comm)
+        assert hta[rank]["idle"] == pytest.approx(1 - comm, abs=SHARE_TOLERANCE), (hta[rank], comm)
 
 
 def _get(url: str) -> tuple[int, str, bytes]:

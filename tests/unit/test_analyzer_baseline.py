@@ -1,5 +1,7 @@
 """The job against its own past: baselines from recent windows, and `regression` when every rank slowed."""
+import copy
 import json
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,14 @@ from rankscope.schema.wire import decode_patterns
 RANKS = 6
 
 
-def warmed(windows: int = 8, **python) -> Baseline:
-    """A baseline that has seen `windows` healthy windows of the simulated job."""
+def warmed(windows: int = 8, python: bool = False) -> Baseline:
+    """A baseline that has seen `windows` healthy windows of the simulated job (with Python views): a copy of
+    one warmed once a session, each caller free to add to its own."""
+    return copy.deepcopy(_warmed(windows, python))
+
+
+@cache
+def _warmed(windows: int, python: bool) -> Baseline:
     b = Baseline()
     for seed in range(windows):
         pats = simulate(RANKS, seed=seed)

@@ -103,3 +103,26 @@ def test_a_healthy_job_that_waits_for_itself_is_not_contended_nor_behind_a_slow_
     for n in (n for p in pats for n in p.neighbours):
         n.job = False  # the same waits behind strangers: other work took the CPU
     assert [(f["kind"], f["ranks"]) for f in findings(pats)] == [("cpu_contention", [0])]
+
+
+@pytest.mark.parametrize("job", [True, False])
+def test_a_rank_held_back_by_its_own_jobs_ranks_is_no_compute_straggler(job):
+    """4 ranks on 2 CPUs: rank 3 arrives 8 ms late, all of it waiting for a CPU, and ran 2 ms longer than its
+    peers (a quarter of its lateness: not cpu_contention's victim, which runs no longer). Behind its own job's
+    ranks that is the job oversubscribing its host, not rank 3 computing more; behind a stranger's process it
+    stays the compute straggler it was read as."""
+    holder = Neighbour("python", 4300, "", 0.9, job=job)
+    pats = with_sched(simulate(4, host_extra={3: 0.008}), runq_extra={3: 0.008}, neighbour=holder)
+    pats[3].sched["main"].on_cpu_s += 0.002 * WINDOW / STEP
+    found = findings(pats)
+    assert [(f["kind"], f["ranks"]) for f in found] == ([] if job else [("compute_straggler", [3])]), found
+
+
+def test_a_rank_that_runs_longer_behind_its_own_jobs_ranks_stays_a_compute_straggler():
+    """The same wait behind its own job, but it ran 6 ms longer than its peers (over the straggler bar): it
+    has more work to do, whoever else holds the CPUs."""
+    holder = Neighbour("python", 4300, "", 0.9, job=True)
+    pats = with_sched(simulate(4, host_extra={3: 0.015}), runq_extra={3: 0.010}, neighbour=holder)
+    pats[3].sched["main"].on_cpu_s += 0.006 * WINDOW / STEP
+    found = findings(pats)
+    assert [(f["kind"], f["ranks"]) for f in found] == [("compute_straggler", [3])], found

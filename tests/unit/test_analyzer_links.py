@@ -2,7 +2,7 @@
 (analyzer/rules/links.py)."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 from test_analyzer import findings, simulate
@@ -170,25 +170,44 @@ def test_a_slow_node_and_an_unrelated_slow_link_in_the_diagnosis_document():
 
 # --- links measured by the kernel's TCP accounting (gloo) ---------------------------------------------
 MBPS = 40e6  # a healthy loopback gloo link on a busy 2-core host
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A connection's limit accounting: receiver-window- and send-buffer-limited time as shares of its wire
+    time (busy and send-buffer-limited), and its retransmits."""
+
+    rwnd: float = 0.0
+    sndbuf: float = 0.0
+    retrans: int = 0
 SENT = 200 << 20
 
 
-def connect(patterns: list[RankPattern], src: int, dst: int, mbps: float = MBPS / 1e6, sent: int = SENT) -> None:
-    """One TCP connection src -> dst carrying `sent` bytes at `mbps` MB/s, as both ends' patterns see it."""
+def connect(patterns: list[RankPattern], src: int, dst: int, mbps: float = MBPS / 1e6, sent: int = SENT,
+            limits: Limits | None = None) -> None:
+    """One TCP connection src -> dst carrying `sent` bytes at `mbps` MB/s, as both ends' patterns see it; with
+    `limits`, the kernel's limit accounting as shares of its wire time (an agent without it: None)."""
     by_rank = {p.rank: p for p in patterns}
     a, b = f"127.0.0.1:{41000 + 100 * src + dst}", f"127.0.0.1:{52000 + 100 * dst + src}"
-    by_rank[src].tcp.append(TcpFlow(local=a, remote=b, sends=800, sent=sent, received=0, wire_s=sent / (mbps * 1e6),
-                                    peer_wait_s=0.01, srtt_s=5e-5))
+    wire = sent / (mbps * 1e6)
+    accounting = {} if limits is None else {
+        "sndbuf_s": limits.sndbuf * wire, "retrans": limits.retrans, "min_rtt_s": 4e-6}
+    by_rank[src].tcp.append(TcpFlow(local=a, remote=b, sends=800, sent=sent, received=0, wire_s=wire,
+                                    peer_wait_s=0.01 if limits is None else limits.rwnd * wire, srtt_s=5e-5,
+                                    **accounting))
     by_rank[dst].tcp.append(TcpFlow(local=b, remote=a, sends=800, sent=0, received=sent, wire_s=0.0,
                                     peer_wait_s=0.0, srtt_s=5e-5))
 
 
-def tcp_ring(patterns: list[RankPattern], slow_rank: int | None = None, mbps: float = 10.0) -> list[RankPattern]:
-    """gloo's ring all-reduce: each rank sends to the next; both links of `slow_rank` move `mbps` MB/s."""
+def tcp_ring(patterns: list[RankPattern], slow_rank: int | None = None, mbps: float = 10.0,
+             slow_limits: Limits | None = None, limits: Limits | None = None) -> list[RankPattern]:
+    """gloo's ring all-reduce: each rank sends to the next; both links of `slow_rank` move `mbps` MB/s, with
+    `slow_limits` as their limit accounting, the others with `limits`."""
     n = len(patterns)
     for r in range(n):
         dst = (r + 1) % n
-        connect(patterns, r, dst, mbps if slow_rank in (r, dst) else MBPS / 1e6)
+        slow = slow_rank in (r, dst)
+        connect(patterns, r, dst, mbps if slow else MBPS / 1e6, limits=slow_limits if slow else limits)
     return patterns
 
 
@@ -209,6 +228,36 @@ def test_a_slow_rank_in_a_small_tcp_ring_is_the_node(n):
     assert f.evidence["bandwidth_Bps"] == pytest.approx(10e6) and f.evidence["peers_bandwidth_Bps"] == pytest.approx(MBPS)
     assert {r["source"] for r in f.evidence["links"]} == {"tcp"}
     assert f"every link of rank {n - 1}" in f.summary and "10 MB/s vs 40 MB/s" in f.summary
+
+
+@pytest.mark.parametrize("held", [Limits(rwnd=3.0), Limits(sndbuf=0.7), Limits(rwnd=0.6, sndbuf=0.3)])
+def test_a_slow_tcp_flow_an_end_held_is_not_a_slow_link(held):
+    # The receiver not reading (its window full) or the sender's own buffer: the network idled, whatever the rate.
+    fs = link_findings(tcp_ring(job(4), slow_rank=3, slow_limits=held, limits=Limits()))
+    assert fs == []
+
+
+@pytest.mark.parametrize("busy", [Limits(), Limits(rwnd=0.3, sndbuf=0.2, retrans=40)])
+def test_a_slow_tcp_flow_the_network_held_is_still_the_slow_node(busy):
+    fs = link_findings(tcp_ring(job(4), slow_rank=3, slow_limits=busy, limits=Limits()))
+    assert [(f.kind, f.ranks) for f in fs] == [("slow_link", [3])]
+    f = fs[0]
+    assert f.evidence["network_limited"] is True
+    shares = [(r["busy_share"], r["rwnd_limited_share"], r["sndbuf_limited_share"]) for r in f.evidence["links"]]
+    total = 1 + busy.rwnd
+    assert shares == [pytest.approx(((1 - busy.sndbuf) / total, busy.rwnd / total, busy.sndbuf / total))] * 2
+    assert {r["retrans"] for r in f.evidence["links"]} == {busy.retrans}
+    [share] = [w for w in f.why if w.measure == "network_limited_share"]
+    assert share.value == pytest.approx((1 - busy.sndbuf) / total) and share.crossed()
+
+
+def test_links_without_limit_accounting_are_judged_as_before_beside_those_with_it():
+    # An older agent's patterns: the slow rank's flows carry no accounting, the others' do.
+    fs = link_findings(tcp_ring(job(4), slow_rank=3, slow_limits=None, limits=Limits(rwnd=3.0)))
+    assert [(f.kind, f.ranks) for f in fs] == []  # the healthy links an end held set no pace: too few left
+    fs = link_findings(tcp_ring(job(4), slow_rank=3, slow_limits=None, limits=Limits()))
+    assert [(f.kind, f.ranks) for f in fs] == [("slow_link", [3])]
+    assert "network_limited" not in fs[0].evidence and "busy_share" not in fs[0].evidence["links"][0]
 
 
 def test_the_cost_of_a_slow_link_under_overlapped_buckets_is_its_extra_time_on_the_wire():

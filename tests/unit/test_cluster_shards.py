@@ -9,9 +9,8 @@ from collections import Counter
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import one_line_error, run
 from test_analyzer import simulate
-from test_cluster import TOKEN, _url, agents, serving
+from test_cluster import TOKEN, _url, agents, cluster_cli_error, serving
 
 from rankscope.agent.service.cluster_analyzer import RESWEEP_WINDOWS, Cluster
 from rankscope.agent.service.http import make_app
@@ -145,6 +144,5 @@ def test_ordinals_and_bad_shards():
     (["--replicas", "0", "--replica", "0"], "need 0 <= replica < replicas"),
 ])
 def test_cluster_cli_replica_errors(args, says, monkeypatch):
-    monkeypatch.delenv("RANKSCOPE_TOKEN", raising=False)
-    assert says in one_line_error(run("cluster", "--agents", "http://a:1", *args))
+    assert says in cluster_cli_error(monkeypatch, "--agents", "http://a:1", *args)
 

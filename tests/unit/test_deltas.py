@@ -40,15 +40,17 @@ def test_read_starts_a_new_key_from_its_first_reading():
 
 
 def _socket(now: tuple[int, ...], base: tuple[int, ...], sends: int) -> SocketCounters:
-    return SocketCounters("10.0.0.1:1", "10.0.0.2:2", sends, 0.001, now, base)
+    return SocketCounters("10.0.0.1:1", "10.0.0.2:2", sends, 0.001, now, base, min_rtt_s=0.0005)
 
 
 def test_tcp_reader_counts_from_the_kernels_base_and_across_a_chrono_wrap():
     hz, big = 100, MIN_FLOW_BYTES
     reader = TcpReader(hz)
     wrap = 1 << 32
-    base = (1000, 0, wrap - 50, 0, 0)
-    [flow] = reader.flows({1: _socket((1000 + big, 0, wrap - 10, 20, 30), base, 4)})
+    base = (1000, 0, wrap - 50, 0, 0, 7)
+    [flow] = reader.flows({1: _socket((1000 + big, 0, wrap - 10, 20, 30, 9), base, 4)})
     assert (flow.sent, flow.sends, flow.wire_s, flow.peer_wait_s) == (big, 4, (40 + 30) / hz, 20 / hz)
-    [flow] = reader.flows({1: _socket((1000 + 3 * big, 0, 90, 20, 30), base, 6)})  # busy wrapped past 2^32
+    assert (flow.sndbuf_s, flow.retrans, flow.min_rtt_s) == (30 / hz, 2, 0.0005)
+    [flow] = reader.flows({1: _socket((1000 + 3 * big, 0, 90, 20, 30, 9), base, 6)})  # busy wrapped past 2^32
     assert (flow.sent, flow.sends, flow.wire_s, flow.peer_wait_s) == (2 * big, 2, 100 / hz, 0.0)
+    assert (flow.sndbuf_s, flow.retrans) == (0.0, 0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -332,6 +333,27 @@ def test_tcp_flows_round_trip():
         [(f.local, f.remote, f.sends, f.sent, f.received) for f in p.tcp]
     assert [f.wire_s for f in q.tcp] == pytest.approx([f.wire_s for f in p.tcp], rel=1e-6)
     assert q.tcp[0].srtt_s == pytest.approx(0.000131, rel=1e-6)
+
+
+def test_tcp_limit_accounting_round_trips_and_an_older_agents_rows_decode_without_it():
+    p = with_tcp(typical())
+    p.tcp[0] = replace(p.tcp[0], sndbuf_s=0.25, retrans=14, min_rtt_s=0.000042)
+    q = decode_patterns(encode_patterns([p]))[0]
+    assert (q.tcp[0].sndbuf_s, q.tcp[0].retrans) == (pytest.approx(0.25), 14)
+    assert q.tcp[0].min_rtt_s == pytest.approx(0.000042, rel=1e-6)
+    assert (q.tcp[1].sndbuf_s, q.tcp[1].retrans, q.tcp[1].min_rtt_s) == (None, None, None)
+    wire = msgpack.unpackb(encode_patterns([p]), raw=False)
+    assert [len(row) for row in wire[0]["tcp"]] == [8, 8]  # as older analyzers read them
+    assert wire[0]["tcpl"] == [[0.25, 14, pytest.approx(0.000042)], None]
+    assert "tcpl" not in msgpack.unpackb(encode_patterns([with_tcp(typical())]), raw=False)[0]
+
+
+@pytest.mark.parametrize("value", [[[0.1, 2]], [[0.1, -2, 0.0], None], [[0.1, 2, 0.0]], [[-0.1, 2, 0.0], None], {}])
+def test_malformed_tcp_limits_raise_decode_error(value):
+    wire = msgpack.unpackb(encode_patterns([with_tcp(typical())]), raw=False)
+    wire[0]["tcpl"] = value  # one entry per flow of "tcp" (two), each three fields or None
+    with pytest.raises(PatternDecodeError):
+        decode_patterns(msgpack.packb(wire))
 
 
 @pytest.mark.parametrize("value", [[["a:1", "b:2", 1, 1, 1, 0.1, 0.0]], [[1, "b:2", 1, 1, 1, 0.1, 0.0, 0.0]],

@@ -22,6 +22,7 @@ def test_each_process_gets_its_own_state_and_a_gone_one_is_unknown():
                     states[reader.pid].startswith("read"):
                 break
             assert time.monotonic() < deadline, states
+        assert states[reader.pid].endswith(" from pipe"), states  # what it reads: its stdin, a pipe
         assert states[gone.pid] == ""
         assert where([]) == {}
     finally:

@@ -1,22 +1,25 @@
 """Where a process's main thread is right now, read from /proc without stopping it.
 
-Used when a job stops making progress: ranks that wait in the collective share one state, and the rank
-that never reached it is in another (C4D's non-communication hang). The kernel tells which system call
-the thread is blocked in (or that it is running) and the kernel function it sleeps in.
+Used when a job stops making progress (analyzer/rules/hangs.py): a rank asleep on a timer, computing, or
+reading a pipe or a file is not in a collective; ranks that wait in one share a state. The kernel tells
+which system call the thread is blocked in (or that it is running), the kernel function it sleeps in, and
+for a read what the file descriptor is ("read (pipe_read) from pipe").
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable
 
 # x86-64 numbers of the calls a blocked training thread is found in.
 _SYSCALLS = {
-    0: "read", 1: "write", 7: "poll", 16: "ioctl", 23: "select", 24: "sched_yield", 35: "nanosleep",
-    42: "connect", 43: "accept", 44: "sendto", 45: "recvfrom", 46: "sendmsg", 47: "recvmsg", 61: "wait4",
-    202: "futex", 208: "io_getevents", 230: "clock_nanosleep", 232: "epoll_wait", 270: "pselect6",
-    271: "ppoll", 281: "epoll_pwait", 426: "io_uring_enter",
+    0: "read", 1: "write", 7: "poll", 16: "ioctl", 17: "pread64", 19: "readv", 23: "select", 24: "sched_yield",
+    35: "nanosleep", 42: "connect", 43: "accept", 44: "sendto", 45: "recvfrom", 46: "sendmsg", 47: "recvmsg",
+    61: "wait4", 202: "futex", 208: "io_getevents", 230: "clock_nanosleep", 232: "epoll_wait", 270: "pselect6",
+    271: "ppoll", 281: "epoll_pwait", 295: "preadv", 426: "io_uring_enter",
 }
+_READS = frozenset({0, 17, 19, 295})  # their first argument is the file descriptor read
 
 
 def _read(path: str) -> str:
@@ -79,6 +82,25 @@ def _where_now(pid: int) -> str:
         return ""
     if not call[0].lstrip("-").isdigit():
         return call[0]  # "running"
-    name = _SYSCALLS.get(int(call[0]), f"syscall {call[0]}")
+    number = int(call[0])
+    name = _SYSCALLS.get(number, f"syscall {call[0]}")
     wchan = _read(f"/proc/{pid}/wchan")
-    return f"{name} ({wchan})" if wchan and wchan != "0" else name
+    state = f"{name} ({wchan})" if wchan and wchan != "0" else name
+    if number in _READS and len(call) > 1:
+        state += f" from {_fd_kind(pid, int(call[1], 16))}"
+    return state
+
+
+def _fd_kind(pid: int, fd: int) -> str:
+    """What a descriptor of the process is: "socket", "pipe", "file", an anonymous inode's name ("eventfd"),
+    or "unknown" (closed meanwhile, or not ours to read)."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return "unknown"
+    for kind in ("socket", "pipe"):
+        if target.startswith(f"{kind}:"):
+            return kind
+    if target.startswith("anon_inode:"):
+        return target.removeprefix("anon_inode:").strip("[]")
+    return "file"

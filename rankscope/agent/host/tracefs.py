@@ -1,7 +1,7 @@
 """The kernel's tracing filesystem, mounted when nothing is. bcc reads a tracepoint's format there to type a
 TRACEPOINT_PROBE's `args`, and its id to attach it, so without it every program with a tracepoint fails to
-compile, with an error that names the tracepoints rather than the mount (the H200 image of 2026-12-04 booted
-without tracefs: "5 warnings and 5 errors generated" for sched.bpf.c). One mount, as root, is all it lacks."""
+compile, with an error that names the tracepoints rather than the mount (a machine image that boots without
+tracefs gives "5 warnings and 5 errors generated" for sched.bpf.c). One mount, as root, is all it lacks."""
 from __future__ import annotations
 
 import ctypes

@@ -1,4 +1,4 @@
-"""The agent's read-only HTTP API (contract.md): thin handlers over the latest Snapshot (and, for
+"""The agent's read-only HTTP API (docs/api.md): thin handlers over the latest Snapshot (and, for
 /v1/stacks, a read of the ranks' memory now; for /v1/trace, a bounded capture), behind the limits and the bearer-token check that the cluster
 analyzer's API shares."""
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """Prometheus exposition (prometheus_client) of diagnosis documents, with low-cardinality labels only:
 job, rank, finding kind and a fixed set of phases; function and kernel names never become labels.
 Base units (seconds), `_total` counters, `_ratio` fractions; `rankscope_finding_cost` stays beside its
-`_ratio` name (contract.md: names are extended, never renamed)."""
+`_ratio` name (docs/api.md: metric names are extended, never renamed)."""
 from __future__ import annotations
 
-import functools
 import platform
 from collections.abc import Iterable, Iterator, Mapping
-from importlib import metadata
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+import rankscope
 
 __all__ = ["CONTENT_TYPE_LATEST", "counter", "exposition", "gauge"]
 
@@ -49,17 +49,8 @@ def counter(name: str, documentation: str, samples: Mapping[tuple[str, ...], flo
     return _family(CounterMetricFamily, name, documentation, samples, labels)
 
 
-@functools.cache
-def _version() -> str:
-    """The installed package's version, read once: the metadata lookup scans sys.path (1.4 ms here, on every scrape)."""
-    try:
-        return metadata.version("rankscope")
-    except metadata.PackageNotFoundError:  # run from a source tree
-        return "unknown"
-
-
 def build_info(component: str) -> GaugeMetricFamily:
-    version = _version()
+    version = rankscope.version()  # read once, not on every scrape
     return gauge("rankscope_build_info", "Always 1: the running rankscope.",
                  {(version, component, platform.python_version()): 1}, ("version", "component", "python"))
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def function_name(frame: Frame) -> str:
-    """The contract's spelling: "train.py:Model.forward"."""
+    """The document's spelling of a Python function: "train.py:Model.forward"."""
     return f"{os.path.basename(frame.filename)}:{frame.qualname}"
 
 
@@ -40,8 +40,9 @@ _STDLIB = re.compile(r"/lib/python3\.\d+/(?!(site|dist)-packages/)")
 def blamed(stack: tuple[Frame, ...]) -> Frame:
     """The frame a stack's time is charged to: the innermost one outside the standard library. A main thread
     waiting for its DataLoader workers sleeps in selectors.select, under multiprocessing's queue, under the
-    DataLoader's _try_get_data: the leaf names a mechanism, the caller names what waits (cnn-3's slow loader
-    read as a compute straggler "in selectors.py:select"). A stack of the standard library alone keeps its leaf."""
+    DataLoader's _try_get_data: the leaf names a mechanism, the caller names what waits (charged to the leaf, a
+    slow loader would read as a compute straggler "in selectors.py:select"). A stack of the standard library
+    alone keeps its leaf."""
     for frame in reversed(stack):
         if not _STDLIB.search(frame.filename):
             return frame

@@ -7,29 +7,19 @@ from operator import attrgetter
 
 import numpy as np
 
-from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, peer_deviation, peers_median
+from rankscope.analyzer.differential import peer_deviation, peers_median
 from rankscope.analyzer.metrics import HOST_COLLECTIVES, RankTable
-from rankscope.analyzer.rules.stragglers import MIN_RANKS, PAIR_RANKS, STRAGGLER_MIN_EXCESS, straggling
+from rankscope.analyzer.rules.stragglers import explain, straggling
 from rankscope.analyzer.rules.wording import ms, rank_list
-from rankscope.schema.finding import Finding
+from rankscope.analyzer.thresholds import (CLOCK_DROP, LAUNCH_GAP_MAX_S, LAUNCH_SYNC_MAX, MIN_RANKS, PAIR_RANKS,
+                                           QUEUE_AHEAD_S, SMALL_KERNEL_S, STRAGGLER_MIN_EXCESS, VOID_MIN, Z_FLOOR,
+                                           Z_MIN)
+from rankscope.schema.finding import Finding, Why
 from rankscope.schema.patterns import NCCL_KERNELS, Role
 
-CLOCK_DROP = 0.10  # a GPU whose SM clock is this far below its peers' (as a fraction of max) is throttled
 THROTTLE_REASONS = {0x4: "software power cap", 0x8: "hardware slowdown", 0x10: "sync boost",
                     0x20: "software thermal slowdown", 0x40: "hardware thermal slowdown",
                     0x80: "hardware power brake"}  # nvmlClocksEventReason bits that slow a GPU down
-VOID_MIN = 0.30  # GPU idle share of the window (XPUTimer's "void percentage") that makes a rank launch-bound
-LAUNCH_SYNC_MAX = 0.10  # ... while the host waits for its GPU at most this share: the GPU waits for the host
-SMALL_KERNEL_S = 50e-6  # ... and its kernels are short on average (launch cost rivals kernel time)
-# ... unless its launches wait in the GPU's queue: a median launch-to-kernel-start delay this long (CUPTI
-# correlation, deep mode) means the host runs ahead of the GPU, so the idle gaps are not the launch path's.
-# An idle GPU starts a kernel ~5-20 us after its launch call returns.
-QUEUE_AHEAD_S = 100e-6
-# ...and the GPU idles only briefly between one kernel and the next, on average (the idle time over the kernels):
-# a launch and PyTorch's dispatch around it take 5-50 us. Longer gaps are the host busy with other work than
-# launching (an H200 gloo job: 0.65 ms between 18 us kernels, its host in autograd, pinning batches and copies:
-# idle 71%, named launch-bound on a healthy job in 3 windows of 3), which the host-side rules weigh.
-LAUNCH_GAP_MAX_S = 100e-6
 
 
 def _reasons(bits: int) -> list[str]:
@@ -58,8 +48,13 @@ def gpu_throttle(t: RankTable) -> list[Finding]:
             continue
         reasons = _reasons(h.throttle_reasons)
         cost = float(np.clip(excess[i] / step, 0.0, 1.0))  # what-if: as a compute straggler's
+        rank = int(t.rank[i])
         out.append(Finding(
-            kind="gpu_throttle", ranks=[int(t.rank[i])], function=None, component="gpu", score=float(z[i]), cost=cost,
+            kind="gpu_throttle", ranks=[rank], function=None, component="gpu", score=float(z[i]), cost=cost,
+            criterion="gpu_clock_drop",
+            why=[*explain(t, found, i)[1],
+                 Why("clock_drop", peers - ratio[i], CLOCK_DROP, "of max SM clock, below the peers'", rank=rank),
+                 Why("throttle_reasons", len(reasons), 1, "slowdown reasons", rank=rank)],
             summary=(f"rank {t.rank[i]}'s GPU {h.index} runs at {h.sm_clock_mhz} MHz ({ratio[i]:.0%} of its "
                      f"{h.max_sm_clock_mhz} MHz) while its peers' run at {peers:.0%}, slowed by "
                      f"{' and '.join(reasons)} ({h.temperature_c} C, {h.power_w} W); the rank computes "
@@ -86,8 +81,7 @@ def gpu_straggler(t: RankTable, named: set[int]) -> list[Finding]:
     """Ranks whose GPU works longer a step than their peers' (gpu_work) by STRAGGLER_MIN_EXCESS of the step,
     where no host-side rule named them (`named`). NCCL runs collectives on the GPU: the peers wait for a
     straggler inside NCCL's kernels and every host blocks in the same synchronization for as long, so step - COMM
-    and the collectives' instants are alike on every rank (an H200, four NCCL ranks sharing it, one with 8x
-    the matrix products: nothing named in 3 windows of 3; its GPU worked 19-37 ms a step, its peers' 1-3.5).
+    and the collectives' instants are alike on every rank: only the GPU's own busy time tells the straggler.
     Two ranks are decidable: the one that works longer is the one waited for."""
     step = t.job_step_s
     work = gpu_work(t)
@@ -110,7 +104,9 @@ def gpu_straggler(t: RankTable, named: set[int]) -> list[Finding]:
             ("its peers'", "the other ranks wait")
         out.append(Finding(
             kind="compute_straggler", ranks=[rank], function=top.name if top else None, component="gpu",
-            score=float(z[i]), cost=cost,
+            score=float(z[i]), cost=cost, criterion="gpu_works_longer",
+            why=[Why("gpu_work_z", z[i], Z_MIN, "robust z", rank=rank),
+                 Why("gpu_work_excess", excess[i] / step, STRAGGLER_MIN_EXCESS, "share of step", rank=rank)],
             summary=(f"rank {rank}'s GPU works {ms(float(excess[i]))} longer per step than {others[0]} "
                      f"({ms(float(work[i]))} against {ms(peers)}{kernel}); {others[1]} for it inside NCCL's "
                      f"kernels; costs {cost:.0%} of step time"),
@@ -122,18 +118,30 @@ def gpu_straggler(t: RankTable, named: set[int]) -> list[Finding]:
     return out
 
 
+def _launch_why(rank: int, void: float, sync_share: float, mean_kernel_s: float, gap_s: float,
+                queue_s: float | None) -> list[Why]:
+    """The figures launch_bound named a rank's GPU by (`queue_s`: its median launch-to-start delay where its
+    launches were joined, else None)."""
+    return [Why("gpu_idle_share", void, VOID_MIN, "share of window", ">=", rank),
+            Why("gpu_wait_share", sync_share, LAUNCH_SYNC_MAX, "share of window", "<=", rank),
+            Why("mean_kernel_us", mean_kernel_s * 1e6, SMALL_KERNEL_S * 1e6, "us", "<=", rank),
+            Why("idle_gap_us", gap_s * 1e6, LAUNCH_GAP_MAX_S * 1e6, "us between kernels", "<=", rank),
+            *([Why("launch_queue_us", queue_s * 1e6, QUEUE_AHEAD_S * 1e6, "us", "<", rank)] if queue_s is not None
+              else [])]
+
+
 def launch_bound(t: RankTable) -> list[Finding]:
     """Ranks whose GPU idles between kernels while the host is not waiting for it: the host cannot launch
     work fast enough (short kernels, the launch path dominates). Needs the CUPTI shim's GPU busy time."""
     per_rank = []
+    why: list[Why] = []
     for i in compress(range(len(t)), map(attrgetter("gpu"), t.patterns)):  # ranks with the CUPTI shim's view
         p = t.patterns[i]
         g = p.gpu
         if g.kernels == 0:
             continue
         # The GPU's idle share that the host's waits in host-side collectives and copies leave unexplained: a
-        # rank waiting there for a straggler launches nothing and its GPU idles (H200, gloo: the three ranks
-        # waiting for a slow peer had their GPU idle 95% of the window, 53% of it in gloo, 19% in copies).
+        # rank waiting there for a straggler launches nothing and its GPU idles, which is not its launch path's.
         waits = p.time_in(Role.COPY) + sum(f.total_s for name, f in p.functions.items()
                                            if f.role == Role.COMM and HOST_COLLECTIVES.match(name))
         void = 1.0 - min(g.busy_s / p.window_s, 1.0) - waits / p.window_s
@@ -146,6 +154,8 @@ def launch_bound(t: RankTable) -> list[Finding]:
             per_rank.append({"rank": int(t.rank[i]), "void_share": void, "gpu_busy_s": g.busy_s, "gap_us": gap * 1e6,
                              "window_s": p.window_s, "sync_share": sync_share, "mean_kernel_us": mean_kernel * 1e6,
                              "kernels": g.kernels, "kernels_per_s": g.kernels / p.window_s})
+            why += _launch_why(int(t.rank[i]), void, sync_share, mean_kernel, gap,
+                               g.queue_p50_s if g.launches else None)
             if g.launches:  # joined launches: how long each waited for the GPU
                 per_rank[-1].update(launches=g.launches, queue_p50_us=g.queue_p50_s * 1e6,
                                     queue_p99_us=g.queue_p99_s * 1e6)
@@ -165,6 +175,7 @@ def launch_bound(t: RankTable) -> list[Finding]:
     return [Finding(
         kind="launch_bound", ranks=ranks, function="cuLaunchKernel", component="host",
         score=void / VOID_MIN, cost=void,  # at most the idle share could be won back
+        criterion="launch_bound", why=sorted(why, key=lambda w: w.rank),
         summary=(f"{rank_list(ranks)}: the GPU is idle {void:.0%} of the time between short kernels "
                  f"({mean_us:.0f} us on average, {rate:.0f} kernels/s{waits}) while the host does not wait for it: "
                  f"the host cannot launch work fast enough (CUDA graphs or larger kernels help); "

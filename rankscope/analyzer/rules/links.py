@@ -9,8 +9,10 @@ Two sources measure a link's throughput:
   the sender being late, so it stands in only where the sender's pattern lacks the link (a pattern keeps at
   most MAX_LINKS rows).
 - The kernel's TCP accounting (gloo, NCCL's socket transport): each rank reports its busiest connections,
-  the bytes it sent and how long the connection had data to send. A connection's far end is the pattern
-  whose connection has the two addresses reversed. Plugin rows take precedence over a pair they both cover.
+  the bytes it sent, how long the connection had data to send, and how much of that time the receiver's
+  window or the sender's buffer held it: only a flow the network held is judged (NETWORK_LIMITED_SHARE). A
+  connection's far end is the pattern whose connection has the two addresses reversed. Plugin rows take
+  precedence over a pair they both cover.
 
 Links are compared within their role: the pair of peer groups (analyzer/peers.py) their ends belong to, or
 within a group (any). Pipeline stages pass activations between stages and all-reduce within them, and the two
@@ -26,59 +28,43 @@ from typing import Any
 
 import numpy as np
 
-from rankscope.analyzer.differential import Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
+from rankscope.analyzer.differential import Alignment, peer_deviation, peers_median
 from rankscope.analyzer.metrics import HOST_COLLECTIVES, HOST_P2P, RankTable
 from rankscope.analyzer.peers import peer_groups
-from rankscope.analyzer.rules.stragglers import MIN_RANKS, decidable
+from rankscope.analyzer.rules.stragglers import decidable
 from rankscope.analyzer.rules.wording import range_ms, rank_list
-from rankscope.schema.finding import Finding
+from rankscope.analyzer.thresholds import (EXACT_ROLE_LINKS, FAST_TCP_WIRE_S, LINK_BANDWIDTH,
+                                           LINK_BANDWIDTH_BESIDE_STRAGGLER, LINK_MIN_LATENESS, MATRIX_MAX_RANKS,
+                                           MIN_BYTES, MIN_LINKS, MIN_NODE_LINKS, MIN_RANKS, MIN_STEPS,
+                                           MIN_TCP_SEND_BYTES, MIN_TCP_WIRE_S, NETWORK_LIMITED_SHARE, SLOW_FACTOR,
+                                           TCP_SLOW_FACTOR, TCP_SLOW_FACTOR_IN_GROUP, Z_FLOOR, Z_MIN)
+from rankscope.schema.finding import Finding, Why
 from rankscope.schema.patterns import LinkStats, RankPattern, Role
 
-LINK_MIN_LATENESS = 0.03  # finish lateness beyond the peers', as a fraction of the step time
-LINK_BANDWIDTH = 0.7  # ...at a bandwidth below this share of the peers' (the transfer as the rank saw it; a
-# healthy mlp-4 rank on a host loaded 5 deep finished 1.1 ms late at 0.88 of its peers')
-# ...or below this share where a straggler was found: the rank receiving over its ring link finishes late
-# too (mlp-4, 4 ranks on 2 loaded cores: at 0.84-0.90 of its peers' bandwidth); the accuracy matrix's slow
-# links ran at 0.01-0.29.
-LINK_BANDWIDTH_BESIDE_STRAGGLER = 0.5
-MIN_STEPS = 8  # network steps over a link in the window before its throughput is judged...
-MIN_BYTES = 1 << 20  # ...and bytes: a few small steps measure latency, not bandwidth
-MIN_LINKS = 3  # judged links of a role: with two, which one is "the others"?
-SLOW_FACTOR = 1.5  # a link below the median of its role's links divided by this is slow
-# TCP's throughput also follows who gets a CPU when the host is short of them (loopback copies are CPU work):
-# healthy links of one job ranged 134-333 MB/s beside a rank spinning on a core. A slow TCP link must run at
-# a third of the links it is compared with (the rate-limited link of the accuracy matrix: 12 MB/s vs
-# 100-500 MB/s)...
-TCP_SLOW_FACTOR = 3.0
-# ...or at half the links of its own peer group: they carry the same collectives, so they keep pace with each
-# other. In the accuracy matrix's kept windows (2026-11-27), every rank of one group had a link at 0.74 of its
-# group's others or faster (90 healthy windows of cnn-3, mlp-3-io, mlp-4), while the links of a stage of two
-# ranks, compared with the other stage's (a different part of the model), fell to 0.45 (pipe-4); cnn-3's
-# rate-limited rank (100 Mbit/s against ~35 MB/s of loopback on a CPU-starved host) had both its links at
-# 0.26-0.41 of the third link (30 windows), which a third missed in 8.
-TCP_SLOW_FACTOR_IN_GROUP = 2.0
-# ...and half suffices too where a rank has no group peer but its own pair (a pipeline stage of two), and its
-# sends to the other stage run at half its stage peer's as well (_sends_between_slow). pipe-4's rank 3 behind a
-# quarter-pace link (corpora 88-102, 10 windows): its stage's links at 0.22-0.36 of the other stage's, which
-# differ by design (healthy windows: 0.34 and up), and its sends to stage 0 at 0.17-0.31 of rank 2's. No rank
-# of 200 other windows had both below 0.5 (within below 0.5: sends at 0.69 or more; sends below 0.5: within at
-# 0.50 or more, rank 1 sending to a rank 3 slowed by GC or compute, whose links are not judged once it is named).
-MIN_NODE_LINKS = 2  # judged links of one rank, all slow, that make the rank (not one link) the suspect
-# TCP's timers count jiffies (4 ms at HZ=250): a link is judged on at least this much time with data to
-# send, over which a transfer's rounding to whole ticks averages out.
-MIN_TCP_WIRE_S = 0.05
-# A TCP link with less time than that moved its bytes faster than the ticks can time (70 MB in 44 ms between
-# two ranks on loopback). It is never judged slow, but it still sets the pace its role's links are compared
-# with, at no more than its bytes over FAST_TCP_WIRE_S: a floor on its speed that a tick count off by half
-# still clears. Without it, a ring of three with one rate-limited rank kept only that rank's two links and
-# found nothing (1 window of 8).
-FAST_TCP_WIRE_S = 2 * MIN_TCP_WIRE_S
-# ...and on bulk transfers: sends of a few KB (a small model's gradients, 1.4 KB a send) are bound by round
-# trips and by when each end gets a CPU, not by bandwidth. Three ranks on two cores moving 1.4 KB a send
-# showed 2-7 MB/s on loopback; gloo moves ~48 KB a send for a 450 KB gradient.
-MIN_TCP_SEND_BYTES = 4 << 10
-EXACT_ROLE_LINKS = 64  # up to this many links in a role, a rank is compared with exactly the links it lacks
-MATRIX_MAX_RANKS = 32  # up to this many ranks, evidence carries the whole dense matrix
+@dataclass(frozen=True)
+class TcpLimits:
+    """Per link of a LinkMatrix, the kernel's limit accounting of its TCP connections, summed over them; NaN where
+    unknown (NCCL's rows, an agent that did not report it)."""
+
+    sndbuf_s: np.ndarray  # of the link's wire time, held by the sender's buffer
+    retrans: np.ndarray  # segments retransmitted
+    srtt_s: np.ndarray  # the smoothed round trip, its connections' largest
+    min_rtt_s: np.ndarray  # the minimum round trip, its connections' smallest
+
+    def busy_share(self, wire_s: np.ndarray, rwnd_s: np.ndarray) -> np.ndarray:
+        """The share of the time with data to send that neither end held: wire time is busy and send-buffer
+        limited time, `rwnd_s` the receiver-window-limited time beside it (NaN: unknown, or no such time)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (wire_s - self.sndbuf_s) / (wire_s + rwnd_s)
+
+    def row(self, i: int, wire_s: float, rwnd_s: float) -> dict[str, Any]:
+        """What evidence shows of link i's limits ({} where unknown)."""
+        total = wire_s + rwnd_s
+        if not np.isfinite(self.sndbuf_s[i]) or total <= 0:
+            return {}
+        return {"busy_share": (wire_s - self.sndbuf_s[i]) / total, "rwnd_limited_share": rwnd_s / total,
+                "sndbuf_limited_share": self.sndbuf_s[i] / total, "retrans": int(self.retrans[i]),
+                "srtt_s": float(self.srtt_s[i]), "min_rtt_s": float(self.min_rtt_s[i])}
 
 
 @dataclass(frozen=True)
@@ -93,6 +79,7 @@ class LinkMatrix:
     peer_wait_s: np.ndarray  # the sender waiting for the receiver's credit (0 for receiver-measured links)
     from_sender: np.ndarray  # bool: measured on the sender's send rows only (False: a recv row stood in)
     tcp: np.ndarray  # bool: measured by the kernel's TCP accounting (False: NCCL's profiler plugin)
+    limits: TcpLimits
 
     def __len__(self) -> int:
         return self.src.size
@@ -106,14 +93,21 @@ class LinkMatrix:
 
     @property
     def judged(self) -> np.ndarray:
-        """Links with enough traffic in the window to judge their throughput."""
-        return self._bulk & (self.wire_s > 0) & ~self._too_fast_to_time
+        """Links with enough traffic in the window to judge their throughput, held by the network."""
+        return self._bulk & (self.wire_s > 0) & ~self._too_fast_to_time & self.network_limited
+
+    @property
+    def network_limited(self) -> np.ndarray:
+        """Links whose pace is the network's: busy for NETWORK_LIMITED_SHARE of their time with data to send, or
+        not known otherwise (NCCL's rows; an agent without the limit accounting: judged as before)."""
+        with np.errstate(invalid="ignore"):
+            return ~(self.limits.busy_share(self.wire_s, self.peer_wait_s) < NETWORK_LIMITED_SHARE)
 
     @property
     def pacing(self) -> np.ndarray:
         """Links that set the pace a role's links are compared with: the judged ones, and TCP links that moved
-        as much too fast to time."""
-        return self._bulk & ((self.wire_s > 0) | self._too_fast_to_time)
+        as much too fast to time; not those an end held (their pace is not the network's)."""
+        return self._bulk & ((self.wire_s > 0) | self._too_fast_to_time) & self.network_limited
 
     @property
     def _too_fast_to_time(self) -> np.ndarray:
@@ -133,7 +127,8 @@ class LinkMatrix:
                 "step_latency_s": float(self.wire_s[i] / self.steps[i]) if self.steps[i] else None,
                 "peer_wait_s": float(self.peer_wait_s[i]),
                 "measured_by": "sender" if self.from_sender[i] else "receiver",
-                "source": "tcp" if self.tcp[i] else "nccl_profiler"}
+                "source": "tcp" if self.tcp[i] else "nccl_profiler",
+                **self.limits.row(i, self.wire_s[i], self.peer_wait_s[i])}
 
     def dense(self) -> dict[str, Any]:
         """The src x dst throughput matrix over the ranks that appear in a judged link (None: no judged link)."""
@@ -177,21 +172,28 @@ def link_matrix(patterns: Sequence[RankPattern]) -> LinkMatrix:
         acc[2] += k.wire_s
         acc[3] += k.peer_wait_s if by_sender else 0.0
         acc[4] &= by_sender
-    for pair, acc in _tcp_links(patterns).items():
+    tcp, tcp_limits = _tcp_links(patterns)
+    for pair, acc in tcp.items():
         totals.setdefault(pair, acc)
     pairs = sorted(totals)
     cols = list(zip(*(totals[pair] for pair in pairs))) or [()] * 6
+    unknown = [np.nan] * 4
+    limits = np.array([tcp_limits.get(pair, unknown) if totals[pair][5] else unknown for pair in pairs],
+                      dtype=float).reshape(len(pairs), 4)
     return LinkMatrix(src=np.array([s for s, _ in pairs], dtype=np.int64),
                       dst=np.array([d for _, d in pairs], dtype=np.int64),
                       steps=np.array(cols[0], dtype=np.int64), bytes=np.array(cols[1], dtype=np.int64),
                       wire_s=np.array(cols[2], dtype=float), peer_wait_s=np.array(cols[3], dtype=float),
-                      from_sender=np.array(cols[4], dtype=bool), tcp=np.array(cols[5], dtype=bool))
+                      from_sender=np.array(cols[4], dtype=bool), tcp=np.array(cols[5], dtype=bool),
+                      limits=TcpLimits(*limits.T))
 
 
-def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[Any]]:
-    """(src, dst) -> [sends, bytes, wire, peer wait, True, True] from the patterns' TCP connections. A
-    connection's peer is the rank whose connection has its two ends reversed; an address two ranks claim
-    (two hosts behind one NAT) places nothing."""
+def _tcp_links(patterns: Sequence[RankPattern]
+               ) -> tuple[dict[tuple[int, int], list[Any]], dict[tuple[int, int], list[float]]]:
+    """(src, dst) -> [sends, bytes, wire, peer wait, True, True] from the patterns' TCP connections, and (src,
+    dst) -> [send-buffer time, retransmits, largest srtt, smallest min RTT] where every connection of the pair
+    reported them. A connection's peer is the rank whose connection has its two ends reversed; an address two
+    ranks claim (two hosts behind one NAT) places nothing."""
     patterns = list(compress(patterns, map(attrgetter("tcp"), patterns)))  # most have none: skipped in C
     owner: dict[str, int] = {}
     twice: set[str] = set()
@@ -200,6 +202,7 @@ def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[An
             if owner.setdefault(f.local, p.rank) != p.rank:
                 twice.add(f.local)
     totals: dict[tuple[int, int], list[Any]] = {}
+    limits: dict[tuple[int, int], list[float]] = {}
     for p in patterns:
         for f in p.tcp:
             dst = owner.get(f.remote)
@@ -210,7 +213,15 @@ def _tcp_links(patterns: Sequence[RankPattern]) -> dict[tuple[int, int], list[An
             acc[1] += f.sent
             acc[2] += f.wire_s
             acc[3] += f.peer_wait_s
-    return totals
+            lim = limits.setdefault((p.rank, dst), [0.0, 0, 0.0, np.inf])
+            if f.sndbuf_s is None or f.retrans is None or f.min_rtt_s is None:
+                lim[0] = np.nan  # one connection unknown: the pair's limits unknown
+            else:
+                lim[0] += f.sndbuf_s
+                lim[1] += f.retrans
+                lim[2] = max(lim[2], f.srtt_s)
+                lim[3] = min(lim[3], f.min_rtt_s)
+    return totals, {pair: lim if np.isfinite(lim[0]) else [np.nan] * 4 for pair, lim in limits.items()}
 
 
 WITHIN = -2  # the "group pair" of a link within one peer group, whichever group
@@ -221,7 +232,7 @@ class LinkRoles:
     """Per link, a role id: links measured the same way between the same two peer groups share one, and so do
     the links within a group, whichever group: the all-reduces of every pipeline stage move gradients at the
     link's pace, while activations between stages move at the reading stage's. A stage of two ranks has only
-    its pair's two links to compare (pipe-4: both touch the slow rank 3, at 11-12 MB/s beside stage 0's 65-84)."""
+    its pair's two links to compare, and both touch a slow rank of the pair."""
 
     id: np.ndarray
     between: np.ndarray  # bool: the link joins two peer groups (pipeline stages)
@@ -255,8 +266,9 @@ def _slow_factor(m: LinkMatrix) -> np.ndarray:
 
 
 def _slow_nodes(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray
-                ) -> dict[int, float]:
-    """rank -> the throughput its links fell short of, for each rank with MIN_NODE_LINKS judged links or more,
+                ) -> dict[int, tuple[float, list[Why]]]:
+    """rank -> (the throughput its links fell short of, the figures that found them slow: a finding's why),
+    for each rank with MIN_NODE_LINKS judged links or more,
     every one slower than its slow factor below the median of its role's pacing links that do not touch the rank:
     those of its own peer group where there are any (TCP_SLOW_FACTOR_IN_GROUP), else the role's others.
 
@@ -265,30 +277,31 @@ def _slow_nodes(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: Li
     move the median, so there the role's median stands in: one pass over 100,000 ranks' links.
     A link between two suspects is the worse one's: its neighbour is judged again without it (a pass per
     such chain, usually one). In a ring of four, the rank sending to a slow rank has that link and one more,
-    and TCP over loopback runs at the pace its ends get a CPU: mlp-4's rank 0 had 12 MB/s to the slow rank 3
-    and 46 MB/s from rank 1, against 174 MB/s, and was a second suspect beside rank 3 (12-13 MB/s)."""
-    found: dict[int, float] = {}
+    and TCP over loopback runs at the pace its ends get a CPU: both its links can fall below the bar, and it
+    would be a second suspect beside the slow rank."""
+    found: dict[int, tuple[float, list[Why]]] = {}
     judged, pacing = judged.copy(), pacing.copy()
     while True:
         suspects = _slow_node_pass(m, judged, pacing, roles, bw)
         if not suspects:
             return found
-        surer = {r: (share, r) for r, (_, share) in suspects.items()}  # ties by rank: the surest always stays
+        surer = {r: (share, r) for r, (_, share, _) in suspects.items()}  # ties by rank: the surest always stays
         waits = {max(int(src), int(dst), key=surer.__getitem__)  # a suspect sharing a link with a surer one
                  for src, dst in zip(m.src[judged], m.dst[judged]) if src in suspects and dst in suspects}
         kept = [r for r in suspects if r not in waits]
-        found.update((r, suspects[r][0]) for r in kept)
+        found.update((r, (suspects[r][0], suspects[r][2])) for r in kept)
         gone = np.isin(m.src, kept) | np.isin(m.dst, kept)
         judged &= ~gone
         pacing &= ~gone
 
 
 def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray
-                    ) -> dict[int, tuple[float, float]]:
+                    ) -> dict[int, tuple[float, float, list[Why]]]:
     """One pass of _slow_nodes: rank -> (the throughput its links fell short of, the median share of it
     they reached: the lower, the surer). A link between pipeline stages moves at the reading stage's pace, so
     it only clears a rank (at or above its reference), never accuses one: the stage a slow rank holds up
-    reads slowly from every sender (pipe-4: 1 -> 3 at 5.6 MB/s, 0 -> 2 at 10 MB/s)."""
+    reads slowly from every sender. Third in the tuple: the figures that found its links slow (the finding's
+    why)."""
     role = roles.id
     median, count = _role_medians(pacing, role, bw)
     end_rank = np.concatenate([m.src, m.dst])  # each link once per end
@@ -322,15 +335,24 @@ def _slow_node_pass(m: LinkMatrix, judged: np.ndarray, pacing: np.ndarray, roles
     out = {}
     for e in np.flatnonzero((n_within >= MIN_NODE_LINKS) & (n_slow == n_within) & ~cleared):
         mine = (at == e) & slow
-        out[int(ends[e])] = (float(np.median(reference[mine])), float(np.median(bw[link[mine]] / reference[mine])))
+        why = [Why("slow_links", n_slow[e], MIN_NODE_LINKS, "links, every judged link of the rank")]
+        why += [_slowdown(m, link[k], reference[k], bw[link[k]], factor[k]) for k in np.flatnonzero(mine)]
+        out[int(ends[e])] = (float(np.median(reference[mine])), float(np.median(bw[link[mine]] / reference[mine])),
+                             why)
     return out
+
+
+def _slowdown(m: LinkMatrix, i: int, reference: float, bw: float, factor: float) -> Why:
+    """Link i's figure: how many times slower than the `reference` it is held to, against its slow factor."""
+    return Why("link_slowdown", reference / bw, factor, f"times slower than its peers' links: {m.src[i]} -> {m.dst[i]}",
+               ">")
 
 
 def _sends_between_slow(m: LinkMatrix, pacing: np.ndarray, roles: LinkRoles, bw: np.ndarray, r: int) -> bool:
     """Whether rank r sends to other peer groups, and every such TCP link runs below 1/TCP_SLOW_FACTOR_IN_GROUP
     of its role's links that do not touch r: its group peers' sends of the same tensors to the same stage.
-    Alone this says little (a stage's sends wait for the reading stage: healthy pipe-4 ranks sent at 0.25-0.4
-    of their stage peer's); it says which end of a stage of two's one slow pair is the slow one."""
+    Alone this says little (a stage's sends wait for the reading stage: a healthy rank's sends can run at a
+    fraction of its stage peer's); it says which end of a stage of two's one slow pair is the slow one."""
     mine = np.flatnonzero(pacing & roles.between & m.tcp & (m.src == r))
     if not mine.size:
         return False
@@ -390,9 +412,9 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
     """`slow_link` findings from the link matrix: a rank all of whose links (two or more) are slow is the
     suspect (its NIC or host), reported once; any other slow link is reported as exactly that pair.
     `stragglers`: ranks already found slow for their own reasons; their links are not judged. TCP moves bytes
-    at the pace the ends' CPUs allow (a GC storm on rank 2 of three on two cores left rank 0's loopback links
-    5-7x slower than the third link), and NCCL's at the pace a late rank posts its receives and sends (an H200
-    job, a rank reading its input 23% of the step longer: both its ring links at half its peers' pace)."""
+    at the pace the ends' CPUs allow (a straggler busy on a shared core slows its neighbours' loopback links
+    several-fold), and NCCL's at the pace a late rank posts its receives and sends (a straggler's ring links
+    run at a fraction of its peers' pace)."""
     m = link_matrix(patterns)
     unjudged = np.isin(m.src, list(stragglers)) | np.isin(m.dst, list(stragglers))
     judged, pacing = m.judged & ~unjudged, m.pacing & ~unjudged
@@ -417,28 +439,33 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
     window_s = float(np.median([p.window_s for p in patterns]))
     matrix = m.dense() if np.count_nonzero(n_judged) <= MATRIX_MAX_RANKS else None
 
-    def finding(ranks: list[int], rows: np.ndarray, reference: float, summary: str,
-                extra: dict[str, Any]) -> Finding:
+    def finding(ranks: list[int], rows: np.ndarray, reference: float, summary: str, extra: dict[str, Any],
+                criterion: str, why: list[Why]) -> Finding:
         worst = float(bw[rows].min())
         # A ring or tree collective moves at its slowest link's pace, so at the others' median throughput its
         # transfer time would shrink by (1 - worst / reference). The ranks' COMM share of the window bounds the
         # transfer time from above (it also holds waiting for late peers), so the product is an upper bound.
         # So is the time the link had data to send beyond what its bytes need at the reference throughput,
         # and the tighter one where DDP's buckets all-reduce during the backward pass: COMM then spans the
-        # whole step on every rank (cnn-3, a 100 Mbit/s link: 0.72 from COMM for a true 0.21; 0.42 from bytes).
-        # Tighter still where the training thread's wait for its collectives is measured: only the transfer
-        # backward did not hide delays the step (cnn-3, one rank's links at a quarter pace: COMM and bytes
-        # bounds ~0.5 for a true 0.33; the wait 87 ms of 245 x 0.8: 0.28).
+        # whole step on every rank, and its bound reads several times the true cost. Tighter still where the
+        # training thread's wait for its collectives is measured: only the transfer backward did not hide
+        # delays the step.
         share = max(_comm_share(by_rank[r]) for r in ranks)
         exposed = max(_exposed_share(by_rank[r]) for r in ranks)
         extra_s = float(np.max(m.wire_s[rows] - m.bytes[rows] / reference))
         cost = float(np.clip(min(min(share, exposed) * (1.0 - worst / reference), extra_s / window_s), 0.0, 1.0))
+        busy = m.limits.busy_share(m.wire_s, m.peer_wait_s)[rows]
+        limited = bool(np.isfinite(busy).all())  # the kernel's limit accounting of every link named
+        if limited:
+            why = [*why, Why("network_limited_share", float(busy.min()), NETWORK_LIMITED_SHARE,
+                             "share of time with data to send")]
         return Finding(
             kind="slow_link", ranks=ranks, function=None, component="link", score=reference / worst, cost=cost,
-            summary=f"{summary}; costs {cost:.0%} of step time",
+            criterion=criterion, why=why, summary=f"{summary}; costs {cost:.0%} of step time",
             evidence={**extra, "bandwidth_Bps": worst, "peers_bandwidth_Bps": reference, "comm_share": share,
                       **({"exposed_comm_share": exposed} if exposed < 1.0 else {}),
                       "extra_wire_s": extra_s,
+                      **({"network_limited": True} if limited else {}),
                       "judged_links": int(np.count_nonzero(judged)),
                       "links": [m.row(i) for i in np.flatnonzero(rows)],
                       **({"link_matrix": matrix} if matrix is not None else {}),
@@ -446,13 +473,14 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
         )
 
     out = []
-    for r, reference in sorted(nodes.items()):
+    for r, (reference, figures) in sorted(nodes.items()):
         rows = judged & ((m.src == r) | (m.dst == r))
         speeds = _rates(float(bw[rows].min()), float(bw[rows].max()))
         host = by_rank[r].host if r in by_rank else "?"
         out.append(finding([r], rows, reference, (
             f"every link of rank {r} (on host {host}) is slow: {np.count_nonzero(rows)} links at {speeds} vs "
-            f"{_rate(reference)} on the others: suspect its NIC or host, not one link"), {"rank": r, "host": host}))
+            f"{_rate(reference)} on the others: suspect its NIC or host, not one link"), {"rank": r, "host": host},
+            "link_matrix_slow_rank", figures))
     for i in np.flatnonzero(slow & ~by_node):
         src, dst = int(m.src[i]), int(m.dst[i])
         normal = [r for r in (src, dst) if normal_of[r] > 0]
@@ -460,8 +488,19 @@ def link_findings(patterns: Sequence[RankPattern], stragglers: Collection[int] =
                0: "(too few other links of these ranks to rule out a slow node)"}[len(normal)]
         out.append(finding([src, dst], np.arange(len(m)) == i, float(median[i]), (
             f"link {src} -> {dst} moves {_rate(float(bw[i]))} vs {_rate(float(median[i]))} on the job's other "
-            f"links {why}: a slow link"), {"src": src, "dst": dst}))
+            f"links {why}: a slow link"), {"src": src, "dst": dst}, "link_matrix_slow",
+            [Why("role_links", count[i], MIN_LINKS, "judged links of its role"),
+             _slowdown(m, i, float(median[i]), float(bw[i]), float(_slow_factor(m)[i]))]))
     return out
+
+
+def _late_finish_why(rank: int, z: float, late: float, bandwidth: float, share: float) -> list[Why]:
+    """The figures slow_link named a rank by: its finish lateness (`late`: beyond its peers', a share of the step)
+    and its bandwidth against its peers' (`bandwidth`; NaN: unknown, which does not clear it)."""
+    return [Why("finish_late_z", z, Z_MIN, "robust z", ">=", rank),
+            Why("finish_late_excess", late, LINK_MIN_LATENESS, "share of step", ">=", rank),
+            *([Why("bandwidth_share", bandwidth, share, "of the peers' bandwidth", "<=", rank)]
+              if np.isfinite(bandwidth) else [])]
 
 
 def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> list[Finding]:
@@ -485,7 +524,7 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     peers_bw = peers_median(np.where(valid, bandwidth, np.nan))
     with np.errstate(invalid="ignore"):
         # A slow link moves the bytes slower: a rank that finishes late at the peers' bandwidth was only
-        # descheduled at the end (4 CPU-bound ranks on 2 cores: 3.8 ms late at 69 vs 71 MB/s).
+        # descheduled at the end (CPU-bound ranks sharing cores finish late at their peers' bandwidth).
         share = LINK_BANDWIDTH_BESIDE_STRAGGLER if len(stragglers) else LINK_BANDWIDTH
         slower = ~(bandwidth > share * peers_bw)  # unknown bandwidth does not clear a rank
         flagged = np.flatnonzero((z >= Z_MIN) & (excess >= LINK_MIN_LATENESS * step) & slower
@@ -493,6 +532,8 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     if flagged.size == 0:
         return []
 
+    why = {int(t.rank[i]): _late_finish_why(int(t.rank[i]), z[i], excess[i] / step, bandwidth[i] / peers_bw, share)
+           for i in flagged}
     per_rank = [{
         "rank": int(t.rank[i]), "z": float(z[i]), "finish_lateness_s": float(late[i]),
         "excess_s": float(excess[i]), "arrival_lateness_s": float(a.arrival_late_s[i]),
@@ -501,6 +542,7 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     per_rank.sort(key=lambda r: r["rank"])
     ranks = [r["rank"] for r in per_rank]
     worst = max(per_rank, key=lambda r: r["excess_s"])
+    lead = max(per_rank, key=lambda r: r["z"])["rank"]  # the rank the score is of
     cost = float(np.clip(worst["excess_s"] / step, 0.0, 1.0))
     bw = ""
     if np.isfinite(worst["bandwidth_Bps"]) and np.isfinite(peers_bw):
@@ -509,6 +551,8 @@ def slow_link(t: RankTable, a: Alignment, stragglers: Collection[int] = ()) -> l
     return [Finding(
         kind="slow_link", ranks=ranks, function=a.op, component="link",
         score=max(r["z"] for r in per_rank), cost=cost,
+        criterion="late_finish_low_bandwidth" if len(why[lead]) > 2 else "late_finish_bandwidth_unknown",
+        why=[w for r in ranks for w in why[r]],
         summary=(f"{rank_list(ranks)} {'finishes' if len(ranks) == 1 else 'finish'} {a.op} "
                  f"{range_ms([r['excess_s'] for r in per_rank])} after {'its' if len(ranks) == 1 else 'their'} "
                  f"peers{bw} while {'its' if len(ranks) == 1 else 'their'} compute is normal: a slow link; "

@@ -10,9 +10,9 @@ import numpy as np
 
 from rankscope.analyzer.differential import peers_median
 from rankscope.analyzer.metrics import RankTable
-from rankscope.analyzer.rules.stragglers import decidable, straggling
+from rankscope.analyzer.rules.stragglers import decidable, explain, straggling
 from rankscope.analyzer.rules.wording import range_ms, rank_list
-from rankscope.schema.finding import Finding
+from rankscope.schema.finding import Finding, Why
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,10 @@ def node_fault(t: RankTable) -> list[Finding]:
         cost = float(np.clip(excess[members].max() / step, 0.0, 1.0))  # the slowest of the node sets the step
         out.append(Finding(
             kind="node_fault", ranks=ranks, function=None, component="host", score=float(z[members].min()),
-            cost=cost,
+            cost=cost, criterion="every_rank_of_node_straggles",
+            why=[Why("ranks_on_node", members.size, 2, "straggling ranks, all of the node's"),
+                 Why("hosts", len(set(hosts[valid])), 2, "hosts"),
+                 *(w for i in sorted(members, key=lambda i: t.rank[i]) for w in explain(t, found, i)[1])],
             summary=(f"every rank on node {host} ({rank_list(ranks)}) computes "
                      f"{range_ms([float(excess[i]) for i in members])} longer per step than the ranks of other "
                      f"nodes: suspect the node, not one GPU; costs {cost:.0%} of step time"),
@@ -64,6 +67,7 @@ def unreachable(lost: LostRanks) -> Finding:
     ranks = sorted(lost.ranks)
     return Finding(
         kind="node_unreachable", ranks=ranks, function=None, component="host", score=0.0, cost=0.0,
+        criterion="agent_not_answering", why=[Why("failed_pulls", 1, 1, "the agent's last pull")],
         summary=(f"node {lost.host} (agent {lost.agent}) stopped answering: ranks {', '.join(map(str, ranks))} "
                  f"of this job are not observed since {lost.last_seen:.0f} ({lost.error})"),
         evidence={"host": lost.host, "agent": lost.agent, "last_seen": lost.last_seen, "error": lost.error},

@@ -7,31 +7,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD, Reference, StepProfile
+from rankscope.analyzer.baseline import Reference, StepProfile
 from rankscope.analyzer.metrics import DATA_LOADING, RankTable
-from rankscope.analyzer.rules.stragglers import PYTHON_SHARE, STRAGGLERS
+from rankscope.analyzer.rules.stragglers import STRAGGLERS
 from rankscope.analyzer.rules.wording import ms
-from rankscope.schema.finding import Finding
-
-BROAD_SHARE = 0.75  # a regression: at least this share of ranks shows the growth, not one rank...
-# ...each at least this share of the median growth. Where DDP all-reduces during the backward pass, a rank's
-# time moves between host and comm from window to window (cnn-3, 18 ms more host a step: 8.7, 25.3, 17.7 ms
-# on its three ranks, and the regression was never confirmed at half). A straggler's part does not grow on
-# its peers at all (they wait in comm instead), and the straggler rules are asked first.
-GROWN_SHARE = 0.25
-# A job that runs as long on its CPUs as in its baseline but waits longer for them has not changed: the host's
-# CPUs went to other work. Then the step's growth is named after the wait, not after the function it stretched
-# (mlp-2 beside neighbours' load: +2.3 ms a step, main threads +0.9 ms runnable and +0.2 ms on CPU, gloo's
-# threads waiting for a CPU inside the all-reduce made it "gloo_allreduce grew by 1.5 ms, component link").
-CPU_WAIT_SHARE = 0.25  # the main threads' extra wait for a CPU is at least this share of the growth...
-CPU_RAN_SHARE = 0.2  # ...and their extra time on CPU under this share (a job computing longer runs longer)
-NAMING_SHARE = 0.25  # a part of the step that grew by less than this share of the step's growth names nothing
-# A regression that a straggler's delay explains this share of restates it: one rank's delay slows every step,
-# and on vCPUs that share a core its spinning slows its peers' compute too (lm-2, a tenth of the step spun on
-# rank 1: it delayed the job 6.8 ms a step, the step grew 8.8 ms, Linear.forward 5.5 ms on both ranks, and
-# "every rank is slower" was named beside it in 1 of 3 fresh runs). A whole-job change beside a small
-# straggler grows far more than the straggler delays.
-STRAGGLER_SHARE = 0.5
+from rankscope.analyzer.thresholds import (BROAD_SHARE, CPU_RAN_SHARE, CPU_WAIT_SHARE, GROWN_SHARE, NAMING_SHARE,
+                                           PYTHON_SHARE, SLOWDOWN_THRESHOLD, STRAGGLER_SHARE, Z_MIN)
+from rankscope.schema.finding import Finding, Why
 
 
 def regression(t: RankTable, ref: Reference, now: StepProfile | None,
@@ -52,8 +34,7 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
 
     # The probed functions and the host time outside them partition a step: which part grew the most on
     # (nearly) every rank? A wait's growth falls on the ranks that waited, so the largest growth may not be
-    # the change (cnn-3: the all-reduce +28 ms on two ranks of three, +6 ms on the third, beside host time
-    # +26 ms on all three).
+    # the change (an all-reduce grown on the ranks that wait in it, beside host time grown on every rank).
     parts = {name: (now.functions[name] - base.functions.get(name, 0.0), t.fn_s[valid, j], t.fn_roles[j])
              for j, name in enumerate(t.fn_names)}
     parts[None] = (now.host_s - base.host_s, t.host_s[valid], None)
@@ -81,9 +62,17 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
                  f"({_busy(t)}); {name or 'host work'} grew by {ms(growth)} per step waiting with them")
     else:
         where = f"{function or 'host work outside CUDA and NCCL calls'} grew by {ms(growth)} per step"
+    why = [Why("step_growth", grown / base.step_s, threshold, "share of the baseline step"),
+           Why("run_growth_z", ref.run_z(now.step_s), Z_MIN, "the baseline's noise (robust z)"),
+           Why("part_growth", growth / grown, NAMING_SHARE, "share of the step's growth"),
+           Why("ranks_grown_share", broad, BROAD_SHARE, "share of ranks")]
+    if starved:
+        why += [Why("cpu_wait_growth", waited / grown, CPU_WAIT_SHARE, "share of the step's growth"),
+                Why("cpu_run_growth", ran / grown, CPU_RAN_SHARE, "share of the step's growth", "<")]
     return [Finding(
         kind="regression", ranks=sorted(int(r) for r in t.rank[valid]), function=function, component=component,
         score=grown / ref.noise_s, cost=cost,
+        criterion="slower_waiting_for_cpu" if starved else "step_slower_than_baseline", why=why,
         summary=(f"every rank is slower than the job's baseline: {ms(now.step_s)} per step instead of "
                  f"{ms(base.step_s)} (+{grown / base.step_s:.0%}); {where}; costs {cost:.0%} of step time"),
         evidence={"cpu_starved": starved, "runq_growth_s": waited, "oncpu_growth_s": ran,  # NaN: None (plain)
@@ -96,8 +85,8 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
 
 def explaining(f: Finding, others: Sequence[Finding]) -> list[frozenset[int]]:
     """The ranks of each straggler among `others` whose delay is what regression `f` costs the whole job.
-    (Not a slow link: one seen in the window that straddles a regression's onset, cnn-3's, would have held
-    the regression back.)"""
+    (Not a slow link: a transient one in the window that straddles a regression's onset would hold the
+    regression back.)"""
     grown, step, ranks = f.evidence["grown_s"], f.evidence["step_time_s"], set(f.ranks)
     return [frozenset(o.ranks) for o in others
             if o.kind in STRAGGLERS and set(o.ranks) < ranks and o.cost * step >= STRAGGLER_SHARE * grown]
@@ -107,9 +96,8 @@ def restated(explained_by: Sequence[frozenset[int]], before: frozenset[int]) -> 
     """Whether a straggler that explains a regression (`explained_by`: explaining's) restates it: unless other
     ranks explained it in the last windows of the same run of slower ones (`before`). One rank's delay slows
     every step it is late in, so a straggler that costs the job its slowdown is late in all of them; where the
-    job's work grew on every rank, which rank lags moves from window to window (lm-2 +25% a step, both ranks'
-    host time +11-40 ms: rank 1 "explained" the first slower window, rank 0 the next two, and the regression,
-    never named, was not held through the deep windows the slowdown raised)."""
+    job's work grew on every rank, which rank lags moves from window to window, and each window's straggler
+    would otherwise hide the regression for good."""
     return any(before <= ranks for ranks in explained_by)
 
 

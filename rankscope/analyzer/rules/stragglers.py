@@ -4,109 +4,25 @@ host work, a data-loading function, Python GC, or waiting for a CPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from rankscope.analyzer.differential import LEAVE_ONE_OUT_MAX, Z_FLOOR, Z_MIN, Alignment, peer_deviation, peers_median
+from rankscope.analyzer.differential import Alignment, peer_deviation, peers_median
 from rankscope.analyzer.metrics import DATA_LOADING, RankTable
 from rankscope.analyzer.rules.wording import ms, range_ms, rank_list
-from rankscope.schema.finding import Finding
+from rankscope.analyzer.thresholds import (ALWAYS_LATE, ALWAYS_LATE_BY, CONTENDED_HELD, CONTENTION_RAN,
+                                           CONTENTION_SHARE, FAR_LATE_BY, FAULTS_HELD, FAULTS_SPREAD, GPU_SHARE,
+                                           LATE_RATIO, LATE_RATIO_STEPS, LATE_SOME, LATE_STEPS, LEAVE_ONE_OUT_MAX,
+                                           MIN_RANKS, OTHER_WORK, PAIR_RANKS, PEERS_RARELY, PYTHON_SHARE, SMALL_HELD,
+                                           SMALL_LATE, SMALL_RAN, SMALL_RATIO, SMALL_USER, SMALL_WINDOWS, STEADY_SPAN,
+                                           STEADY_WINDOWS, STRAGGLER_MIN_EXCESS, Z_FLOOR, Z_MIN)
+from rankscope.schema.finding import Finding, Why
 from rankscope.schema.patterns import RankPattern, Role
 
 STRAGGLERS = frozenset({"compute_straggler", "input_straggler", "python_gc", "cpu_contention"})  # this module's kinds
-MIN_RANKS = 3  # with two ranks, which one is "the peers"? undecidable from per-rank totals alone...
-PAIR_RANKS = 2  # ...but the collective instants tell which of two arrives last (C4's rule: the other waits
-# for it), and the run queue which of two waits for a CPU
-STRAGGLER_MIN_EXCESS = 0.05  # extra work per step, as a fraction of the step time
-LATE_STEPS = 0.85  # a straggler arrives late in at least this share of the steps lined up...
-LATE_SOME = 0.6  # ...or in this share and LATE_RATIO times as often as its peers (median). On a CPU-starved
-LATE_RATIO = 5.0  # host every rank is late in some steps, a straggler in most: under an unpinned hog 0.66-0.73
-# against the peers' 0.08-0.12 (6-9x), injected compute 0.96-1.0. A healthy rank of such a host is late in up
-# to 0.79 of the steps, 2.6x its peers (cnn-3, 9 busy processes on 2 CPUs: rank 0's forward runs 7 ms slower
-# in some windows), and on one loaded 5 deep in 0.70, 4.4x (4.0 named it; 5 changes nothing else in 300
-# kept windows). A peer the straggler holds up in a rooted collective (a broadcast's root waits for every
-# receiver) arrives late at the next collective too (0.88-0.93), so the ratio alone is not the rule.
-LATE_RATIO_STEPS = 45  # ...in at least this many steps of the window to be named from it: a healthy rank of a
-# 2 s agent window was late in 0.60-0.85 of its 20-30 steps, 5-25x its peers (one lm-2 rank in two windows
-# running: reported by the agent); a tenth of the step spun, in 879-1112 steps of diagnose's 10 s. Fewer make
-# a small straggler's lateness, named once seen in several windows (SMALL_WINDOWS); a rank waiting for a CPU
-# is still contended (cpu_contention weighs its run queue).
-FAR_LATE_BY = 0.25  # ...or in LATE_SOME of the steps by this share of the step while its peers are late in at
-# most PEERS_RARELY: a hog's victim of two ranks on an idle host, late by 38-42% of an 8 ms step in 0.67-0.77 of
-# the steps against its peer's 0.16-0.25 (2.7-4.8x: under LATE_RATIO, 3 windows of 50 unnamed).
-ALWAYS_LATE = 0.95  # a rank late in this share of the steps, by ALWAYS_LATE_BY of the step, while its peers
-ALWAYS_LATE_BY = 0.2  # are late in at most PEERS_RARELY, is the one the others wait for whatever its step -
-PEERS_RARELY = 0.25  # COMM says (no healthy window of 115 came near: at most 0.70 against 0.16; 174 faulty
-# ones did). By a fifth of the step: a GPU a few ms slower than its peers, persistently, is within their spread.
-SMALL_LATE = 0.55  # A small straggler: late in this share of the steps, SMALL_RATIO times as often as its
-SMALL_RATIO = 1.5  # peers, by STRAGGLER_MIN_EXCESS of the step, while on a CPU or waiting for its own GPU longer
-SMALL_RAN = 0.5  # than its peers by SMALL_RAN of that lateness (it works; a pipeline stage late waiting for the
-SMALL_WINDOWS = 4  # other stage ran no longer than its peer). Kept windows with a tenth of the step spun: late
-# in 0.56-0.88 of the steps by 7-19% of it, on a CPU 3-13% more, 23 of the 26 the rules above missed. But a
-# healthy rank does as much now and then: 2 of 67 kept healthy 10 s windows (cnn-3's rank 0, 9 processes on 2
-# CPUs: late in 59% by 10%, 11% more on a CPU), 19 of 664 agent windows of 74 healthy or regressed runs, in at
-# most 2 of any 8 of a run. So it is reported once seen in SMALL_WINDOWS of twice as many windows (stability.py:
-# the agent), and a single look (`diagnose`) lists it as unconfirmed...
-SMALL_HELD = 0.15  # ...unless it was the late one all through the window: its late share led every peer's by
-# this much in each piece of it (Alignment.held_lead). Kept 10 s windows with a tenth of the step spun: 0.15-0.5
-# in 25 of the 36 that named it only as a suspect (2-rank MLP and LM, 3-rank MLP with storage latency); the
-# healthy suspects above (cnn-3's, 3 of 217 healthy windows of 6 shapes) 0.07 at most.
-SMALL_USER = 0.05  # ...or where its own work shows in user time: its main thread ran in user mode this share of
-# the step longer than its peers' (on a CPU less in the kernel: neither waiting for a CPU nor faulting in memory
-# counts), in a window long enough to cut (HELD_STEPS). On hosts the job oversubscribes every rank is late in a
-# third of the steps and none leads steadily (mlp-4, 4 ranks on 2 CPUs: held lead 0.07-0.19, 1 of 5 windows
-# named, the job +30-40% slower), while a tenth of the step spun shows 6-10% more user time (mlp-4, cnn-3, the
-# pipeline's stage peers) against healthy ranks' 0-2% (30 windows of the three shapes, twenty-first session).
-# ...or it is named, however little later it arrives and whatever it waits, where it arrives later than its peers
-# on average and in more of the steps (below): in the windows long enough to cut of 2,745 kept runs (files
-# 88-142, idle and loaded hosts), healthy ranks ran at most 2.7% of the step longer in user mode than their peers
-# (cnn-3), and the one rank past SMALL_USER that no fault was injected in, a hog's neighbour (5.4%), arrived first.
-STEADY_WINDOWS = 8  # A rank working longer than its peers in a window too short to tell who arrives last (too
-STEADY_SPAN = 10  # few steps to cut it: Alignment.held_lead NaN), by STRAGGLER_MIN_EXCESS of the step both as
-# its own work (step - COMM, a robust outlier) and in user mode (SMALL_USER), while it waits less in collectives:
-# a suspect reported once seen in STEADY_WINDOWS of the last STEADY_SPAN windows. Along a pipeline a spinner's
-# lateness at its stage's all-reduce comes and goes (pipe-4's, 2 s windows of 30 steps: late in 0-70% of the
-# steps, by -13% to +13% of it: 1 of 2 agent runs of the matrix unnamed), its extra work does not (6-16% of the
-# step, 6-10% in user mode, in every window after its onset). A healthy rank works as much more in some
-# windows (a 2-rank LM of 95 ms steps: 5-14%, 5-11% in user mode), in at most 3 of any 10 of a run (22 healthy
-# agent runs of 6 shapes, kept by the matrix). Or longer in user mode by SMALL_USER while it arrives later than
-# its peers on average, however little: on a host the job oversubscribes a spinner's step - COMM is lost in
-# gloo's overlap, and it is late in the share SMALL_LATE asks only now and then (cnn-3, 9 processes on 2 CPUs, 2 s
-# windows: a suspect in 1 of the 20 windows after its onset, unnamed, the job 10.5% slower), while it ran 5-10%
-# of the step longer in user mode, and arrived later on average, in 19 of them. Replayed on the 3,553 kept runs of
-# files 88-154 (idle and loaded hosts): two such cnn-3 runs moved to right, no other verdict moved.
-CONTENTION_SHARE = 0.5  # a straggler whose extra time is at least half run-queue wait is contended...
-CONTENTION_RAN = 0.2  # ...unless it also ran this share of it beyond its peers: then it works longer
-OTHER_WORK = 0.5  # ...and contention is other work's: at least this share of the rank's wait behind its top
-# neighbours was behind processes outside its job. A job with more busy processes than CPUs waits for itself,
-# each rank in turn (cnn-3's 3 ranks and 6 DataLoader workers on 2 CPUs: rank 0 waited 25 ms a step more than
-# its peers behind rank 2 and two of the workers, and the agent confirmed `cpu_contention` on a healthy job).
-FAULTS_SPREAD = 0.15  # a rank's page faults beyond its peers' are not its work up to this share of the step
-# (faulting): healthy cnn-3 ranks differed by up to 10% of it (72 agent windows; median 5%). Beyond, less and
-# less of it is excused, none at twice this share (excused_faults): a rank faulting 26% of the step more than its peer
-# was late by 19% of it, and by 4% once 15% was excused, under the bar (pipe-4, 1 of 5 windows unnamed).
-FAULTS_HELD = 0.15  # ...and none of it for a rank late all through the window (late_through): ahead of every peer
-# by SMALL_HELD in each piece of it, or, faulting beyond the spread, by this much in all pieces but one (a rank
-# faulting more by malloc's history does not arrive last in every piece of the window). Kept 10 s windows: ranks
-# faulting 5-11% of the step more than their peers, not by a fault, led by 0.06 at most in their weakest piece
-# (-0.55 to 0.06), by 0.18 at most in the next (0.0 in healthy jobs); a rank faulting in fresh memory 6-47% of
-# the step more led by 0.14-1.00 in all pieces but its weakest (178 windows of six shapes), though by only 0.07
-# and 0.12 in its weakest in two pipe-4 windows (16% of the step faulted), where its stage peer inherited spells
-# of lateness from its upstream stage: unnamed, the job 25% slower by its own log.
-CONTENDED_HELD = 0.3  # A rank held behind others for a CPU (waiting for one longer than its peers by
-# STRAGGLER_MIN_EXCESS of the step, and by more than its extra page faults take), no longer in user mode, is late
-# all through the window only leading by this much: on a host short of CPUs the scheduler's turns keep one rank
-# late for a while (healthy cnn-3 under a neighbour's load: 10% of the step longer runnable, 6% faulting, its
-# held lead 0.22: named, its faults not excused; two more healthy ranks so, 0.17), while a rank faulting in fresh
-# memory on such a host led by 0.73-0.77 (11-14% of the step longer runnable, 10-11% faulting). Of 2,533 kept
-# runs of every shape and fault (files 88-137), no other verdict turns on it.
 PAGE_FAULTS = "page faults"  # the function a straggler's extra time is in when that is mostly faulting
-PYTHON_SHARE = 0.3  # a Python function holding at least this share of a straggler's extra time is named
-GPU_SHARE = 0.5  # a host-side CUDA call (a copy, a launch) holding a straggler's extra time is its GPU's when
-# the CUPTI shim saw the rank's GPU busy longer than its peers' by at least this share of that time: a copy to
-# the host (`.cpu()`, `.item()`) waits for the kernels queued before it (H200, a rank with 8x the matrix
-# products: 7.0 ms more GPU time a step, 4.0 ms more in cudaMemcpyAsync, its GPU time otherwise unexplained)
 
 _HOST_TIME = None  # "function" of time outside every probed function
 
@@ -115,11 +31,9 @@ def faulting(t: RankTable) -> np.ndarray:
     """Per row: the kernel time a step its page faults beyond its peers' cost it (0 where none, or unknown),
     which is not the rank's work. Ranks running the same code fault in different amounts of memory: glibc's
     malloc hands freed memory back to the OS or keeps it depending on each process's own history, and the
-    pages it hands back are faulted in again on the next step. Healthy cnn-3 (8 agent runs, 24 ranks, the
-    main threads' /proc): user time 54.5-59.8 ms a step, within 3 ms between the ranks of every run, while
-    time in the kernel ran 4-21 ms on 700-4,750 faults a step (4.2-5.6 us each), a rank 8-11 ms above its
-    peers in 4 runs: on a CPU that much longer and late at the collectives (the false compute stragglers of
-    the eighteenth and nineteenth sessions). Counted as the extra faults at the rank's own cost per fault, at
+    pages it hands back are faulted in again on the next step: healthy ranks alike in user time can differ
+    by a tenth of the step in the kernel, and be that much longer on a CPU and late at the collectives,
+    without being stragglers. Counted as the extra faults at the rank's own cost per fault, at
     most its extra kernel time: a rank whose kernel time grows without faults (a loader's reads) keeps it."""
     kernel = peer_deviation(t.kernel_s, 0.0)[1]
     faults = peer_deviation(t.faults, 0.0)[1]
@@ -144,12 +58,24 @@ def late_through(a: Alignment, paged: np.ndarray, step: float, runq: np.ndarray,
     _runq_excess) and worked no longer in user mode (`user`; NaN: unknown); a rank faulting beyond the ranks'
     usual spread (`paged`: faulting), by FAULTS_HELD in all pieces but one (Alignment.mostly_held_lead). A window
     of one piece, by as much in either half of it (Alignment.halves_lead); False where it is shorter."""
+    lead, mostly = _leads(a)
+    with np.errstate(invalid="ignore"):
+        leads = lead >= _lead_bar(paged, step, runq, user)
+        return leads | ((paged > FAULTS_SPREAD * step) & (mostly >= FAULTS_HELD))
+
+
+def _leads(a: Alignment) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: its held lead and its mostly held lead, either half's in a window of one piece (late_through)."""
+    return (np.where(np.isfinite(a.held_lead), a.held_lead, a.halves_lead),
+            np.where(np.isfinite(a.mostly_held_lead), a.mostly_held_lead, a.halves_lead))
+
+
+def _lead_bar(paged: np.ndarray, step: float, runq: np.ndarray, user: np.ndarray) -> np.ndarray:
+    """Per row: the held lead that makes it late all through the window (late_through): CONTENDED_HELD where
+    it was held behind others for a CPU and worked no longer in user mode, SMALL_HELD otherwise."""
     with np.errstate(invalid="ignore"):
         contended = (runq >= STRAGGLER_MIN_EXCESS * step) & (runq >= paged) & (user < SMALL_USER * step)
-        lead = np.where(np.isfinite(a.held_lead), a.held_lead, a.halves_lead)
-        mostly = np.where(np.isfinite(a.mostly_held_lead), a.mostly_held_lead, a.halves_lead)
-        leads = lead >= np.where(contended, CONTENDED_HELD, SMALL_HELD)
-        return leads | ((paged > FAULTS_SPREAD * step) & (mostly >= FAULTS_HELD))
+    return np.where(contended, CONTENDED_HELD, SMALL_HELD)
 
 
 def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
@@ -180,6 +106,23 @@ class Straggling:
     user: np.ndarray  # in user mode longer than its peers a step (NaN: no kernel view)
     work: np.ndarray
     comm_med: float
+    checks: Checks  # what it compared, per row: the findings' `why` (explain)
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What straggling() compared, per row, beside Straggling's own arrays: what `explain` reads."""
+
+    step: float
+    comm_excess: np.ndarray  # time in collectives beyond the peers' (below 0: it waits less)
+    arrivals: Arrivals | None = None  # None: the collectives not lined up (totals only)
+    share: np.ndarray | None = None  # late share, and its peers' (_late_shares)
+    peers_share: np.ndarray | None = None
+    steps: float = 0.0  # the window's steps
+    works: np.ndarray | None = None  # own extra work that the lateness must be SMALL_RAN of (ran + waited + GPU)
+    lead: np.ndarray | None = None  # held lead (late_through's), and the bar it had to clear
+    lead_bar: np.ndarray | None = None
+    mostly: np.ndarray | None = None
 
 
 def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = None) -> Straggling | None:
@@ -206,21 +149,23 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
     gpu_excess = _gpu_busy_excess(t)
     ran = peer_deviation(t.oncpu_s, 0.0)[1] - faults
     small = held = thin = steady = np.zeros(valid.shape, dtype=bool)
+    comm_excess = peer_deviation(np.where(valid, t.comm_s, np.nan), 0.0)[1]
+    checks = Checks(step, comm_excess)
     with np.errstate(invalid="ignore"):
         # Against the others only, as its work is: of three ranks, a straggler whose peer is late too (a broadcast's
         # root it holds up) is the median and would wait no less than itself.
-        waits_less = peer_deviation(np.where(valid, t.comm_s, np.nan), 0.0)[1] < 0
+        waits_less = comm_excess < 0
         outlier = (z >= Z_MIN) & (excess >= STRAGGLER_MIN_EXCESS * step) & waits_less
         flagged = valid & outlier
         if a is not None:
             steps = peers_median(t.window_s[valid]) / step  # in the window
             arrives = _arrives_last(a, valid, step, steps, faults)
             thin, late_by = arrives.thin, arrives.late_by
-            # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings by
-            # 100 ms between the others (cnn-3: -97 and -10 ms, z 1.4-2.6 for a rank late in 99% of the steps
-            # by 75-100 ms): the instants decide, when the rank also waits in collectives for less than its
-            # peers by half its lateness or more (they wait for it: 106-120 ms less). A rank whose link is
-            # slow arrives late too, after its collectives ended late: it waits in them as long as its peers.
+            # On a host loaded several deep, gloo's buckets overlap backward unevenly and step - COMM swings
+            # between the others, hiding a rank late in nearly every step: the instants decide, when the rank
+            # also waits in collectives for less than its peers by half its lateness or more (they wait for it).
+            # A rank whose link is slow arrives late too, after its collectives ended late: it waits in them as
+            # long as its peers.
             far_less = comm_med - t.comm_s >= 0.5 * late_by
             surely = valid & arrives.always & (excess > 0) & far_less
             flagged = (flagged & arrives.last) | surely
@@ -232,41 +177,102 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             worked = busier & (excess >= STRAGGLER_MIN_EXCESS * step) & (late_by > 0)
             # ...or later than its peers at all, on average and in more of the steps, however little and whatever it
             # waits: where a rank had slack, its extra work fills it first, and on a host the job oversubscribes
-            # its spin takes the CPU its peers wait for (cnn-3, 9 processes on 2 CPUs: the spinner 6-8% of the step
-            # longer in user mode, late in 42-62% of the steps against its peers' 21-34%, by 1-6% of the step. In
-            # half the steps and 1.5 times as often as its peers, before: 3 of file 143's 5 windows unnamed, where
-            # a peer faulting 5,000 pages a step by malloc's history, 9-11 ms in the kernel, was late as often.
-            # Replayed on 2,745 kept runs: that and one window of file 88 moved to right, no other verdict moved).
+            # its spin takes the CPU its peers wait for, so it is late by little and in under half the steps,
+            # while its longer user time tells it from a peer late as often by its page faults.
             leads = busier & arrives.oftener
             # Its own work is also its host's wait for its own GPU: a slower GPU keeps the host no longer on a CPU,
-            # longer in its synchronizations (the simulated job's GPU 15% slower: 7.6% of the step longer in
-            # cuStreamSynchronize, on a CPU no longer, late by 5.8% in 58-60% of the steps: 2 of 5 windows unnamed).
+            # longer in its synchronizations.
             own_gpu = np.fmax(peer_deviation(np.where(valid, t.sync_s, np.nan), 0.0)[1], gpu_excess)
             # Page faults not excused are its own work, and on a host short of CPUs they take longer in wall time
-            # than on a CPU: at its share of the CPU while runnable (mlp-4, 4 ranks on 2 CPUs: faulting 14% of
-            # the step more at a 58% share, late by 31% of it, unnamed). Its faults only, not all its time on a
-            # CPU: scaled so, a healthy cnn-3 rank on a host loaded 5 deep (7% longer at a 36% share, late by 17%
-            # of the step) was named.
+            # than on a CPU: at its share of the CPU while runnable. Its faults only, not all its time on a
+            # CPU: scaled so, a healthy rank of a host loaded several deep would look as if it worked late.
             with np.errstate(divide="ignore", invalid="ignore"):
                 share = np.clip(np.nan_to_num(t.oncpu_s / (t.oncpu_s + t.runq_s), nan=1.0), 0.1, 1.0)
             waited = (paged - faults) * (1.0 / share - 1.0)
             works = ran + waited + np.clip(np.nan_to_num(own_gpu, nan=0.0), 0.0, None) >= SMALL_RAN * late_by
             # ...or a suspect at least where its user time is longer by SMALL_USER: along a pipeline its lateness
-            # grows beyond its own extra work (pipe-4's spinner, 2 s windows: late by 15-23% of the step, 5-8%
-            # longer in user mode: missed in 1 of 2 agent runs). Not on a CPU longer alone: a healthy cnn-3 rank
-            # ran 5-7% longer than its peers in four 2 s windows running (9 processes on 2 CPUs, faulting). Nor
-            # named from one window: a healthy cnn-3 rank on a host loaded 5 deep was late by 17% running 7%
-            # longer, its held lead 0.17.
+            # grows beyond its own extra work. Not on a CPU longer alone: a healthy rank faulting on an
+            # oversubscribed host runs longer for windows running. Nor named from one window: such a rank can be
+            # late by a sixth of the step.
             small = valid & (arrives.some | worked | leads) & (~flagged | thin) & (works | (user >= SMALL_USER * step))
             small &= waits_less | leads
-            # Named at once where its user time is longer in a window long enough to cut, however late it is: 2
-            # ranks on 2 CPUs lent to other guests a quarter of the time, the spinner 6-8% of the step longer in
-            # user mode and late by 20% of it (5 windows of 5 unnamed), healthy ranks within 2%.
+            # Named at once where its user time is longer in a window long enough to cut, however late it is:
+            # healthy ranks stay within a few percent of the step in user time, where its lateness alone may not
+            # tell (vCPUs lent to other guests make every rank late now and then).
             held = small & ((works & through) | busier)
             steady = valid & ~np.isfinite(a.held_lead) & (outlier | (late_by > 0))
             steady &= (user >= SMALL_USER * step) & ~flagged & ~small
+            lead, mostly = _leads(a)
+            checks = Checks(step, comm_excess, arrives, *_late_shares(a, valid), steps,
+                            ran + waited + np.clip(np.nan_to_num(own_gpu, nan=0.0), 0.0, None), lead,
+                            _lead_bar(paged, step, _runq_excess(t), user), mostly)
     return Straggling(np.flatnonzero(flagged), np.flatnonzero(thin), np.flatnonzero(small), np.flatnonzero(held),
-                      np.flatnonzero(steady), z, excess, faults, paged, gpu_excess, ran, user, work, comm_med)
+                      np.flatnonzero(steady), z, excess, faults, paged, gpu_excess, ran, user, work, comm_med, checks)
+
+
+def explain(t: RankTable, found: Straggling, i: int) -> tuple[str, list[Why]]:
+    """Why row `i` is among `found`: the test that named it (a finding's criterion) and the figures that test
+    compared (its `why`), of the branches straggling() takes for the set the row is in, the first whose every
+    figure crosses its threshold."""
+    c, step, rank = found.checks, found.checks.step, int(t.rank[i])
+
+    def why(measure: str, value: float, threshold: float, unit: str, op: str = ">=") -> Why:
+        return Why(measure, float(value), float(threshold), unit, op, rank)
+
+    excess = found.excess[i] / step
+    outlier = [why("own_work_z", found.z[i], Z_MIN, "robust z"),
+               why("own_work_excess", excess, STRAGGLER_MIN_EXCESS, "share of step"),
+               why("collective_wait_vs_peers", c.comm_excess[i], 0.0, "s", "<")]
+    if c.arrivals is None:  # totals only
+        return _first([("works_longer", outlier)])
+    late_s, share = c.arrivals.late_by[i], c.share[i]
+    late_by = late_s / step
+    peers = float(np.nan_to_num(c.peers_share[i], nan=1.0))
+    later = why("late_by", late_by, STRAGGLER_MIN_EXCESS, "share of step")
+    some = why("late_share", share, LATE_SOME, "share of steps")
+    rarely = why("peers_late_share", peers, PEERS_RARELY, "share of steps", "<=")
+    often = why("late_share", share, LATE_RATIO * np.nan_to_num(c.peers_share[i]),
+                f"share of steps, {LATE_RATIO:g}x the peers'")
+    if i in found.rows:
+        return _first([
+            ("arrives_last", [*outlier, later, why("late_share", share, LATE_STEPS, "share of steps")]),
+            ("arrives_last_far_behind", [*outlier, later, some, why("late_by", late_by, FAR_LATE_BY, "share of step"),
+                                         rarely]),
+            ("arrives_last_often", [*outlier, later, some, often,
+                                    why("late_steps", share * c.steps, LATE_RATIO_STEPS, "steps")]),
+            ("always_late", [why("late_share", share, ALWAYS_LATE, "share of steps"), rarely,
+                             why("late_by", late_by, ALWAYS_LATE_BY, "share of step"),
+                             why("own_work_excess", excess, 0.0, "share of step", ">"),
+                             why("collective_wait_shortfall", (found.comm_med - t.comm_s[i]) / late_s, 0.5,
+                                 "share of the lateness")]),
+            ("arrives_last_often", [*outlier, later, some, often]),  # over few steps: waiting for a CPU (thin)
+        ])
+    user = why("user_time_excess", found.user[i] / step, SMALL_USER, "share of step")
+    after = why("late_by", late_by, 0.0, "share of step", ">")
+    leads = [user, why("late_share", share, peers, "share of steps, the peers'", ">"), after]
+    arrived = [[later, why("late_share", share, SMALL_LATE, "share of steps"),  # later, worked, or leads
+                why("late_share", share, SMALL_RATIO * peers, f"share of steps, {SMALL_RATIO:g}x the peers'")],
+               [user, why("own_work_excess", excess, STRAGGLER_MIN_EXCESS, "share of step"), after], leads]
+    worked = why("own_extra_work", c.works[i] / late_s, SMALL_RAN, "share of the lateness")
+    works = [[worked], [user]]
+    waits = [[outlier[2]], leads]
+    through = [[why("held_lead", c.lead[i], c.lead_bar[i], "share of steps ahead of every peer")],
+               [why("faulting_excess", found.paged[i] / step, FAULTS_SPREAD, "share of step", ">"),
+                why("mostly_held_lead", c.mostly[i], FAULTS_HELD, "share of steps ahead of every peer")]]
+    small = list(product(arrived, works, waits))
+    if i in found.held:
+        return _first([("late_all_through", [*x, *y, *z, worked, *h]) for (x, y, z), h in product(small, through)]
+                      + [("longer_in_user_mode", [*x, *y, *z, user]) for x, y, z in small])
+    if i in found.small:
+        return _first([("small_straggler", [*x, *y, *z]) for x, y, z in small])
+    return _first([("steady_straggler", [user, *outlier]), ("steady_straggler", [user, after])])
+
+
+def _first(branches: list[tuple[str, list[Why]]]) -> tuple[str, list[Why]]:
+    """The first branch whose every figure crossed its threshold (the first, where none did: the test of the
+    rule's why says so), each figure once."""
+    name, figures = next((b for b in branches if all(w.crossed() for w in b[1])), branches[0])
+    return name, list(dict.fromkeys(figures))
 
 
 class Arrivals(NamedTuple):
@@ -287,12 +293,10 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, fa
     """Per row: how it arrives at the collectives (Arrivals), over the window's `steps`, its lateness less what
     its extra page faults are excused (`faults`: excused_faults)."""
     late = np.where(valid, a.arrival_late_s, np.nan)
+    share, peers_share = _late_shares(a, valid)
     with np.errstate(invalid="ignore"):
         late_by = np.nan_to_num(peer_deviation(late, 0.0)[1], nan=0.0) - faults
         later = late_by >= STRAGGLER_MIN_EXCESS * step
-        share = np.where(valid, a.late_share, np.nan)
-        peers_share = share - peer_deviation(share, 0.0)[1]
-        share = np.nan_to_num(share, nan=0.0)
         rarely = np.nan_to_num(peers_share, nan=1.0) <= PEERS_RARELY
         surely = (share >= LATE_STEPS) | ((share >= LATE_SOME) & (late_by >= FAR_LATE_BY * step) & rarely)
         ratio = (share >= LATE_SOME) & (share >= LATE_RATIO * np.nan_to_num(peers_share))
@@ -305,6 +309,12 @@ def _arrives_last(a: Alignment, valid: np.ndarray, step: float, steps: float, fa
                         late_by)
 
 
+def _late_shares(a: Alignment, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the share of the steps it arrived late in (0: not compared), and its peers' (NaN: unknown)."""
+    share = np.where(valid, a.late_share, np.nan)
+    return np.nan_to_num(share, nan=0.0), share - peer_deviation(share, 0.0)[1]
+
+
 def _runq_excess(t: RankTable) -> np.ndarray:
     """Per row: how much longer per step its main thread waited for a CPU than its peers' (NaN: unknown),
     against the same peers as its work (the others only, in a small job: of two ranks, the median of both
@@ -315,16 +325,40 @@ def _runq_excess(t: RankTable) -> np.ndarray:
 def _contended(t: RankTable, rows: np.ndarray, found: Straggling) -> np.ndarray:
     """The straggling rows whose extra time is waiting for a CPU, not computing: at least CONTENTION_SHARE of
     it, while the rank ran hardly longer than its peers (under CONTENTION_RAN of it). A hog's victim does
-    the same work as its peers (it ran at most 0.06 of its extra time beyond theirs, in 10 windows: lm-2-long
-    197 ms more runnable, 5 ms more on CPU). A rank that works longer on a busy host waits longer for a CPU
-    too, and on a host loaded 5 deep more than it ran: a GC storm under helpers' test runs, 168 ms more on
-    CPU and 178 ms more runnable a step; a compute straggler, 12.1 and 10.9 ms; those ran at least 0.31 of
-    their extra time."""
+    the same work as its peers, and runs only a few percent of its extra time beyond theirs. A rank that works
+    longer on a busy host waits longer for a CPU too, on a host loaded several deep more than it ran, but runs
+    a third of its extra time or more beyond its peers."""
     runq = _runq_excess(t)[rows]
     ran = found.ran[rows]
     excess = found.excess
     with np.errstate(invalid="ignore"):
         return rows[(runq >= CONTENTION_SHARE * excess[rows]) & ~(ran >= CONTENTION_RAN * excess[rows])]
+
+
+def _contention_why(rank: int, runq: float, ran: float, excess: float, other: float) -> list[Why]:
+    """The figures _contended and cpu_contention weighed a straggler's extra time by (`excess`: Straggling's):
+    its wait for a CPU beyond its peers' (`runq`), its time on one (`ran`; NaN: unknown, which does not clear
+    it), and the share of its wait behind other jobs' processes (`other`, _other_work)."""
+    ran_why = [Why("cpu_run_excess", ran / excess, CONTENTION_RAN, "share of its extra time", "<", rank)]
+    return [Why("cpu_wait_excess", runq / excess, CONTENTION_SHARE, "share of its extra time", ">=", rank),
+            *(ran_why if np.isfinite(ran) else []),
+            Why("waited_for_other_jobs", other, OTHER_WORK, "share of its wait", ">=", rank)]
+
+
+def _waited_for_job(t: RankTable, rows: np.ndarray, found: Straggling) -> np.ndarray:
+    """The straggling rows whose extra time is waiting for a CPU behind their own job's processes: that wait
+    (the run-queue wait beyond the peers', at the share of it the scheduler saw the job's own processes hold the
+    CPU) is at least CONTENTION_SHARE of it, while the rank ran no longer than its peers by the straggler bar,
+    nor in user mode by SMALL_USER. A job with more busy ranks than CPUs holds each rank back in turn, the one
+    with more to do at least as often (a pipeline stage computing three times its upstream's, 4 ranks on 2
+    CPUs); a rank that works longer runs longer. Unknown times (NaN) clear no one; an older agent marks no
+    neighbour as the job's, so its patterns keep their verdicts."""
+    step = t.job_step_s
+    job_share = np.array([1.0 - _other_work(t.patterns[i]) for i in rows])
+    with np.errstate(invalid="ignore"):
+        behind_job = _runq_excess(t)[rows] * job_share >= CONTENTION_SHARE * found.excess[rows]
+        ran_no_longer = (found.ran[rows] < STRAGGLER_MIN_EXCESS * step) & ~(found.user[rows] >= SMALL_USER * step)
+        return rows[behind_job & ran_no_longer]
 
 
 def _other_work(p: RankPattern) -> float:
@@ -352,7 +386,7 @@ def _peers_of(valid: np.ndarray, i: int) -> np.ndarray:
     """The rows row `i` is compared with where its extra time lies: the others in a small job, as its work is
     (peer_deviation; of two ranks, a median over both halves the difference). Of three ranks, with itself among
     them, a straggler whose one peer is slow too is the median: no time beyond its peers' outside probed
-    functions, and a garbage collector's microsecond more named it python_gc (cnn-3, a tenth of the step spun)."""
+    functions, and a garbage collector's microsecond more would name it python_gc."""
     peers = valid.copy()
     if np.count_nonzero(valid) <= LEAVE_ONE_OUT_MAX:
         peers[i] = False
@@ -411,14 +445,18 @@ def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]
     found = straggling(t, a=a)
     if found is None:
         return []
-    small = np.setdiff1d(found.small, _contended(t, found.small, found))
+
+    def waiting(rows: np.ndarray) -> np.ndarray:
+        return np.union1d(_contended(t, rows, found), _waited_for_job(t, rows, found))
+
+    small = np.setdiff1d(found.small, waiting(found.small))
     unheld = _findings(t, a, found, np.setdiff1d(small, found.held))
     for f in unheld:
         f.evidence["confirm_windows"] = SMALL_WINDOWS
-    steady = _findings(t, a, found, np.setdiff1d(found.steady, _contended(t, found.steady, found)))
+    steady = _findings(t, a, found, np.setdiff1d(found.steady, waiting(found.steady)))
     for f in steady:
         f.evidence.update(confirm_windows=STEADY_WINDOWS, confirm_span=STEADY_SPAN)
-    named = np.setdiff1d(found.rows, np.union1d(found.thin, _contended(t, found.rows, found)))
+    named = np.setdiff1d(found.rows, np.union1d(found.thin, waiting(found.rows)))
     return _findings(t, a, found, np.union1d(named, np.intersect1d(small, found.held))) + unheld + steady
 
 
@@ -432,7 +470,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
 
     # Where the excess lies: the function (or host time outside probes) furthest above its peers' median, a
     # function where it holds PYTHON_SHARE of the excess at least: where a straggler's host time is no longer
-    # than its peers', a garbage collector 0.02 us longer named a spinner python_gc (cnn-3, 5.5 ms spun a step).
+    # than its peers', a garbage collector microseconds longer would name a spinner python_gc.
     cols = [j for j, r in enumerate(t.fn_roles) if r != Role.COMM]
     comm_cols = [j for j, r in enumerate(t.fn_roles) if r == Role.COMM]
     waited_in = None  # the collective the peers spend most time in: where they wait for the straggler
@@ -446,6 +484,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     medians = _peer_medians(own, valid, flagged)
     peers_kernel = (t.kernel_s - peer_deviation(t.kernel_s, 0.0)[1], t.faults - peer_deviation(t.faults, 0.0)[1])
     groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
+    explained = {int(t.rank[i]): explain(t, found, i) for i in flagged}
     for i, med in zip(flagged, medians):
         host_excess, fn_excess = own[i, 0] - med[0], own[i, 1:] - med[1:]
         if paging[i] > 0 and paging[i] >= 0.5 * excess[i]:  # mostly faulting in memory (if at all), in the kernel
@@ -461,9 +500,8 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         timed = _python_excess(t.timed_names, t.timed_s, i, valid, excess[i])
         kind = "python_gc" if component == "python" else "compute_straggler"
         # The one holding more of the extra time; of two alike, the exactly timed one (a sampled estimate is
-        # noisier). Not the timed one whatever it holds: of 4 ranks on 2 CPUs, the loader's timed __next__ of a
-        # rank spinning before its optimizer step grew 0.4 ms a step, waiting for a CPU, where the sampled spin
-        # held 1.8 ms, and the rank was named an input straggler.
+        # noisier). Not the timed one whatever it holds: on a host short of CPUs a spinning rank's timed loader
+        # call grows a little too, waiting for a CPU, and would name an input straggler.
         named = max(filter(None, (timed, python)), key=lambda x: x[1], default=(None, 0.0))[0]
         if named is not None and component == "cpu":  # time outside CUDA/NCCL: the Python function is the where
             function = named
@@ -471,10 +509,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
                 kind, component = "input_straggler", "input"
         # Its extra time, as its cost takes it (below): the longest of its work, on a CPU and in user mode beyond
         # its peers'. Not its work alone: where its spin takes the CPU its peers wait for, they work as long as it
-        # does (cnn-3, 9 processes on 2 CPUs: work -0.8 ms, 6.8 ms longer in user mode), and "-0.8 ms longer per
-        # step" beside "costs 8% of step time" reads as nonsense. Replayed on 2,745 kept runs, the median of this
-        # time against the delay injected moved nearer it in 16 of the 19 cases it moved in by 2 points or more
-        # (cnn-3's compute-small -21% to +2%, mlp-3-io's -25% to -8%), as near in one, further by 4 points at most.
+        # does, and "-0.8 ms longer per step" beside "costs 8% of step time" would read as nonsense.
         extra = float(np.nanmax([excess[i], found.ran[i], found.user[i]]))
         groups.setdefault((kind, component, function), []).append({
             "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": extra + float(found.excused[i]),
@@ -494,22 +529,14 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         ranks = [r["rank"] for r in per_rank]
         # What-if: without the straggler(s) the step shrinks by the extra work a step of the slowest of them.
         # Not by the others' wait for it read from the arrivals: in a short step the host's noise adds to that
-        # wait (mlp-2, 6 ms steps: 1.2 ms waited for 0.6 ms spun), and where the job oversubscribes its host
-        # the others' own lateness, partly the straggler's doing (it holds a CPU they need), hides it (pipe-4's
-        # straggler -35%). Over 360 kept windows of injected delays the extra work read within 30% of the
-        # delay in 340, the wait in 286; against the job's own step before the onset both in 3 of 4. Its work,
-        # its time on a CPU or in user mode beyond its peers', the longest: where ranks share CPUs each of them
-        # reads short in its own way. Its peers wait for it while it runs on a CPU of its own, so its work reads
-        # short of what it ran (mlp-3-io, a tenth of the step spun: work 5.8-6.7% of the step, on a CPU 7-8%);
-        # its peers fault in more memory in the kernel, so its time on a CPU does (cnn-3's spinner: on a CPU
-        # 1.5-2.9% longer, in user mode 6.2-7.2%). Replayed on the kept corpus (files 88-94), the cost against
-        # the injected delay went from -31% to -9% in mlp-3-io (-27% to -10% in the agent), -55% to -26% in
-        # cnn-3, -24% to -11% for pipe-4's large spin, and no case moved further from it by over 3 points.
+        # wait, and where the job oversubscribes its host the others' own lateness, partly the straggler's doing
+        # (it holds a CPU they need), hides it. Its work, its time on a CPU or in user mode beyond its peers',
+        # the longest: where ranks share CPUs each of them reads short in its own way (its peers wait for it
+        # while it runs, so its work reads short; they fault in more memory, so its time on a CPU does).
         # Its page faults within the ranks' usual spread (excused) count only where they are what it is named
-        # for: beside a spin they are the spread, not the fault. cnn-3's spinner faults 3-9% of the step more than
-        # its peers in most windows; replayed on files 88-103, its cost against the spin went from +41% to -3%,
-        # and no other case moved by over 11 points (pipe-4's agent: -2% to -13%).
+        # for: beside a spin they are the spread, not the fault.
         cost = float(np.clip(max(r["cost_s"] for r in per_rank) / step, 0.0, 1.0))
+        lead = max(per_rank, key=lambda r: r["z"])["rank"]  # the rank the score is of
         caller = per_rank[0]["python_function"]
         where = {"gpu": f"GPU work, waits in {function}" + (f" called from {caller}" if caller else ""),
                  "cpu": f"host work in {function}" if function else "host work outside CUDA and NCCL calls",
@@ -523,6 +550,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         out.append(Finding(
             kind=kind, ranks=ranks, function=function, component=component,
             score=max(r["z"] for r in per_rank), cost=cost,
+            criterion=explained[lead][0], why=[w for r in ranks for w in explained[r][1]],
             summary=(f"{rank_list(ranks)} {verb} {range_ms([r['excess_s'] for r in per_rank])} longer per step "
                      f"than {'its' if len(ranks) == 1 else 'their'} peers ({where}); the other ranks wait for "
                      f"{who} {waits}; costs {cost:.0%} of step time"),
@@ -549,10 +577,13 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
     step = t.job_step_s
     runq_excess = _runq_excess(t)
     out = []
-    own: set[int] = set()
+    # Late behind its own job's processes, without the wait doing no more than its peers: no finding either.
+    own = {int(t.rank[i]) for i in _waited_for_job(t, np.union1d(found.rows, np.union1d(found.small, found.steady)),
+                                                   found)}
     for i in _contended(t, found.rows, found):
         p = t.patterns[i]
-        if _other_work(p) < OTHER_WORK:
+        other = _other_work(p)
+        if other < OTHER_WORK:
             own.add(int(t.rank[i]))
             continue
         main = p.sched["main"]
@@ -560,14 +591,15 @@ def cpu_contention(t: RankTable, a: Alignment | None = None) -> tuple[list[Findi
                       for n in p.neighbours]
         # The victim's threads also wait for a CPU inside the collectives (gloo's work runs on its own threads
         # there), which stretches them for every rank and is not the rank's extra work: the main thread's wait
-        # for a CPU is what the job loses when that is the larger (mlp-2 under a hog: 3.2 ms more runnable a
-        # 7.4 ms step than its peer, 3.6 ms lost against the job without the hog).
+        # for a CPU is what the job loses when that is the larger.
         lost = max(float(excess[i]), float(np.nan_to_num(runq_excess[i])))
         cost = float(np.clip(lost / step, 0.0, 1.0))
         who = ", ".join([f"{n['name']} (pid {n['pid']})" for n in neighbours if not n["job"]][:2]) or "other tasks"
         out.append(Finding(
             kind="cpu_contention", ranks=[int(t.rank[i])], function=None, component="cpu",
-            score=float(z[i]), cost=cost,
+            score=float(z[i]), cost=cost, criterion="cpu_contended",
+            why=[*explain(t, found, i)[1],
+                 *_contention_why(int(t.rank[i]), runq_excess[i], found.ran[i], excess[i], other)],
             summary=(f"rank {t.rank[i]}'s main thread waits {ms(float(runq_excess[i]))} more per step than its "
                      f"peers' for a CPU it is ready to use, mostly while {who} ran; "
                      f"costs {cost:.0%} of step time"),

@@ -86,9 +86,8 @@ _P2P = (("gloo_send", "SendWork"), ("gloo_recv", "RecvWork"))
 
 # DDP's reducer, c10d::Reducer::finalize_backward() (Reducer_finalize_backward): run once a synchronized step by
 # the thread that ran backward, it waits for every gradient bucket's all-reduce to complete. Its time is the
-# communication that backward did not hide, the part of the step a slower link lengthens (Role.EXPOSED): cnn-3
-# with one rank's links at a quarter of their pace waited 36 -> 87 ms a step as its step grew 67 ms. Timed: one
-# call a step. With NCCL its wait only queues the GPU streams behind the all-reduce: host time near zero.
+# communication that backward did not hide, the part of the step a slower link lengthens (Role.EXPOSED). Timed:
+# one call a step. With NCCL its wait only queues the GPU streams behind the all-reduce: host time near zero.
 _REDUCER = _probe(("c10d", "Reducer", "finalize_backward"), "v", Role.EXPOSED, TIMED("0"))
 
 GLOO = ProbeKind(

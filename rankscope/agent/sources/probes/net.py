@@ -1,7 +1,11 @@
-"""TCP connections of watched processes (bpf/net.bpf.c): per connection, the bytes it moved each way and how
-long it had data to send, from the kernel's own tcp_info accounting. gloo (and NCCL's socket transport)
+"""TCP connections of watched processes (bpf/net.bpf.c): per connection, the bytes it moved each way, how long
+it had data to send and how much of that the receiver's window or the sender's buffer held it, its
+retransmits and round trips, from the kernel's own tcp_info accounting. gloo (and NCCL's socket transport)
 move tensors over such connections, so the link matrix (analyzer/rules/links.py) judges links without NCCL's
-profiler plugin. Costs one map update per send or receive call of a watched process (~0.5 us)."""
+profiler plugin, and only where the network held them. Read in the kernel at the send and receive calls the
+probe already sees, not through sock_diag: no netlink dump per window, no entering each rank's network
+namespace, and the socket's counters exactly when the process uses it. Costs one map update per send or
+receive call of a watched process (~0.5 us)."""
 from __future__ import annotations
 
 import gzip
@@ -31,6 +35,7 @@ _FIELDS = {  # define -> (struct, field)
     "TP_CHRONO_START": ("tcp_sock", "chrono_start"),
     "TP_CHRONO_STAT": ("tcp_sock", "chrono_stat"),
     "TP_SRTT_US": ("tcp_sock", "srtt_us"),
+    "TP_TOTAL_RETRANS": ("tcp_sock", "total_retrans"),
 }
 
 
@@ -41,6 +46,8 @@ def kernel_defines() -> dict[str, int]:
             raise KindUnavailable("this kernel has no sock:sock_send_length tracepoint (Linux >= 6.4)")
         defines = {name: kernel_offset(*where) for name, where in _FIELDS.items()}
         defines["TP_CHRONO_TYPE_BIT"] = kernel_bit_offset("tcp_sock", "chrono_type")
+        # rtt_min is a windowed min filter; its first sample's value is the current minimum
+        defines["TP_MIN_RTT_US"] = kernel_offset("tcp_sock", "rtt_min.s") + kernel_offset("minmax_sample", "v")
     except (BTFError, TracefsError) as e:
         raise KindUnavailable(str(e)) from e
     return defines
@@ -62,8 +69,9 @@ class SocketCounters:
     remote: str
     sends: int  # send calls since first seen
     srtt_s: float
-    now: tuple[int, ...]  # acked bytes, received bytes, busy, rwnd-limited, sndbuf-limited jiffies
+    now: tuple[int, ...]  # acked bytes, received bytes, busy, rwnd-limited, sndbuf-limited jiffies, retransmits
     base: tuple[int, ...]
+    min_rtt_s: float | None = None
 
 
 def _endpoint(raw: bytes, port: int) -> str:
@@ -81,7 +89,7 @@ def sockets(bpf) -> dict[int, dict[int, SocketCounters]]:
     for key, v in entries(table):
         out.setdefault(key.pid, {})[key.sk] = SocketCounters(
             _endpoint(v.local, v.local_port), _endpoint(v.remote, v.remote_port), v.sends,
-            v.srtt_us / 8e6, tuple(v.now), tuple(v.base))
+            v.srtt_us / 8e6, tuple(v.now), tuple(v.base), v.min_rtt_us / 1e6)
     return out
 
 
@@ -127,13 +135,14 @@ class TcpReader:
         # A socket first seen counts from the kernel's `base` (the socket's counters then); sends from zero.
         added = self._last.read(((sk, (*c.now, c.sends)) for sk, c in now.items()),
                                first={sk: (*c.base, 0) for sk, c in now.items()})
-        for c, (sent, received, *jiffies, sends) in zip(now.values(), added):
-            # The chrono timers are 32-bit and wrap: modulo 2^32, a wrapped timer's difference is still its
-            # increase. Only these fields wrap, so the modulo stays here rather than in Deltas.
-            busy, rwnd_limited, sndbuf_limited = (x % _WRAP for x in jiffies)
+        for c, (sent, received, *wrapping, sends) in zip(now.values(), added):
+            # The chrono timers and the retransmit count are 32-bit and wrap: modulo 2^32, a wrapped counter's
+            # difference is still its increase. Only these fields wrap, so the modulo stays here, not in Deltas.
+            busy, rwnd_limited, sndbuf_limited, retrans = (x % _WRAP for x in wrapping)
             if max(sent, received) >= MIN_FLOW_BYTES:
                 out.append(TcpFlow(local=c.local, remote=c.remote, sends=sends, sent=sent, received=received,
                                    wire_s=(busy + sndbuf_limited) / self.hz, peer_wait_s=rwnd_limited / self.hz,
-                                   srtt_s=c.srtt_s))
+                                   srtt_s=c.srtt_s, sndbuf_s=sndbuf_limited / self.hz, retrans=retrans,
+                                   min_rtt_s=c.min_rtt_s))
         out.sort(key=lambda f: -(f.sent + f.received))
         return out[:MAX_FLOWS]
