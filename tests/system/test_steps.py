@@ -16,7 +16,8 @@ from conftest import RANKSCOPE
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
 import launch  # noqa: E402
 
-STEP_TOLERANCE = 0.10  # the accuracy tests' margin on a loaded host (the fresh runs hold 5%)
+STEP_TOLERANCE = 0.10  # the accuracy tests' margin: a neighbour's load moves a job's pace within a window
+CHECKPOINT_TOLERANCE = 0.05  # its steps are a steady 2-rank MLP's; only its saves vary
 PAUSED = 2.5  # a logged step this many times the median holds a pause
 
 
@@ -49,17 +50,18 @@ def logged_steps(job: launch.TorchrunJob, doc: dict) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
-def assert_step(job: launch.TorchrunJob, doc: dict) -> None:
+def assert_step(job: launch.TorchrunJob, doc: dict, tolerance: float = STEP_TOLERANCE) -> None:
     own = job.median_step(doc["window"]["start"], doc["window"]["end"])
-    assert doc["step_time_s"] == pytest.approx(own, rel=STEP_TOLERANCE), (doc["step_time_s"], own)
+    assert doc["step_time_s"] == pytest.approx(own, rel=tolerance), (doc["step_time_s"], own)
 
 
 def test_a_checkpoints_save_is_outside_steps_not_a_slower_step(job, tmp_path):
     """Rank 0 saves model, optimizer and replay buffer every 25 steps (about a second, fsynced); the others
-    wait at a barrier meanwhile. The window over its steps read half again the step."""
+    wait at a barrier meanwhile. Spread over the steps, the saves would read as a step half again as long."""
     j = job("mlp_checkpoint.py", 2, "--ckpt-dir", str(tmp_path))
     doc = diagnose(j, 8.0)
-    assert_step(j, doc)
+    assert_step(j, doc, CHECKPOINT_TOLERANCE)
+    assert doc["outside_steps"]["seconds"] > 0
     steps = logged_steps(j, doc)
     median = statistics.median(steps)
     pauses = [d - median for d in steps if d > PAUSED * median]
@@ -83,7 +85,7 @@ def test_a_trainer_diagnosed_from_its_start_up_is_timed_by_its_steps(job):
 
 def test_an_fsdp2_jobs_step_is_its_whole_step(job):
     """fully_shard per block and on the whole model, 3 ranks: 9 all-gathers and 5 reduce-scatters (gloo
-    all-reduces them) a step, which a period of 13 collectives took for 8/9 of the step."""
+    all-reduces them) a step: a period one all-gather short would read 8/9 of the step."""
     j = job("fsdp2_lm.py", 3)
     launch.settle(j, 2.0)
     doc = diagnose(j, 6.0)
