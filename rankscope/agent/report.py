@@ -15,6 +15,9 @@ def render(doc: dict[str, Any]) -> str:
     span = (window.get("end") or 0) - (window.get("start") or 0)
     ranks = doc.get("ranks", [])
     lines = [f"rankscope: job {doc.get('job')}, {len(ranks)} ranks observed for {span:.1f} s", ""]
+    if (outside := doc.get("outside_steps")) and outside["seconds"] > 0:  # not in the step times below
+        lines[-1:-1] = [f"outside steps: {outside['seconds']:.2f} s of the window ({outside['share']:.0%}; the longest "
+                        f"{outside['longest_s']:.2f} s): start-up, pauses (checkpoints, evaluation) or the end"]
     lines.append(f"{'rank':>4} {'pid':>8} {'step ms':>8} {'gpu wait':>9} {'comm':>8} {'host':>8}  state")
     for r in ranks:
         lines.append(

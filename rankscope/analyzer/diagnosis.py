@@ -218,6 +218,7 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         "window": plain({"start": min(map(attrgetter("window_start"), patterns)),
                          "end": max(map(attrgetter("window_end"), patterns))}),
         "step_time_s": plain(profile.step_s if profile else None),
+        "outside_steps": None if hung or not analyzed else _outside(table),
         "baseline": plain({"step_time_s": reference.profile.step_s, "windows": reference.windows,
                            "end": reference.profile.end, "noise_s": reference.noise_s,
                            "slower": bool(compared and compared.slower)})
@@ -226,6 +227,16 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
         "findings": [f for f in listed if f not in once],
         **({"unconfirmed": suspects} if suspects else {}),
     }
+
+
+def _outside(table: RankTable) -> dict[str, float] | None:
+    """The window's time outside the job's steps (start-up, pauses such as a checkpoint's save, the tail):
+    medians over ranks, apart from the step time, which holds none of it."""
+    outside = table.job_outside
+    if outside is None:
+        return None
+    seconds, share, longest = outside
+    return {"seconds": round(seconds, 6), "share": round(share, 4), "longest_s": round(longest, 6)}
 
 
 def _attaching(p: RankPattern) -> bool:

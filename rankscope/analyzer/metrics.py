@@ -1,7 +1,7 @@
 """Per-rank, per-step metrics as numpy arrays over ranks: the table the rules compare peers on.
 
 Window totals differ with window length and step count, so everything is normalized to one step of the
-rank (total x step / window) before ranks are compared.
+rank (total x step / the window's time in steps) before ranks are compared.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from rankscope.analyzer.functions import FunctionTable
 from rankscope.analyzer.records import Collectives
-from rankscope.analyzer.steps import step_times, window_seconds
+from rankscope.analyzer.steps import step_split, window_seconds
 from rankscope.schema.patterns import PyFunction, PyTimed, RankPattern, Role, ThreadTimes
 
 # Python functions of the input pipeline (data loaders, datasets, batch loading), by name.
@@ -33,7 +33,9 @@ class RankTable:
     patterns: list[RankPattern]
     rank: np.ndarray  # global training rank per row
     step_s: np.ndarray  # NaN where the rank's step time is unknown
-    window_s: np.ndarray  # the rank's window, seconds (window totals are normalized by it)
+    window_s: np.ndarray  # the rank's window, seconds
+    outside_s: np.ndarray  # ...of which outside steps (start-up, pauses, the tail); NaN: unknown
+    longest_outside_s: np.ndarray  # the longest stretch of it
     comm_s: np.ndarray  # waiting for peers + transfer
     sync_s: np.ndarray  # waiting for its own GPU work
     host_s: np.ndarray  # outside every probed function: Python, data loading, CPU work
@@ -69,6 +71,16 @@ class RankTable:
                           self.host_s)
 
     @cached_property
+    def job_outside(self) -> tuple[float, float, float] | None:
+        """The job's time outside steps: (seconds, share of the window, longest stretch), medians over the ranks
+        whose steps were seen; None where none were."""
+        known = np.isfinite(self.outside_s)
+        if not known.any():
+            return None
+        return (float(np.median(self.outside_s[known])), float(np.median(self.outside_s[known] / self.window_s[known])),
+                float(np.median(self.longest_outside_s[known])))
+
+    @cached_property
     def job_step_s(self) -> float:
         """The job's step time: the median over ranks (ranks of a synchronous job share it). Once: the rules
         ask ~20 times (100,000 ranks: ~1.5 ms each)."""
@@ -86,12 +98,16 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     records = Collectives.of(patterns) if records is None else records
     # The training thread's wait for its collectives (Role.EXPOSED) is their time on other threads seen again:
     # left out, the roles' times partition the step (rules/links.py reads it from the patterns).
-    functions = FunctionTable.of(patterns).without(Role.EXPOSED)
+    probed = FunctionTable.of(patterns)  # the steps read DDP's count of its steps (Role.EXPOSED) from it
+    functions = probed.without(Role.EXPOSED)
     window_s = window_seconds(patterns)
-    step = step_times(patterns, records, window_s, functions)
+    split = step_split(patterns, records, window_s, probed)
+    step = split.step_s
     if job_step_s is not None and np.isfinite(job_step_s):
         step[records.counts > 0] = job_step_s
-    per_step = step / window_s  # window totals -> seconds per step
+    # Window totals -> seconds per step: over the window's time in steps. A pause's own work (a checkpoint's
+    # save) is then spread over the steps, but the probed functions' time in steps is not diluted by it.
+    per_step = step / np.maximum(window_s - np.nan_to_num(split.outside_s), 1e-9)
 
     fn_per_step = functions.total_s * per_step[:, None]
     roles = functions.roles
@@ -116,6 +132,8 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
         rank=np.fromiter(map(attrgetter("rank"), patterns), np.int64, n),
         step_s=step,
         window_s=window_s,
+        outside_s=split.outside_s,
+        longest_outside_s=split.longest_s,
         comm_s=comm,
         sync_s=in_role(Role.SYNC),
         host_s=host,

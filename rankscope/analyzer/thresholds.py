@@ -85,6 +85,18 @@ MISSED_BURSTS = _t("steps", "MISSED_BURSTS", 8, "bursts",
                    "one place in this many of the burst lattice may lack its long gap (a step that ran short)")
 WINDOW_STEPS = _t("steps", "WINDOW_STEPS", 20, "steps",
                   "steps in the window for its call counts to give the step: the cut edges cost at most 1/20")
+NOT_EVERY_STEP = _t("steps", "NOT_EVERY_STEP", 0.05, "share of calls",
+                    "share of the sequence that may be collectives called in fewer than half the steps")
+EXTRA_CALLS = _t("steps", "EXTRA_CALLS", 0.1, "calls a step",
+                 "calls a key of the period may hold beyond its share, a step: calls outside the steps (logging)")
+PAUSE_STEPS = _t("steps", "PAUSE_STEPS", 2.5, "x upper quartile",
+                 "a span this far above the upper quartile of the spans holds a pause; alternating steps differ 3x")
+UPPER_QUARTILE = _t("steps", "UPPER_QUARTILE", 0.75, "quantile",
+                    "the quantile of the spans PAUSE_STEPS scales: the long ones of steps that alternate in length")
+PAUSE_MIN_S = _t("steps", "PAUSE_MIN_S", 0.1, "s",
+                 "...and a pause is this much longer: a step the scheduler held back a few slices is a slow step")
+LEAD_DRIFT = _t("steps", "LEAD_DRIFT", 0.25, "share of step",
+                "steps before the first shipped collective may run this much slower; only time beyond is outside")
 
 # Stragglers: a rank the others wait for, and where its extra time goes.
 MIN_RANKS = _t("stragglers", "MIN_RANKS", 3, "ranks",

@@ -121,6 +121,16 @@ class StepTruth:
                 spans.append((ends[-1] - ends[0]) / (len(ends) - 1))
         return statistics.fmean(spans) if spans else None
 
+    def median_step(self, start: float, end: float) -> float | None:
+        """The job's own typical step over [start, end] (unix s): the median duration of the steps that began
+        and ended within it, over every rank. A pause between two steps (a checkpoint's save) lengthens one
+        step of many, which the median leaves out and the mean (step_time) spreads over them all."""
+        spans = []
+        for r in range(self.ranks):
+            ends = [t for t in self.step_ends(r) if start <= t <= end]
+            spans += [b - a for a, b in zip(ends, ends[1:])]
+        return statistics.median(spans) if spans else None
+
     def wait_written(self, after: float, timeout: float = 30) -> None:
         """Until every running rank's log was rewritten after `after` (unix s)."""
         def fresh() -> bool:
@@ -181,7 +191,8 @@ def start(script: str, ranks: int, args: list[str], workdir: Path, fault: str = 
           steady_steps: int = 20, timeout: float = 90, env: dict[str, str] | None = None,
           slow_link: SlowLink | None = None) -> TorchrunJob:
     """Start `script` (a path, or a name in tests/jobs/) with `ranks` ranks under torchrun and wait until every
-    rank has logged `steady_steps` steps. `fault`: $RANKSCOPE_FAULT for the ranks."""
+    rank has logged `steady_steps` steps (0: until every rank has started and loaded torch, before its first
+    step). `fault`: $RANKSCOPE_FAULT for the ranks."""
     path = Path(script) if os.sep in script else JOBS / script
     run_id = f"{path.stem}-{secrets.token_hex(3)}"
     truth = workdir / run_id
@@ -203,6 +214,12 @@ def start(script: str, ranks: int, args: list[str], workdir: Path, fault: str = 
             raise RuntimeError(f"torchrun exited {gone.returncode}: {log.read_text(errors='replace')[-2000:]}")
         return job.steps_done() >= steady_steps
 
+    def started() -> bool:
+        if (gone := job.exited()) is not None:
+            raise RuntimeError(f"torchrun exited {gone.returncode}: {log.read_text(errors='replace')[-2000:]}")
+        job.pids = _torch_ranks(job.launchers)
+        return len(job.pids) == ranks
+
     try:
         if slow_link is None:
             launch([*torchrun, "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1"])
@@ -219,12 +236,33 @@ def start(script: str, ranks: int, args: list[str], workdir: Path, fault: str = 
                 launch([*(["nsenter", f"--net=/var/run/netns/{ns.name}"] if inside else []), *torchrun,
                         "--nnodes", str(ranks), "--node-rank", str(rank), "--nproc-per-node", "1",
                         "--master-addr", ns.host_addr], GLOO_SOCKET_IFNAME=ns.ns_if if inside else ns.host_if, **omp)
+        if not steady_steps:
+            wait_until(started, timeout, f"every rank of {path.name} to load torch", interval=0.1)
+            return job
         wait_until(steady, timeout, f"every rank of {path.name} to log {steady_steps} steps", interval=0.2)
         job.pids = {r: job.step_log(r)["pid"] for r in range(ranks)}
     except BaseException:
         job.kill()
         raise
     return job
+
+
+def _torch_ranks(launchers: list[subprocess.Popen]) -> dict[int, int]:
+    """rank -> pid of the launchers' children that have loaded torch (libtorch_cpu.so mapped), by their RANK."""
+    parents = {launcher.pid for launcher in launchers}
+    out = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text(errors="replace")
+            if int(stat[stat.rindex(")") + 2:].split()[1]) not in parents:
+                continue
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{entry}/environ").read_text(errors="replace")
+                       .split("\0") if "=" in kv)
+            if "RANK" in env and "libtorch_cpu.so" in Path(f"/proc/{entry}/maps").read_text():
+                out[int(env["RANK"])] = int(entry)
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    return out
 
 
 @dataclass

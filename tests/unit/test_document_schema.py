@@ -124,6 +124,19 @@ def test_a_broken_document_fails(break_it, where):
         check_document(doc)
 
 
+@pytest.mark.parametrize("outside, where", [
+    ({"seconds": 1.5, "share": 0.3}, "'longest_s' is a required property"),
+    ({"seconds": "1.5", "share": 0.3, "longest_s": 1.5}, "'1.5' is not of type 'number'"),
+    ({"seconds": -1.0, "share": 0.3, "longest_s": 1.5}, "less than the minimum"),
+])
+def test_time_outside_steps_is_an_object_of_three_numbers_or_null(outside, where):
+    doc = straggler_document()
+    check_document({**doc, "outside_steps": None})
+    check_document({**doc, "outside_steps": {"seconds": 1.5, "share": 0.3, "longest_s": 1.5}})
+    with pytest.raises(AssertionError, match=where):
+        check_document({**doc, "outside_steps": outside})
+
+
 def test_a_document_extended_with_fields_it_does_not_know_stays_valid():
     doc = straggler_document()
     doc["findings"][0]["a_later_field"] = {"any": "shape"}
