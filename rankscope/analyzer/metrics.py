@@ -18,8 +18,25 @@ from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.steps import step_split, window_seconds
 from rankscope.schema.patterns import PyFunction, PyTimed, RankPattern, Role, ThreadTimes
 
-# Python functions of the input pipeline (data loaders, datasets, batch loading), by name.
-DATA_LOADING = re.compile(r"load|batch|__next__|__getitem__|_next_data|fetch|collate|dataset|dataloader", re.I)
+# Python functions of the input pipeline (data loaders, datasets, batch loading), by the words of their name
+# (snake_case and CamelCase split: "OpOverloadPacket" loads nothing), unless a word says it communicates
+# (torch.distributed.pipelining's "_wait_batch_p2p" waits for the other stage, not for data).
+_WORDS = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+_INPUT_WORDS = frozenset({"load", "loads", "loader", "loading", "batch", "batches", "next", "getitem", "fetch",
+                          "fetcher", "collate", "dataset", "datasets", "dataloader"})
+_COMM_WORDS = frozenset({"p2p", "send", "recv", "isend", "irecv", "allreduce", "broadcast", "barrier"})
+
+
+class _InputNames:
+    """`search(name)`: whether a function name is the input pipeline's (the regex interface the rules use)."""
+
+    @staticmethod
+    def search(name: str) -> bool:
+        words = {w.lower() for w in _WORDS.findall(name)}
+        return bool(words & _INPUT_WORDS) and not words & _COMM_WORDS
+
+
+DATA_LOADING = _InputNames()
 # Collectives that run on the host (gloo's, as agent/sources/probes/gloo.py names them): while a rank waits in
 # one, its GPU holds none of the collective's work. NCCL's run on the GPU.
 HOST_COLLECTIVES = re.compile(r"^(gloo_|ProcessGroupGloo_)")
