@@ -1,6 +1,7 @@
 """Compiled BPF programs kept on the node (loader/bpf_cache.py): a program loaded from the cache counts what the
-compiled one counts, through every map kind rankscope uses, and an entry that is damaged, refused by the
-kernel or writable by others is never loaded: the program is compiled instead."""
+compiled one counts, through every map kind rankscope uses, and an entry that is damaged, changed, unsealed,
+sealed for another key or with another secret, refused by the kernel or writable by others is never loaded:
+the program is compiled instead."""
 from __future__ import annotations
 
 import base64
@@ -65,8 +66,35 @@ def cache(tmp_path, monkeypatch) -> Path:
     return root
 
 
-def _entry(root: Path) -> Path:
-    return root / f"{bpf_cache.key(PROGRAM, [])}.json"
+def _entry(root: Path, text: str = PROGRAM) -> Path:
+    return root / f"{bpf_cache.key(text, [])}.json"
+
+
+def _body(path: Path) -> dict:
+    """An entry's JSON, its seal line set aside."""
+    return json.loads(path.read_bytes().partition(b"\n")[2])
+
+
+def _reseal(root: Path, doc: dict) -> None:
+    """Writes `doc` as PROGRAM's entry, sealed with the cache's own secret: what the kernel then makes of it
+    is what is tested."""
+    _entry(root).write_bytes(bpf_cache.seal(bpf_cache.secret(root), bpf_cache.key(PROGRAM, []),
+                                            json.dumps(doc).encode()))
+
+
+def _assert_compiled_afresh(root: Path, text: str = PROGRAM) -> None:
+    """The next compile of `text` does not load its entry, and leaves a sound entry in its place."""
+    bpf = compile_bpf(text, [])
+    try:
+        assert not isinstance(bpf, bpf_cache.CachedBPF)
+        assert bpf.load_func("on_getpid", BPF.KPROBE).fd >= 0
+    finally:
+        bpf.cleanup()
+    hit = compile_bpf(text, [])
+    try:
+        assert isinstance(hit, bpf_cache.CachedBPF)
+    finally:
+        hit.cleanup()
 
 
 def _count_calls(bpf, command_process) -> tuple[int, int, int, bool, list[int]]:
@@ -119,35 +147,70 @@ def test_the_key_names_the_program_and_its_flags():
 def test_a_damaged_entry_is_compiled_again_and_replaced(cache):
     compile_bpf(PROGRAM, []).cleanup()
     _entry(cache).write_text('{"format": 1, "maps": [')
-    bpf = compile_bpf(PROGRAM, [])
-    try:
-        assert not isinstance(bpf, bpf_cache.CachedBPF)
-        assert bpf_cache.Entry.from_json(_entry(cache).read_text()).functions
-    finally:
-        bpf.cleanup()
+    _assert_compiled_afresh(cache)
+
+
+def _changed_instruction(path: Path) -> bytes:
+    """The entry's bytes with one instruction of its program changed (r0 = 1 before its exit: a program the
+    verifier would still accept), its seal line, if any, kept as it was."""
+    data = path.read_bytes()
+    head, newline, body = data.partition(b"\n") if data.startswith(b"hmac-sha256:") else (b"", b"", data)
+    doc = json.loads(body)
+    insns = bytearray(base64.b64decode(doc["functions"][0]["insns"]))
+    insns[-16:] = b"\xb7" + bytes(3) + (1).to_bytes(4, "little") + b"\x95" + bytes(7)  # mov r0, 1; exit
+    doc["functions"][0]["insns"] = base64.b64encode(bytes(insns)).decode()
+    return head + newline + json.dumps(doc).encode()
+
+
+def test_a_changed_entry_is_compiled_afresh(cache):
+    compile_bpf(PROGRAM, []).cleanup()
+    _entry(cache).write_bytes(_changed_instruction(_entry(cache)))
+    _assert_compiled_afresh(cache)
+
+
+def test_an_unsealed_entry_is_compiled_afresh(cache):
+    compile_bpf(PROGRAM, []).cleanup()
+    _entry(cache).write_text(json.dumps(_body(_entry(cache))))
+    _assert_compiled_afresh(cache)
+
+
+def test_an_entry_sealed_for_another_key_is_not_used(cache):
+    other = PROGRAM + "\n// another program, toolchain or kernel: another key\n"
+    compile_bpf(other, []).cleanup()
+    _entry(cache).write_bytes(_entry(cache, other).read_bytes())
+    _assert_compiled_afresh(cache)
+
+
+def test_an_entry_sealed_with_another_secret_is_not_used(cache, tmp_path, monkeypatch):
+    secret = tmp_path / "secret"
+    secret.write_text("a" * 64)
+    monkeypatch.setenv(bpf_cache.KEY_ENV, str(secret))
+    compile_bpf(PROGRAM, []).cleanup()
+    secret.write_text("b" * 64)  # the Secret rotated
+    _assert_compiled_afresh(cache)
 
 
 def test_maps_the_kernel_refuses_are_compiled_instead(cache):
     compile_bpf(PROGRAM, []).cleanup()
-    doc = json.loads(_entry(cache).read_text())
+    doc = _body(_entry(cache))
     doc["maps"][0]["type"] = 0  # BPF_MAP_TYPE_UNSPEC
-    _entry(cache).write_text(json.dumps(doc))
+    _reseal(cache, doc)
     bpf = compile_bpf(PROGRAM, [])
     try:
         assert not isinstance(bpf, bpf_cache.CachedBPF)
         assert bpf.load_func("on_getpid", BPF.KPROBE).fd >= 0
-        assert json.loads(_entry(cache).read_text())["maps"][0]["type"] != 0  # the compile's entry replaced it
+        assert _body(_entry(cache))["maps"][0]["type"] != 0  # the compile's entry replaced it
     finally:
         bpf.cleanup()
 
 
 def test_a_program_the_kernel_refuses_is_reported_and_compiled_next_time(cache):
     compile_bpf(PROGRAM, []).cleanup()
-    doc = json.loads(_entry(cache).read_text())
+    doc = _body(_entry(cache))
     # Opcode 0xff (no such instruction), then exit.
     doc["functions"][0]["insns"] = base64.b64encode(b"\xff" + bytes(7) + b"\x95" + bytes(7)).decode()
     doc["functions"][0]["map_refs"] = []
-    _entry(cache).write_text(json.dumps(doc))
+    _reseal(cache, doc)
     bpf = compile_bpf(PROGRAM, [])
     try:
         assert isinstance(bpf, bpf_cache.CachedBPF)

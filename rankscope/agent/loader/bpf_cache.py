@@ -3,18 +3,23 @@
 bcc compiles C with clang/LLVM inside the process that loads it: ~1.5 s of CPU and ~100 MB of resident
 memory for each of rankscope's programs, paid by every `diagnose` and every agent start before a window can
 open (scripts/bench attach), and on a loaded node by the job. What a compile produces is fixed by its
-source, its flags, bcc and the kernel: each function's instructions, which name the maps they use by file
-descriptor, and the maps' definitions. An entry keeps exactly those, in one JSON file per program, named by
-a hash of everything that decides them. A later process creates the maps afresh, writes their descriptors
-into the instructions and hands them to the kernel's verifier, as bcc would have: no compiler is loaded.
+source, its flags, the compiler and the kernel headers it reads: each function's instructions, which name
+the maps they use by file descriptor, and the maps' definitions. An entry keeps exactly those, in one file
+per program, named by a hash of everything that decides them. A later process creates the maps afresh,
+writes their descriptors into the instructions and hands them to the kernel's verifier, as bcc would have:
+no compiler is loaded.
 
-What a hit costs: reading the file and one bpf(2) call per map and per program loaded (the verifier's pass
-stays). What it keeps: a kernel, bcc, program text or flag that differs gives another key, so another entry;
-a program the kernel refuses from an entry is reported as bcc reports a refused program, and the entry is
-deleted so that the next process compiles. A program this cache cannot describe (a map type or attach
-style it does not know) is simply not kept.
-Trust: an entry is code the kernel runs, so entries are read only from a directory that only this user can
-write to, and written whole (a temporary file renamed into place).
+What a hit costs: reading the file, one HMAC over it, and one bpf(2) call per map and per program loaded
+(the verifier's pass stays). What it keeps: a kernel, kernel headers, bcc or LLVM build, program text or
+flag that differs gives another key, so another entry; a program the kernel refuses from an entry is
+reported as bcc reports a refused program, and the entry is deleted so that the next process compiles. A
+program this cache cannot describe (a map type or attach style it does not know) is simply not kept.
+Trust: an entry is code the kernel runs. Entries are read only from a directory that only this user can
+write to, written whole (a temporary file renamed into place), and sealed with an HMAC-SHA256 over their
+key and bytes; an entry whose seal does not match (changed, copied from another key, or written with
+another secret) is compiled afresh and replaced. The secret is the file $RANKSCOPE_BPF_CACHE_KEY names (the
+chart mounts it from its Secret); without one, a random key made once in the cache directory (readable by
+this user only) seals the node's entries.
 """
 from __future__ import annotations
 
@@ -22,11 +27,15 @@ import atexit
 import base64
 import ctypes
 import hashlib
+import hmac
 import json
 import logging
 import os
 import platform
+import re
+import secrets
 import stat
+import struct
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -42,9 +51,20 @@ from rankscope.agent.loader import bpf_syscall
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # of an entry file; part of the key
+FORMAT = 2  # of an entry file; part of the key
 ENV = "RANKSCOPE_BPF_CACHE"  # the cache's directory; "off" (or empty) keeps nothing
 DEFAULT_DIR = "/var/cache/rankscope/bpf"
+KEY_ENV = "RANKSCOPE_BPF_CACHE_KEY"  # a file holding the secret that seals entries (the chart's Secret)
+NODE_KEY = ".key"  # in the cache directory: the secret made on first use when KEY_ENV names no file
+MIN_SECRET = 16  # bytes; a shorter secret is refused
+SEAL = b"hmac-sha256:"  # an entry's first line: this, the HMAC's hex digest, a newline; then the entry's JSON
+MAPS = "/proc/self/maps"
+PT_NOTE, NT_GNU_BUILD_ID = 4, 3
+# The libraries that compile: bcc's and the LLVM/clang it links (their ELF build ids go into the key).
+COMPILER = re.compile(r"/lib(bcc|LLVM|clang)[^/]*\.so[^/]*$")
+# What bcc reads of a kernel build tree (include/generated, the configuration): the headers' identity.
+HEADER_FILES = ("include/generated/autoconf.h", "include/generated/utsrelease.h",
+                "include/generated/uapi/linux/version.h", "include/config/kernel.release", ".config")
 # Entries kept, the least recently used beyond it removed when one is written: a program's text changes with
 # each rankscope version, its flags with each CPython version watched (layout offsets), so old entries pile up.
 MAX_ENTRIES = 64
@@ -133,15 +153,93 @@ def directory() -> Path | None:
 
 
 def key(text: str, cflags: list[str]) -> str:
-    """What decides a compile's output: the program, its flags, bcc, the kernel (its release and build; the
-    headers bcc reads are the release's) and the number of possible CPUs (the size of per-CPU arrays)."""
+    """What decides a compile's output: the program, its flags, the compiler (bcc's version, the build ids
+    of libbcc and the LLVM/clang it links), the kernel headers bcc reads, the running kernel (its release and
+    build) and the number of possible CPUs (the size of per-CPU arrays)."""
     uname = platform.uname()
     h = hashlib.sha256()
-    for part in (str(FORMAT), bcc_version, uname.release, uname.version, uname.machine,
-                 str(len(get_possible_cpus())), "\0".join(cflags), text):
+    for part in (str(FORMAT), bcc_version, compiler_id(MAPS), headers_id(*kernel_headers()), uname.release,
+                 uname.version, uname.machine, str(len(get_possible_cpus())), "\0".join(cflags), text):
         h.update(part.encode())
         h.update(b"\0\1")
     return h.hexdigest()[:40]
+
+
+@cache
+def compiler_id(maps: str) -> str:
+    """The ELF build ids of the compiling libraries this process maps (libbcc, libLLVM, libclang), read once
+    a process: a rebuilt or upgraded LLVM gives another id even where its version string stays."""
+    with open(maps) as f:
+        paths = sorted({line.split(None, 5)[5].strip() for line in f
+                        if len(line.split(None, 5)) == 6 and COMPILER.search(line.rstrip())})
+    return ";".join(f"{os.path.basename(p)}={_build_id(p)}" for p in paths)
+
+
+def _build_id(path: str) -> str:
+    """The file's GNU build id (from its PT_NOTE segments: a few small reads, where parsing the whole ELF of
+    libLLVM would cost ~0.1 s); where it has none, its size and modification time stand in."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] == b"\x7fELF" and head[4:6] == b"\x02\x01":  # 64-bit, little-endian
+                phoff, = struct.unpack_from("<Q", head, 32)
+                phentsize, phnum = struct.unpack_from("<HH", head, 54)
+                f.seek(phoff)
+                table = f.read(phentsize * phnum)
+                for i in range(phnum):
+                    p_type, _, offset, _, _, filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+                    if p_type == PT_NOTE:
+                        f.seek(offset)
+                        found = _gnu_build_id(f.read(min(filesz, 4096)))
+                        if found:
+                            return found
+            st = os.fstat(f.fileno())
+    except (OSError, struct.error) as e:
+        return f"unreadable:{e}"
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _gnu_build_id(notes: bytes) -> str | None:
+    at = 0
+    while at + 12 <= len(notes):
+        namesz, descsz, kind = struct.unpack_from("<III", notes, at)
+        name_at = at + 12
+        desc_at = name_at + (namesz + 3) // 4 * 4
+        if kind == NT_GNU_BUILD_ID and notes[name_at:name_at + namesz] == b"GNU\0":
+            return notes[desc_at:desc_at + descsz].hex()
+        at = desc_at + (descsz + 3) // 4 * 4
+    return None
+
+
+def kernel_headers() -> tuple[str, str]:
+    """The build and source trees bcc compiles against, as it picks them: $BCC_KERNEL_SOURCE for both, else
+    /lib/modules/<release>/{build,source}; resolved, so that relinking them to other headers changes the key."""
+    override = os.environ.get("BCC_KERNEL_SOURCE")
+    if override:
+        return os.path.realpath(override), os.path.realpath(override)
+    base = f"/lib/modules/{platform.release()}"
+    return os.path.realpath(f"{base}/build"), os.path.realpath(f"{base}/source")
+
+
+@cache
+def headers_id(build: str, source: str) -> str:
+    """A hash of what tells kernel header trees apart: their paths, the build tree's generated headers and
+    configuration, and the source tree's Makefile's size and time (hashing every header would cost more than
+    a compile). Read once a process for a pair of trees; absent files count as absent (bcc then falls back on
+    the kernel's own kheaders, which the kernel's release and build in the key name)."""
+    h = hashlib.sha256(f"{build}\0{source}\0".encode())
+    for name in HEADER_FILES:
+        try:
+            with open(os.path.join(build, name), "rb") as f:
+                h.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+        except OSError:
+            h.update(name.encode() + b"\0absent")
+    try:
+        st = os.stat(os.path.join(source, "Makefile"))
+        h.update(f"source {st.st_size}:{st.st_mtime_ns}".encode())
+    except OSError:
+        h.update(b"source absent")
+    return h.hexdigest()
 
 
 def load(text: str, cflags: list[str]) -> CachedBPF | None:
@@ -149,7 +247,8 @@ def load(text: str, cflags: list[str]) -> CachedBPF | None:
     root = directory()
     if root is None:
         return None
-    path = root / f"{key(text, cflags)}.json"
+    name = key(text, cflags)
+    path = root / f"{name}.json"
     try:
         if not _trusted(root):
             return None
@@ -157,11 +256,15 @@ def load(text: str, cflags: list[str]) -> CachedBPF | None:
     except OSError:
         return None
     try:
-        with os.fdopen(fd) as f:
+        with os.fdopen(fd, "rb") as f:
             if not _trusted_file(os.fstat(f.fileno())):
                 log.warning("ignoring BPF cache entry %s: writable by others", path)
                 return None
-            entry = Entry.from_json(f.read())
+            data = f.read()
+            sealing = secret(root)
+            if sealing is None:
+                return None
+            entry = Entry.from_json(unseal(sealing, name, data))
             os.utime(f.fileno())  # used now: what the pruning of old entries goes by
     except (OSError, CacheError) as e:
         log.warning("BPF cache entry %s unusable, compiling instead: %s", path, e)
@@ -193,14 +296,82 @@ def store(text: str, cflags: list[str], bpf: Any) -> None:
         if not _trusted(root):
             log.warning("not caching BPF programs in %s: writable by others", root)
             return
-        path = root / f"{key(text, cflags)}.json"
+        sealing = secret(root)
+        if sealing is None:
+            return
+        name = key(text, cflags)
+        path = root / f"{name}.json"
         tmp = root / f".{path.name}.{os.getpid()}"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as f:
-            f.write(entry.to_json())
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb") as f:
+            f.write(seal(sealing, name, entry.to_json().encode()))
         os.replace(tmp, path)
         _prune(root)
     except OSError as e:
         log.debug("cannot write the BPF cache in %s: %s", root, e)
+
+
+def seal(mac_key: bytes, name: str, body: bytes) -> bytes:
+    """An entry's bytes: its seal line (HMAC-SHA256 of its key and body under `mac_key`), then the body."""
+    return SEAL + _mac(mac_key, name, body).encode() + b"\n" + body
+
+
+def unseal(mac_key: bytes, name: str, data: bytes) -> str:
+    """The body of a sealed entry kept under key `name`; CacheError when its seal is absent or wrong."""
+    head, _, body = data.partition(b"\n")
+    if not head.startswith(SEAL):
+        raise CacheError("not sealed")
+    if not hmac.compare_digest(head[len(SEAL):], _mac(mac_key, name, body).encode()):
+        raise CacheError("its seal does not match its bytes (changed, or sealed with another secret)")
+    return body.decode()
+
+
+def _mac(mac_key: bytes, name: str, body: bytes) -> str:
+    # The key is sealed with the body: an entry copied under another program's or toolchain's name fails.
+    return hmac.new(mac_key, name.encode() + b"\0" + body, hashlib.sha256).hexdigest()
+
+
+def secret(root: Path) -> bytes | None:
+    """The secret that seals entries: the file $RANKSCOPE_BPF_CACHE_KEY names, else the node's own key in
+    `root` (made on first use, 0600). None (with a warning) when neither is usable: nothing is cached."""
+    configured = os.environ.get(KEY_ENV)
+    if configured:
+        try:
+            with open(configured, "rb") as f:
+                value = f.read().strip()
+            if len(value) >= MIN_SECRET:
+                return value
+            log.warning("the BPF cache's key %s is shorter than %d bytes: using the node's own", configured,
+                        MIN_SECRET)
+        except OSError as e:
+            log.debug("no BPF cache key at %s (%s): using the node's own", configured, e.strerror)
+    return _node_secret(root / NODE_KEY)
+
+
+def _node_secret(path: Path) -> bytes | None:
+    """The node's random key at `path`, made when absent; used only when this user alone can read it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_hex(32).encode())
+    except FileExistsError:
+        pass  # made by an earlier process
+    except OSError as e:
+        log.warning("not caching BPF programs: cannot make the key %s: %s", path, e.strerror)
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                log.warning("not caching BPF programs: the key %s is readable or writable by others", path)
+                return None
+            value = f.read().strip()
+    except OSError as e:
+        log.warning("not caching BPF programs: cannot read the key %s: %s", path, e.strerror)
+        return None
+    if len(value) < MIN_SECRET:  # another process between its create and its write: this one compiles
+        return None
+    return value
 
 
 def _prune(root: Path) -> None:
