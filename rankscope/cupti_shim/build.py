@@ -6,12 +6,13 @@ library, with the flush-period thread both use (periodic.c).
 Cached per source, flags and pins hash (rankscope.native); called by scripts/install and the tests."""
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
 from rankscope.cupti_shim import wheels
 from rankscope.cupti_shim.cuda_lines import BY_MAJOR, LINES, CudaLine
-from rankscope.native import CC, BuildError, cached_build, fingerprint, run_compiler
+from rankscope.native import CC, BuildError, cached_build, fingerprint, run_compiler, write_sums
 
 HERE = Path(__file__).resolve().parent
 SOURCES = tuple(HERE / name for name in ("shim.c", "nccl_profiler.c", "periodic.c"))
@@ -51,5 +52,19 @@ def build_shims() -> list[Path]:
     return [build_shim(line.major) for line in LINES]
 
 
+def install_shims(folder: Path) -> list[Path]:
+    """Every line's shim copied into `folder`, with the SHA256SUMS that $RANKSCOPE_SHIM_DIR is checked
+    against before a shim from it is loaded into a job."""
+    folder.mkdir(parents=True, exist_ok=True)
+    copied = [Path(shutil.copy2(shim, folder / shim.name)) for shim in build_shims()]
+    write_sums(folder, [p.name for p in copied])
+    return copied
+
+
 if __name__ == "__main__":
-    print("\n".join(str(p) for p in (build_shims() if len(sys.argv) < 2 else [build_shim(int(sys.argv[1]))])))
+    # build.py: every shim's path; build.py MAJOR: that line's; build.py --into DIR: install_shims(DIR).
+    if sys.argv[1:2] == ["--into"]:
+        shims = install_shims(Path(sys.argv[2]))
+    else:
+        shims = build_shims() if len(sys.argv) < 2 else [build_shim(int(sys.argv[1]))]
+    print("\n".join(map(str, shims)))

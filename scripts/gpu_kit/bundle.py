@@ -188,10 +188,12 @@ def pack(out: Path = DEFAULT_DIR) -> dict:
             xz = subprocess.run(XZ, stdin=tar.stdout, stdout=f)
         if tar.wait() != 0 or xz.returncode != 0:
             raise BundleError("tar | xz failed")
-    wheel = _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                  "-d", str(out), PYELFTOOLS])
-    if wheel.returncode != 0:
-        raise BundleError(f"cannot download {PYELFTOOLS}: {wheel.stderr.strip()[-300:]}")
+    from rankscope.cupti_shim import wheels
+
+    try:  # checked against its sha256 in rankscope/cupti_shim/wheels.sha256, as NVIDIA's wheels are
+        shutil.copy2(wheels.wheel(PYELFTOOLS), out)
+    except wheels.WheelError as e:
+        raise BundleError(str(e)) from e
     copy_shims(out)
     manifest = {
         "libraries": {name: {"bytes": p.stat().st_size, "package": package_of(p)} for name, p in libraries.items()},
@@ -212,10 +214,9 @@ def pack(out: Path = DEFAULT_DIR) -> dict:
 def copy_shims(out: Path) -> list[Path]:
     """The shims of both CUDA lines, built from this checkout's sources, into out/shims (alone: after a change
     to the shim, the rest of the bundle stays as it is)."""
-    from rankscope.cupti_shim.build import build_shims
+    from rankscope.cupti_shim.build import install_shims
 
-    (out / "shims").mkdir(parents=True, exist_ok=True)
-    return [Path(shutil.copy2(shim, out / "shims" / shim.name)) for shim in build_shims()]
+    return install_shims(out / "shims")
 
 
 def unpack(bundle: Path, prefix: Path) -> Path:

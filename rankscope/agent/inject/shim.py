@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from pathlib import Path
 
 from rankscope.agent.host import procfs
 from rankscope.agent.host.targets import TargetError, environment
@@ -14,7 +15,7 @@ from rankscope.agent.inject.inject import DEFAULT_TIMEOUT_S, Injection, InjectEr
 from rankscope.agent.sources.probes.cupti import SHIM_LIBRARY
 from rankscope.cupti_shim.build import build_shim
 from rankscope.cupti_shim.cuda_lines import BY_MAJOR, LINES
-from rankscope.native import BuildError
+from rankscope.native import SUMS, BuildError, sums_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +39,17 @@ def cuda_major(pid: int) -> int | None:
 
 
 def shim_library(major: int) -> str:
-    """The shim of CUDA `major`: in $RANKSCOPE_SHIM_DIR when set (the image's /opt/rankscope/lib), else
-    built into the cache."""
+    """The shim of CUDA `major`: in $RANKSCOPE_SHIM_DIR when set (the image's /opt/rankscope/lib), used only
+    when it matches that folder's SHA256SUMS (written with it: build.py --into); else built into the cache."""
     line = BY_MAJOR[major]
     folder = os.environ.get(SHIM_DIR_ENV)
     if folder:
         path = os.path.join(folder, line.shim_name)
         if not os.path.isfile(path):
             raise InjectError(f"no {line.shim_name} in ${SHIM_DIR_ENV} ({folder})")
+        wrong = sums_mismatch(Path(folder), (line.shim_name,))
+        if wrong:
+            raise InjectError(f"not loading {path}: {wrong} (the folder's {SUMS} is written with its shims)")
         return path
     try:
         return str(build_shim(major))
