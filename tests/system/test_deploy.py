@@ -89,6 +89,8 @@ def test_agent_daemonset_has_what_the_agent_needs():
             "/etc/rankscope"} <= mounts
     args = build_parser().parse_args(c["args"])
     assert args.command == "agent" and args.all and args.token_file.startswith("/etc/rankscope/")
+    # The BPF cache's sealing key: a file of the same Secret's mount, named by the Secret's key.
+    assert env["RANKSCOPE_BPF_CACHE_KEY"]["value"] == "/etc/rankscope/bpf-cache-key"
     assert args.listen.endswith(":" + str(c["ports"][0]["containerPort"]))
     analyzer = _docs()[("StatefulSet", "rankscope-analyzer")]["spec"]["template"]["spec"]
     for volumes in (pod["volumes"], analyzer["volumes"]):  # agents and analyzer share the token
@@ -128,6 +130,8 @@ def test_chart_defaults_render_the_manifests():
         assert _without_helm_labels(rendered[key]) == doc, key
     token = base64.b64decode(rendered[("Secret", "rankscope-token")]["data"]["token"])
     assert len(token) == 64 and token.isalnum()  # generated when none is given
+    cache_key = base64.b64decode(rendered[("Secret", "rankscope-token")]["data"]["bpf-cache-key"])
+    assert len(cache_key) == 64 and cache_key.isalnum() and cache_key != token
     assert _render("--set", "token.value=s3cret")[("Secret", "rankscope-token")]["data"]["token"] == \
         base64.b64encode(b"s3cret").decode()
 
