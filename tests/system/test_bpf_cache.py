@@ -219,12 +219,7 @@ def test_a_program_the_kernel_refuses_is_reported_and_compiled_next_time(cache):
         assert not _entry(cache).exists()
     finally:
         bpf.cleanup()
-    bpf = compile_bpf(PROGRAM, [])
-    try:
-        assert not isinstance(bpf, bpf_cache.CachedBPF)
-        assert bpf.load_func("on_getpid", BPF.KPROBE).fd >= 0
-    finally:
-        bpf.cleanup()
+    _assert_compiled_afresh(cache)
 
 
 def test_a_cache_others_can_write_to_is_neither_read_nor_written(cache):
