@@ -170,8 +170,8 @@ def compiler_id(maps: str) -> str:
     """The ELF build ids of the compiling libraries this process maps (libbcc, libLLVM, libclang), read once
     a process: a rebuilt or upgraded LLVM gives another id even where its version string stays."""
     with open(maps) as f:
-        paths = sorted({line.split(None, 5)[5].strip() for line in f
-                        if len(line.split(None, 5)) == 6 and COMPILER.search(line.rstrip())})
+        mapped = {fields[5].strip() for fields in (line.split(None, 5) for line in f) if len(fields) == 6}
+    paths = sorted(p for p in mapped if COMPILER.search(p))
     return ";".join(f"{os.path.basename(p)}={_build_id(p)}" for p in paths)
 
 
