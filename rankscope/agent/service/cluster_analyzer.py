@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from yarl import URL
 
