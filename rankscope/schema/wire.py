@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from itertools import chain
+from itertools import accumulate, chain, compress
 from typing import Any
 
 import msgpack
@@ -158,60 +158,94 @@ def _main_kernel_from_wire(raw: Any) -> dict[str, Any]:
     return {"minor_faults": _int(faults, "minor faults"), "kernel_s": _seconds(kernel, "kernel time")}
 
 
-def _functions_from_wire(raw: Any) -> FunctionColumns:
-    """Each row checked field by field as before; counts and bytes past int64 are refused (OverflowError).
-    A function of a role this analyzer does not know (a newer agent's, checked like any other row) is left
-    out rather than refused: an agent upgraded before its cluster analyzer still has its windows read (refusing
-    the row would lose the whole window, e.g. DDP's exposed wait, role 7, to an analyzer that predates it)."""
-    if not isinstance(raw, dict):
+def _segments(lengths: list[int]) -> list[slice]:
+    ends = list(accumulate(lengths))
+    return [slice(end - n, end) for n, end in zip(lengths, ends)]
+
+
+def _columns(rows: list, width: int, integers: tuple[int, ...], what: str) -> tuple[list[tuple], np.ndarray]:
+    """Rows of `width` fields checked a column at a time (a Python call per field made decoding most of a
+    12,500-agent window): the `integers` columns non-negative integers, the others finite non-negative
+    seconds. Returns the columns and the seconds columns as a float array, rows x seconds."""
+    if not set(map(type, rows)) <= {list} or not set(map(len, rows)) <= {width}:
+        raise PatternDecodeError(f"{what}: expected rows of {width} fields")
+    columns = list(zip(*rows)) if rows else [()] * width
+    counted = [c for i, c in enumerate(columns) if i in integers]
+    timed = [c for i, c in enumerate(columns) if i not in integers]
+    if not set(map(type, chain(*counted))) <= {int} or min(chain(*counted), default=0) < 0:
+        raise PatternDecodeError(f"{what}: expected non-negative integers in fields {integers}")
+    if not set(map(type, chain(*timed))) <= {int, float}:
+        raise PatternDecodeError(f"{what}: expected numbers of seconds")
+    seconds = np.array(timed, float).T.reshape(-1, len(timed))
+    if not np.isfinite(seconds).all() or (seconds < 0).any():
+        raise PatternDecodeError(f"{what}: expected finite non-negative seconds")
+    return columns, seconds
+
+
+def _functions_from_wire(raws: list[Any]) -> list[FunctionColumns]:
+    """Every pattern's function rows, checked and converted for the whole payload at once; each pattern's
+    columns are views of the payload's arrays. Counts and bytes past int64 are refused (OverflowError). A
+    function of a role this analyzer does not know (a newer agent's, checked like any other row) is left out
+    rather than refused: an agent upgraded before its cluster analyzer still has its windows read (refusing the
+    row would lose the whole window, e.g. DDP's exposed wait, role 7, to an analyzer that predates it)."""
+    if not set(map(type, raws)) <= {dict}:
         raise PatternDecodeError("fn: expected a map")
-    names, roles, calls, times = [], [], [], []
-    for name, row in raw.items():
-        name = _str(name, "function name")
-        code, count, total, mx, p50, p99, nbytes = _list(row, f"function {name}", len(_FN_FIELDS))
-        code = _int(code, f"{name}.role")
-        counts = (_int(count, f"{name}.count"), _int(nbytes, f"{name}.bytes"))
-        seconds = (_seconds(total, f"{name}.total_s"), _seconds(mx, f"{name}.max_s"),
-                   _seconds(p50, f"{name}.p50_s"), _seconds(p99, f"{name}.p99_s"))
-        if code not in _ROLE_OF_CODE:
-            continue
-        names.append(name)
-        roles.append(_ROLE_OF_CODE[code])
-        calls.append(counts)
-        times.append(seconds)
-    return FunctionColumns(tuple(names), tuple(roles), np.array(calls, np.int64).reshape(-1, 2),
-                           np.array(times, float).reshape(-1, 4))
+    names = [tuple(raw) for raw in raws]
+    if not set(map(type, chain(*names))) <= {str}:
+        raise PatternDecodeError("function name: expected a string")
+    columns, times = _columns([row for raw in raws for row in raw.values()], len(_FN_FIELDS), (0, 1, 6),
+                              f"function {list(_FN_FIELDS)}")
+    code = columns[0]
+    calls = np.array((columns[1], columns[6]), np.int64).T.reshape(-1, 2)
+    roles = [_ROLE_OF_CODE.get(c) for c in code]
+    out = []
+    for name, at in zip(names, _segments(list(map(len, names)))):
+        role = roles[at]
+        if None in role:
+            known = [r is not None for r in role]
+            out.append(FunctionColumns(tuple(compress(name, known)), tuple(compress(role, known)),
+                                       calls[at][known], times[at][known]))
+        else:
+            out.append(FunctionColumns(name, tuple(role), calls[at], times[at]))
+    return out
 
 
-def _collectives_from_wire(ops_raw: Any, rows: Any, end_us: int) -> CollectiveColumns:
-    # The rows as one array, checked and summed whole: a light pattern's 64 records in ~50 us where a record
-    # object each took ~130 us (16 records: ~43 us either way).
-    ops = tuple(_str(op, "collective op") for op in _list(ops_raw, "ops"))
-    rows = _list(rows, "coll")
+def _collectives_from_wire(raws: list[tuple[Any, Any, int]]) -> list[CollectiveColumns]:
+    """Every pattern's (op table, rows, window end in us) as one array, checked and summed whole; each
+    pattern's columns are views of it."""
+    ops = [tuple(_list(ops, "ops")) for ops, _, _ in raws]
+    if not set(map(type, chain(*ops))) <= {str}:
+        raise PatternDecodeError("collective op: expected a string")
+    tables = [_list(rows, "coll") for _, rows, _ in raws]
+    rows = list(chain(*tables))
     table = np.array(rows) if rows else np.zeros((0, 4), np.int64)  # ragged rows: ValueError
     if table.dtype != np.int64 or table.shape != (len(rows), 4) or bool in set(map(type, chain(*rows))):
         raise PatternDecodeError("coll: expected rows of 4 integers [op, bytes, enter, duration]")
+    lengths = list(map(len, tables))
     keys, since, duration = table[:, :2], table[:, 2], table[:, 3]
-    if rows and (keys.min() < 0 or keys[:, 0].max() >= len(ops)):
-        raise PatternDecodeError(f"collective: bytes below 0, or op index outside the table of {len(ops)}")
-    enter_us = end_us + np.cumsum(since)
-    return CollectiveColumns(ops, keys.copy(), np.column_stack((enter_us, enter_us + duration)) / 1e6)
+    if rows and (keys.min() < 0 or (keys[:, 0] >= np.repeat([len(o) for o in ops], lengths)).any()):
+        raise PatternDecodeError("collective: bytes below 0, or op index outside its pattern's table")
+    # Each pattern's enters: its window end plus the running sum of its own rows' gaps.
+    running = np.cumsum(since)
+    before = np.array([running[at.start - 1] if at.start else 0 for at in _segments(lengths)], np.int64)
+    enter_us = running + np.repeat(np.array([end for _, _, end in raws], np.int64) - before, lengths)
+    instants = np.column_stack((enter_us, enter_us + duration)) / 1e6
+    return [CollectiveColumns(o, keys[at], instants[at]) for o, at in zip(ops, _segments(lengths))]
 
 
-def _sched_from_wire(raw: Any) -> dict[str, ThreadTimes]:
-    if not isinstance(raw, dict):
+def _sched_from_wire(raws: list[Any]) -> list[dict[str, ThreadTimes]]:
+    """Every pattern's thread groups, checked for the whole payload at once."""
+    if not set(map(type, raws)) <= {dict}:
         raise PatternDecodeError("sch: expected a map")
-    out = {}
-    for role, row in raw.items():
-        role = _str(role, "thread role")
-        threads, on, runq, sleep, io, reclaim, preempted, p99 = _list(row, f"sched {role}", len(_SCHED_FIELDS))
-        out[role] = ThreadTimes(
-            role=role, threads=_int(threads, f"{role}.threads"), on_cpu_s=_seconds(on, f"{role}.on_cpu_s"),
-            runq_s=_seconds(runq, f"{role}.runq_s"), sleep_s=_seconds(sleep, f"{role}.sleep_s"),
-            io_s=_seconds(io, f"{role}.io_s"), reclaim_s=_seconds(reclaim, f"{role}.reclaim_s"),
-            preempted=_int(preempted, f"{role}.preempted"), runq_p99_s=_seconds(p99, f"{role}.runq_p99_s"),
-        )
-    return out
+    roles = [tuple(raw) for raw in raws]
+    if not set(map(type, chain(*roles))) <= {str}:
+        raise PatternDecodeError("thread role: expected a string")
+    columns, seconds = _columns([row for raw in raws for row in raw.values()], len(_SCHED_FIELDS), (0, 6),
+                                f"sched {list(_SCHED_FIELDS)}")
+    groups = [ThreadTimes(role, threads, on, runq, sleep, io, reclaim, preempted, p99)
+              for role, threads, preempted, (on, runq, sleep, io, reclaim, p99)
+              in zip(chain(*roles), columns[0], columns[6], seconds.tolist())]
+    return [dict(zip(role, groups[at])) for role, at in zip(roles, _segments(list(map(len, roles))))]
 
 
 def _neighbours_from_wire(raw: Any) -> list[Neighbour]:
@@ -320,52 +354,52 @@ def _health_from_wire(raw: Any) -> GpuHealth | None:
     return GpuHealth(**values)
 
 
-def _pattern_from_wire(d: Any) -> RankPattern:
+def _window_us(d: Any) -> tuple[int, int]:
     if not isinstance(d, dict):
         raise PatternDecodeError(f"pattern: expected a map, got {type(d).__name__}")
-    try:
-        if d["v"] != SCHEMA_VERSION:
-            raise PatternDecodeError(f"unsupported pattern schema version {d['v']!r}")
-        start_us = _int(d["start"], "start")
-        end_us = _int(d["end"], "end")
-        if end_us < start_us:
-            raise PatternDecodeError("window ends before it starts")
-        return RankPattern(
-            job=_str(d["job"], "job"),
-            rank=_int(d["rank"], "rank"),
-            world_size=_int(d["world"], "world"),
-            pid=_int(d["pid"], "pid"),
-            host=_str(d["host"], "host"),
-            window_start=start_us / 1e6,
-            window_end=end_us / 1e6,
-            state=_str(d["state"], "state"),
-            identity_source=_str(d["id"], "id"),
-            functions=_functions_from_wire(d["fn"]),
-            collectives=_collectives_from_wire(d["ops"], d["coll"], end_us),
-            sched=_sched_from_wire(d["sch"]),
-            neighbours=_neighbours_from_wire(d["nb"]),
-            major_faults=_int(d["mf"], "major faults"),
-            last_progress=None if d["lp"] is None else _int(d["lp"], "last progress") / 1e6,
-            where=_str(d["wh"], "where"),
-            since=None if d["since"] is None else _int(d["since"], "since") / 1e6,
-            python=_python_from_wire(d["py"]),
-            python_timed=[PyTimed(*r) for r in _call_totals_from_wire(d.get("pyt", []), "pyt", "timed python function",
-                                                                      "max_s")],
-            gpu=_gpu_from_wire(d.get("gpu"), d.get("gck")),  # optional: agents without GPU views lack them
-            gpu_health=_health_from_wire(d.get("gh")),
-            links=_links_from_wire(d.get("lk", [])),
-            collectives_gpu=[CollectiveGpu(*r) for r in _call_totals_from_wire(d.get("cg", []), "cg", "collective gpu",
-                                                                               "p99_s")],
-            tcp=_tcp_from_wire(d.get("tcp", []), d.get("tcpl")),
-            raised_detail=d.get("rd", False) is True,
-            python_untimed=_str(d.get("pyu", ""), "pyu"),
-            cpus=_cpus_from_wire(d.get("cpu")),
-            **_main_kernel_from_wire(d.get("mk")),
-        )
-    except PatternDecodeError:
-        raise
-    except (KeyError, TypeError, ValueError, OverflowError) as e:  # missing keys, unpackable rows
-        raise PatternDecodeError(f"malformed pattern: {e!r}") from e
+    if d["v"] != SCHEMA_VERSION:
+        raise PatternDecodeError(f"unsupported pattern schema version {d['v']!r}")
+    start_us, end_us = _int(d["start"], "start"), _int(d["end"], "end")
+    if end_us < start_us:
+        raise PatternDecodeError("window ends before it starts")
+    return start_us, end_us
+
+
+def _pattern_from_wire(d: dict, start_us: int, end_us: int, functions: FunctionColumns,
+                       collectives: CollectiveColumns, sched: dict[str, ThreadTimes]) -> RankPattern:
+    """One pattern, its window checked (_window_us) and its columns decoded with the payload's."""
+    return RankPattern(
+        job=_str(d["job"], "job"),
+        rank=_int(d["rank"], "rank"),
+        world_size=_int(d["world"], "world"),
+        pid=_int(d["pid"], "pid"),
+        host=_str(d["host"], "host"),
+        window_start=start_us / 1e6,
+        window_end=end_us / 1e6,
+        state=_str(d["state"], "state"),
+        identity_source=_str(d["id"], "id"),
+        functions=functions,
+        collectives=collectives,
+        sched=sched,
+        neighbours=_neighbours_from_wire(d["nb"]),
+        major_faults=_int(d["mf"], "major faults"),
+        last_progress=None if d["lp"] is None else _int(d["lp"], "last progress") / 1e6,
+        where=_str(d["wh"], "where"),
+        since=None if d["since"] is None else _int(d["since"], "since") / 1e6,
+        python=_python_from_wire(d["py"]),
+        python_timed=[PyTimed(*r) for r in _call_totals_from_wire(d.get("pyt", []), "pyt", "timed python function",
+                                                                  "max_s")],
+        gpu=_gpu_from_wire(d.get("gpu"), d.get("gck")),  # optional: agents without GPU views lack them
+        gpu_health=_health_from_wire(d.get("gh")),
+        links=_links_from_wire(d.get("lk", [])),
+        collectives_gpu=[CollectiveGpu(*r) for r in _call_totals_from_wire(d.get("cg", []), "cg", "collective gpu",
+                                                                           "p99_s")],
+        tcp=_tcp_from_wire(d.get("tcp", []), d.get("tcpl")),
+        raised_detail=d.get("rd", False) is True,
+        python_untimed=_str(d.get("pyu", ""), "pyu"),
+        cpus=_cpus_from_wire(d.get("cpu")),
+        **_main_kernel_from_wire(d.get("mk")),
+    )
 
 
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
@@ -388,7 +422,17 @@ def decode_patterns(data: bytes) -> list[RankPattern]:
         raise PatternDecodeError(f"not msgpack: {e!r}") from e
     if not isinstance(raw, list):
         raise PatternDecodeError("payload is not a list of patterns")
-    return [_pattern_from_wire(d) for d in raw]
+    try:
+        windows = [_window_us(d) for d in raw]
+        functions = _functions_from_wire([d["fn"] for d in raw])
+        collectives = _collectives_from_wire([(d["ops"], d["coll"], end) for d, (_, end) in zip(raw, windows)])
+        sched = _sched_from_wire([d["sch"] for d in raw])
+        return [_pattern_from_wire(d, *w, f, c, s)
+                for d, w, f, c, s in zip(raw, windows, functions, collectives, sched)]
+    except PatternDecodeError:
+        raise
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # missing keys, unpackable rows
+        raise PatternDecodeError(f"malformed pattern: {e!r}") from e
 
 
 def pattern_to_json(p: RankPattern) -> dict[str, Any]:
