@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rankscope.analyzer.medians import row_medians
+from rankscope.analyzer.medians import median, row_medians
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.steps import step_times, window_starts
 from rankscope.analyzer.thresholds import (HELD_PIECES, HELD_STEPS, LATE_MARGIN, LEAVE_ONE_OUT_MAX, STEP_SPAN, Z_FLOOR,
@@ -36,7 +36,7 @@ ROOTED = re.compile(r"broadcast", re.I)
 def peers_median(x: np.ndarray) -> float:
     """Median over the ranks that have a value (NaN = unknown); NaN when none has."""
     finite = x[np.isfinite(x)]
-    return float(np.median(finite)) if finite.size else float("nan")
+    return median(finite) if finite.size else float("nan")
 
 
 def robust_z(x: np.ndarray, floor: float) -> np.ndarray:
@@ -49,8 +49,8 @@ def robust_z(x: np.ndarray, floor: float) -> np.ndarray:
     if not finite.any():
         return np.full(x.shape, np.nan)
     vals = x[finite]
-    med = np.median(vals)
-    scale = max(MAD_TO_SIGMA * float(np.median(np.abs(vals - med))), floor, 1e-12)
+    med = median(vals)
+    scale = max(MAD_TO_SIGMA * median(np.abs(vals - med)), floor, 1e-12)
     return (x - med) / scale
 
 
