@@ -158,7 +158,7 @@ def qdiscs(j: launch.TorchrunJob) -> str:
                                ["tc", "-n", j.netns.name, "qdisc", "show", "dev", j.netns.ns_if]))
 
 
-class TestOneTwoRankJob:
+class TestOneMlpJob:
     """Faults on a two-rank MLP job, one at a time: each switched on in the running job (its switch file,
     inject/sitecustomize.py) or injected from outside, and off again after its diagnosis. One job for all:
     starting one costs more than each diagnosis."""
