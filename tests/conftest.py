@@ -1,6 +1,7 @@
 """Shared helpers: waiting on conditions (never on the clock alone), simulated jobs, an agent process."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -146,32 +147,80 @@ def _set_autogroup_nice(pid: int, nice: int) -> None:
             f.write(str(nice))
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, sorted."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            out.append(int(entry))
+    return sorted(out)
+
+
+def raise_above_other_load(pid: int, with_children: bool = False) -> None:
+    """Every thread of `pid` (and of its child processes: a DataLoader's workers) at RANK_NICE, its session's
+    autogroup too: the machine's other load at nice 0 (other jobs beside the suite) takes no CPU it asks for.
+    Threads and processes started later inherit it."""
+    for proc in [pid, *(children(pid) if with_children else [])]:
+        for tid in map(int, os.listdir(f"/proc/{proc}/task")):
+            os.setpriority(os.PRIO_PROCESS, tid, RANK_NICE)  # per thread on Linux
+    _set_autogroup_nice(pid, RANK_NICE)
+
+
 @pytest.fixture
 def above_other_load() -> Iterator[Callable[[int, int], None]]:
-    """pin(pid, cpu): every thread of `pid` on `cpu`, at RANK_NICE, its session's autogroup too. This pytest's
-    own autogroup (the simulated job's ranks share it) gets its nice back after the test."""
-    before = _autogroup_nice(os.getpid())
+    """pin(pid, cpu): every thread of `pid` on `cpu`, at RANK_NICE, its session's autogroup too. After the test
+    each pinned thread gets its CPUs and nice back, and each autogroup its nice, this pytest's own too (the
+    simulated job's ranks share it): a job that several tests share runs on as it did."""
+    threads: dict[int, tuple[set[int], int]] = {}  # tid -> its CPUs and nice before
+    groups = {os.getpid(): _autogroup_nice(os.getpid())}  # pid -> its autogroup's nice before
 
     def pin(pid: int, cpu: int) -> None:
+        groups.setdefault(pid, _autogroup_nice(pid))
         for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            threads.setdefault(tid, (os.sched_getaffinity(tid), os.getpriority(os.PRIO_PROCESS, tid)))
             os.sched_setaffinity(tid, {cpu})
-            os.setpriority(os.PRIO_PROCESS, tid, RANK_NICE)  # per thread on Linux
-        _set_autogroup_nice(pid, RANK_NICE)
+        raise_above_other_load(pid)
 
     yield pin
-    if before is not None:
-        _set_autogroup_nice(os.getpid(), before)
+    for tid, (cpus, nice) in threads.items():
+        try:
+            os.sched_setaffinity(tid, cpus)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:  # ended with its job
+            pass
+    for pid, nice in groups.items():
+        try:
+            if nice is not None:
+                _set_autogroup_nice(pid, nice)
+        except OSError:  # ended with its job
+            pass
+
+
+@contextlib.contextmanager
+def cpu_hog() -> Iterator[subprocess.Popen]:
+    """A busy loop on CPU 1, in a session of its own at HOG_NICE: it takes ~90% of that CPU from a rank."""
+    proc = subprocess.Popen(["taskset", "-c", "1", "nice", "-n", str(HOG_NICE), "sh", "-c", "while :; do :; done"],
+                            start_new_session=True)
+    try:
+        _set_autogroup_nice(proc.pid, HOG_NICE)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture
 def hog() -> Iterator[subprocess.Popen]:
-    """A busy loop on CPU 1, in a session of its own at HOG_NICE: it takes ~90% of that CPU from a rank."""
-    proc = subprocess.Popen(["taskset", "-c", "1", "nice", "-n", str(HOG_NICE), "sh", "-c", "while :; do :; done"],
-                            start_new_session=True)
-    _set_autogroup_nice(proc.pid, HOG_NICE)
-    yield proc
-    proc.kill()
-    proc.wait()
+    """cpu_hog() for the whole test."""
+    with cpu_hog() as proc:
+        yield proc
 
 
 class AgentProcess:

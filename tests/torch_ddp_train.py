@@ -9,16 +9,17 @@ batch takes --read-ms (default 6 ms, a sleep: storage latency) on every rank, so
 on two shared cores and steps stay regular (~10 ms): a CPU-bound loop would measure the scheduler's noise.
 
 Faults (also from the environment: TORCH_DDP_SLEEP_BEFORE_FORWARD=RANK:SECONDS, ...), each on one rank (or on
-every rank with RANK *):
+every rank with RANK *). A SECONDS fault given as RANK:SECONDS@PATH applies only while the file PATH exists, and
+a hang's WHEN may be a path too: one running job serves several faults in turn, switched by a test.
   --sleep-before-forward RANK:SECONDS   the rank sleeps before every forward pass (compute straggler)
   --busy-before-forward RANK:SECONDS    the rank computes (spins) that long before every forward pass
   --slow-loader RANK:SECONDS            the rank's dataset sleeps in __getitem__, once per batch (input straggler)
-  --stop-before-collective RANK:STEP    at that step the rank blocks forever in hang_before_collective(),
-                                        before backward and its all-reduce (a hang)
-  --sleep-in-loop RANK:WHEN             at that step (or, WHEN a path, the first step once that file exists)
-                                        the rank sleeps an hour in main's loop itself, before backward (a
-                                        hang whose Python frame is the training loop)
-  --spin-in-loop RANK:WHEN              ...or computes there for good, in pure Python (busy on a CPU)
+  --stop-before-collective RANK:WHEN    at that step (for good) or, WHEN a path, while that file exists, the
+                                        rank blocks in hang_before_collective(), before backward and its
+                                        all-reduce (a hang)
+  --sleep-in-loop RANK:WHEN             ...or sleeps in main's loop itself, before backward (a hang whose
+                                        Python frame is the training loop)
+  --spin-in-loop RANK:WHEN              ...or computes there, in pure Python (busy on a CPU)
   --report PATH                         the rank's own step times as JSON ("{rank}" in PATH: one file per rank,
                                         else rank 0 only), rewritten every half second and at a normal end
   --read-ms MS                          every rank's batch read time (default 6)
@@ -33,6 +34,8 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,19 +46,28 @@ from torch.utils.data import DataLoader, Dataset
 FEATURES, HIDDEN, BATCH = 32, 64, 32
 REPORT_EVERY_S = 0.5
 KEEP_STEPS = 4096  # step records in the report: more than a few seconds of steps
+SPIN_CHECK_EVERY = 1_000_000  # a spinning rank's iterations between two looks at its switch (~30 ms)
 
 
 EVERY_RANK = -1
 
 
-def rank_fault(spec: str | None, cast) -> tuple[int, float] | None:
-    """'RANK:VALUE' -> (rank, value), RANK * for every rank; None when unset."""
+@dataclass(frozen=True)
+class Fault:
+    rank: int  # EVERY_RANK for all
+    value: float | int | str  # seconds, or a hang's step or path
+    switch: str | None = None  # a path: the fault applies only while that file exists
+
+
+def rank_fault(spec: str | None, cast) -> Fault | None:
+    """'RANK:VALUE[@PATH]' -> Fault, RANK * for every rank; None when unset."""
     if not spec:
         return None
     rank, sep, value = spec.partition(":")
     if not sep:
         raise SystemExit(f"torch_ddp_train: bad fault {spec!r}: expected RANK:VALUE")
-    return EVERY_RANK if rank == "*" else int(rank), cast(value)
+    value, _, switch = value.partition("@")
+    return Fault(EVERY_RANK if rank == "*" else int(rank), cast(value), switch or None)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -75,7 +87,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.sleep_before_forward = rank_fault(args.sleep_before_forward, float)
     args.busy_before_forward = rank_fault(args.busy_before_forward, float)
     args.slow_loader = rank_fault(args.slow_loader, float)
-    args.stop_before_collective = rank_fault(args.stop_before_collective, int)
+    args.stop_before_collective = rank_fault(args.stop_before_collective, step_or_path)
     args.sleep_in_loop = rank_fault(args.sleep_in_loop, step_or_path)
     args.spin_in_loop = rank_fault(args.spin_in_loop, step_or_path)
     return args
@@ -86,13 +98,16 @@ def step_or_path(value: str) -> int | str:
 
 
 def due(when: int | str | None, step: int) -> bool:
-    """Whether a fault given as a step, or a file's path (from the first step the file exists), is due now."""
+    """Whether a hang given as a step (that step's, for good), or a file's path (while the file exists), is
+    due now."""
     return when == step if isinstance(when, int) else when is not None and os.path.exists(when)
 
 
-def on_rank(fault, rank: int):
-    """The fault's value when it applies to `rank`, else None."""
-    return fault[1] if fault is not None and fault[0] in (rank, EVERY_RANK) else None
+def on_rank(fault: Fault | None, rank: int):
+    """The fault's value when it applies to `rank` now (its switch, if any, on), else None."""
+    if fault is None or fault.rank not in (rank, EVERY_RANK):
+        return None
+    return fault.value if fault.switch is None or os.path.exists(fault.switch) else None
 
 
 class SyntheticBatches(Dataset):
@@ -100,7 +115,7 @@ class SyntheticBatches(Dataset):
     target. Reading one takes `delay` seconds, slept inside __getitem__ (storage latency; more on a slow
     input pipeline)."""
 
-    def __init__(self, seed: int, delay: float):
+    def __init__(self, seed: int, delay: Callable[[], float]):
         self.seed = seed
         self.delay = delay
         self.weights = torch.randn(FEATURES, 1, generator=torch.Generator().manual_seed(1234))
@@ -109,8 +124,8 @@ class SyntheticBatches(Dataset):
         return 1 << 40  # effectively endless
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.delay:
-            time.sleep(self.delay)
+        if delay := self.delay():
+            time.sleep(delay)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         x = torch.randn(BATCH, FEATURES, generator=g)
         return x, x @ self.weights
@@ -129,12 +144,12 @@ def busy_before_forward(seconds: float) -> None:
         pass
 
 
-def hang_before_collective(step: int) -> None:
-    """The injected hang: this rank never reaches its all-reduce again; its peers wait there."""
+def hang_before_collective(step: int, when: int | str) -> None:
+    """The injected hang: this rank does not reach its all-reduce while due; its peers wait there."""
     print(f"torch_ddp_train: rank {dist.get_rank()} stops before the collective of step {step}",
           file=sys.stderr, flush=True)
-    while True:
-        time.sleep(1.0)
+    while due(when, step):
+        time.sleep(0.2)
 
 
 class Report:
@@ -182,10 +197,8 @@ def main(argv: list[str]) -> int:
                                                   nn.ReLU(), nn.Linear(HIDDEN, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.MSELoss()
-    read_s = args.read_ms / 1e3 + (on_rank(args.slow_loader, rank) or 0.0)
-    loader = DataLoader(SyntheticBatches(rank, read_s), batch_size=None, num_workers=0)  # batch_size=None: i is a batch
-    straggle_s = on_rank(args.sleep_before_forward, rank)
-    busy_s = on_rank(args.busy_before_forward, rank)
+    batches = SyntheticBatches(rank, lambda: args.read_ms / 1e3 + (on_rank(args.slow_loader, rank) or 0.0))
+    loader = DataLoader(batches, batch_size=None, num_workers=0)  # batch_size=None: i is a batch
     stop_at = on_rank(args.stop_before_collective, rank)
     sleep_at = on_rank(args.sleep_in_loop, rank)
     spin_at = on_rank(args.spin_in_loop, rank)
@@ -201,22 +214,25 @@ def main(argv: list[str]) -> int:
             last_start = start
             if args.steps and step >= args.steps:
                 break
-            if straggle_s:
+            if straggle_s := on_rank(args.sleep_before_forward, rank):
                 sleep_before_forward(straggle_s)
-            if busy_s:
+            if busy_s := on_rank(args.busy_before_forward, rank):
                 busy_before_forward(busy_s)
             loss = loss_fn(model(x), y)
-            if stop_at is not None and step == stop_at:
-                hang_before_collective(step)
+            if due(stop_at, step):
+                hang_before_collective(step, stop_at)
             sleeps, spins = due(sleep_at, step), due(spin_at, step)
             if sleeps or spins:  # inline, so that the rank's Python frame is this loop's
                 print(f"torch_ddp_train: rank {rank} {'sleeps' if sleeps else 'spins'} in its loop at step {step}",
                       file=sys.stderr, flush=True)
                 report.write()
-                if sleeps:
-                    time.sleep(3600)
-                while spins:
-                    pass
+                while sleeps:
+                    time.sleep(0.2)
+                    sleeps = due(sleep_at, step)
+                while spins:  # pure Python in this frame; its switch looked at between runs of iterations
+                    for _ in range(SPIN_CHECK_EVERY):
+                        pass
+                    spins = due(spin_at, step)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # DDP's hooks all-reduce the gradients (gloo) and wait for them
             reduced = time.time()

@@ -140,7 +140,15 @@ class StepTruth:
 
     def go(self) -> float:
         """Starts the faults whose onset is `go` (inject/sitecustomize.py); returns when (unix s)."""
-        (self.truth / "go").touch()
+        return self.switch("go", True)
+
+    def switch(self, name: str, on: bool) -> float:
+        """Starts (or stops) the faults whose onset is the switch `name` (inject/sitecustomize.py: each rank
+        reads it every step); returns when (unix s)."""
+        if on:
+            (self.truth / name).touch()
+        else:
+            (self.truth / name).unlink(missing_ok=True)
         return time.time()
 
 

@@ -1,14 +1,21 @@
 """End to end on the simulated GPU job: real uprobes on the stand-in libcuda/libnccl, real analysis."""
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 import pytest
-from conftest import diagnose_json, maps_library, wait_until
+from conftest import diagnose_json, wait_until
 
 from rankscope.agent.session import Session
 from rankscope.analyzer.diagnosis import diagnose
 from rankscope.schema.wire import decode_patterns
-from rankscope.sim.job import start_job
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
+import launch  # noqa: E402
 
 OBSERVE_S = 4.0
+STEP_TOLERANCE = 0.10  # the accuracy tests' margin (test_accuracy.py)
 
 
 def _named(doc: dict, kind: str) -> list[list[int]]:
@@ -23,22 +30,35 @@ def test_healthy_job_has_no_finding(sim_job):
     assert all(0.03 < r["step_time_s"] < 0.12 for r in doc["ranks"]), doc["ranks"]
 
 
+@dataclass(frozen=True)
+class Diagnosed:
+    """A diagnosed window of a job: its ranks' pids, the document, the saved patterns, and the job's own step
+    time over the document's window, from its ranks' step logs (rankscope.sim.steplog)."""
+
+    pids: list[int]
+    doc: dict
+    saved: bytes
+    own_step_s: float
+
+
 @pytest.fixture(scope="module")
-def slow_gpu(tmp_path_factory) -> tuple[list[int], dict, bytes]:
-    """One diagnosed window of a 4-rank job whose rank 2's GPU is twice as slow: its ranks' pids, the document
-    and the saved patterns (the job stopped after: it would load the machine under the module's other tests)."""
-    job = start_job(4, faults=["slow-gpu:2:2"])
+def slow_gpu(tmp_path_factory) -> Diagnosed:
+    """One diagnosed window of a 4-rank job whose rank 2's GPU is twice as slow (the job stopped after: it would
+    load the machine under the module's other tests)."""
+    workdir = tmp_path_factory.mktemp("slow-gpu")
+    job = launch.start_sim(4, ["slow-gpu:2:2"], workdir, steady_steps=1)  # the window opens later, on attach
     try:
-        wait_until(lambda: all(maps_library(p, "libnccl.so.2") for p in job.pids), 30, "ranks to load the stand-ins")
-        saved = tmp_path_factory.mktemp("slow-gpu") / "window.msgpack"
-        doc = diagnose_json(job.pids, OBSERVE_S, "--save-patterns", str(saved))
-        return list(job.pids), doc, saved.read_bytes()
+        saved = workdir / "window.msgpack"
+        doc = diagnose_json(list(job.pids.values()), OBSERVE_S, "--save-patterns", str(saved))
+        job.wait_written(doc["window"]["end"])
+        own = job.step_time(doc["window"]["start"], doc["window"]["end"])
+        return Diagnosed(list(job.pids.values()), doc, saved.read_bytes(), own)
     finally:
-        job.stop()
+        job.kill()
 
 
 def test_slow_gpu_is_a_compute_straggler(slow_gpu):
-    _, doc, _ = slow_gpu
+    doc = slow_gpu.doc
     top = doc["findings"][0]
     assert (top["kind"], top["ranks"], top["component"]) == ("compute_straggler", [2], "gpu"), doc["findings"]
     assert top["function"] == "cuStreamSynchronize"
@@ -47,9 +67,17 @@ def test_slow_gpu_is_a_compute_straggler(slow_gpu):
     assert _named(doc, "slow_link") == []
 
 
+def test_the_step_time_is_the_one_the_ranks_logged(slow_gpu):
+    """The simulated ranks log their steps as the torch jobs do (rankscope.sim.steplog): the document's step,
+    one for the synchronous job, is theirs over the same window."""
+    doc = slow_gpu.doc
+    assert doc["step_time_s"] == pytest.approx(slow_gpu.own_step_s, rel=STEP_TOLERANCE), doc["step_time_s"]
+    assert len({r["step_time_s"] for r in doc["ranks"]}) == 1, doc["ranks"]
+
+
 def test_saved_patterns_are_the_window_behind_the_verdict(slow_gpu):
     """--save-patterns keeps the raw data: read back, it holds every rank and gives the same verdict."""
-    pids, doc, saved = slow_gpu
+    pids, doc, saved = slow_gpu.pids, slow_gpu.doc, slow_gpu.saved
     patterns = decode_patterns(saved)
     assert sorted(p.pid for p in patterns) == sorted(pids)
     # One window for all: it opens once every rank is watched (the first attached is not watched longer).

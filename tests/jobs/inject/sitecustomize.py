@@ -7,8 +7,9 @@ once torch.optim.optimizer is imported:
 - Truth: every optimizer step's end is written to $RANKSCOPE_TRUTH_DIR/r<RANK>.json (rankscope.sim.steplog,
   shared with the simulated GPU job): the job's own step log, which rankscope's figures are checked against.
 - Faults: $RANKSCOPE_FAULT = KIND:RANK:VALUE[@ONSET][,...], RANK `*` for every rank; ONSET is seconds
-  from the rank's first step, or `go`: from when the file $RANKSCOPE_TRUTH_DIR/go exists (a test starts the
-  fault once rankscope is attached). A kind given twice for a rank adds up from each one's onset (a shape's
+  from the rank's first step, or a switch's name (`go`, ...): while the file $RANKSCOPE_TRUTH_DIR/NAME
+  exists (a test starts the fault once rankscope is attached, and stops it by removing the file: one job
+  serves several faults in turn). A kind given twice for a rank adds up from each one's onset (a shape's
   own storage latency, then a slow loader injected on top of it):
     compute:R:S   the rank computes S seconds longer each step (spins on its CPU before optimizer.step)
     spin:R:F      ...F times its own pace longer: the median of its last PACE_STEPS steps, less their spins (a
@@ -19,7 +20,7 @@ once torch.optim.optimizer is imported:
                   page, unmaps it, again until that long has passed: what glibc's malloc does to memory it hands
                   back to the OS between steps). Timed, not sized: a MB faults in 0.55 ms on one host and 1.4 ms
                   on another, and a fixed size was a different fault on each
-    hang:R:0      the rank blocks for good before its next collective (in optimizer.step)
+    hang:R:0      the rank blocks before its next collective (in optimizer.step), for good or while switched on
   SIGSTOP, a CPU hog and a slow link are injected from outside (scripts/bench_accuracy.py).
 """
 from __future__ import annotations
@@ -60,9 +61,8 @@ class _Rank:
         self.faults = faults
         self.first: float | None = None
         self.heap: list = []
-        directory = os.environ.get("RANKSCOPE_TRUTH_DIR")
-        self.log = StepLog(directory, rank)
-        self.go = os.path.join(directory, "go") if directory else None
+        self.directory = os.environ.get("RANKSCOPE_TRUTH_DIR")
+        self.log = StepLog(self.directory, rank)
         self.spun = 0.0  # this step's spin and faulting (compute, spin, pagein), the steps' durations without it
         self.paces: deque[float] = deque(maxlen=PACE_STEPS)
 
@@ -72,9 +72,11 @@ class _Rank:
         return sum(on) if on else None
 
     def _began(self, onset: str) -> bool:
-        if onset == "go":
-            return self.go is not None and os.path.exists(self.go)
-        return not float(onset) or (self.first is not None and time.time() - self.first >= float(onset))
+        try:
+            seconds = float(onset)
+        except ValueError:  # a switch: on while its file exists
+            return self.directory is not None and os.path.exists(os.path.join(self.directory, onset))
+        return not seconds or (self.first is not None and time.time() - self.first >= seconds)
 
     def before_step(self, *_args) -> None:
         if self.first is None:
@@ -102,8 +104,8 @@ class _Rank:
         if self.active("hang") is not None:
             print(f"inject: rank {self.rank} blocks before its next collective", file=sys.stderr, flush=True)
             self.log.write()
-            while True:
-                time.sleep(1)
+            while self.active("hang") is not None:
+                time.sleep(0.2)
 
     def _pace(self) -> float:
         return statistics.median(self.paces) if self.paces else 0.0
