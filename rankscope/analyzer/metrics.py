@@ -98,6 +98,13 @@ class RankTable:
                 float(np.median(self.longest_outside_s[known])))
 
     @cached_property
+    def outside_per_step_s(self) -> np.ndarray:
+        """Per row: its time outside steps over its steps, as its window totals are read per step (0 where
+        unknown): the most of a total's per-step excess that its pauses can hold."""
+        outside = np.nan_to_num(self.outside_s)
+        return outside * self.step_s / np.maximum(self.window_s - outside, 1e-9)
+
+    @cached_property
     def job_step_s(self) -> float:
         """The job's step time: the median over ranks (ranks of a synchronous job share it). Once: the rules
         ask ~20 times (100,000 ranks: ~1.5 ms each)."""
@@ -122,8 +129,9 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     step = split.step_s
     if job_step_s is not None and np.isfinite(job_step_s):
         step[records.counts > 0] = job_step_s
-    # Window totals -> seconds per step: over the window's time in steps. A pause's own work (a checkpoint's
-    # save) is then spread over the steps, but the probed functions' time in steps is not diluted by it.
+    # Window totals -> seconds per step: over the window's time in steps, so that the probed functions' time in
+    # steps is not diluted by a pause. A pause's own work (a checkpoint's save) is still in the totals: the rules
+    # take a rank's excess beyond its peers as step work only beyond what its pauses can hold (outside_per_step_s).
     per_step = step / np.maximum(window_s - np.nan_to_num(split.outside_s), 1e-9)
 
     fn_per_step = functions.total_s * per_step[:, None]
