@@ -16,6 +16,7 @@ import numpy as np
 from rankscope.analyzer.functions import FunctionTable
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.steps import step_split, window_seconds
+from rankscope.analyzer.thresholds import PAUSE_MIN_S, PAUSE_STEPS
 from rankscope.schema.patterns import PyFunction, PyTimed, RankPattern, Role, ThreadTimes
 
 # Python functions of the input pipeline (data loaders, datasets, batch loading), by the words of their name
@@ -148,8 +149,9 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     timed[[not fs for fs in timeds]] = np.nan
 
     main = [s.get("main") for s in map(attrgetter("sched"), patterns)]
-    summed = in_role(Role.COMM)
-    comm = summed * records.busy_share  # the rank's time in collectives, counted once where several overlap
+    # The rank's time in collectives, counted once where several overlap, less its waits across a pause.
+    summed = in_role(Role.COMM) - _pause_waits(records, step) * per_step
+    comm = summed * records.busy_share
     # Other probed calls on other threads may overlap too, so the remainder can dip below zero: clip.
     host = np.clip(step - fn_per_step.sum(axis=1) + (summed - comm), 0.0, None)
     return RankTable(
@@ -177,6 +179,31 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
         timed_s=timed * per_step[:, None],
         records=records,
     )
+
+
+def _pause_waits(records: Collectives, step: np.ndarray) -> np.ndarray:
+    """Per pattern: its time in host collectives (gloo's, whose records time the wait its functions count)
+    beyond its usual wait in one (the median of its host collectives'), in those lasting PAUSE_STEPS steps and
+    PAUSE_MIN_S beyond one: no wait within a step is so long, and a rank whose peer pauses (to write a
+    checkpoint) waits for it in its next collective. That wait is outside its steps, as the pause is
+    (steps.py), not its time in collectives a step."""
+    host = np.fromiter((bool(HOST_COLLECTIVES.match(op)) for op in records.ops), bool, len(records.ops))[records.op]
+    row, wait = records.row, records.done - records.enter
+    with np.errstate(invalid="ignore"):  # NaN step: unknown, no pause
+        held = host & (wait > np.maximum(PAUSE_STEPS * step[row], step[row] + PAUSE_MIN_S))
+    if not held.any():
+        return np.zeros(records.counts.size)
+    mine = host & np.isin(row, row[held])  # the host collectives of the ranks that waited across a pause
+    usual = _lower_medians(row[mine], wait[mine], records.counts.size)
+    return np.bincount(row[held], weights=wait[held] - usual[row[held]], minlength=records.counts.size)
+
+
+def _lower_medians(row: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
+    """Per row of n: the lower median of its values of `x` (`row`: each value's row; NaN where it has none)."""
+    order = np.lexsort((x, row))
+    counts = np.bincount(row, minlength=n)
+    middle = np.cumsum(counts) - counts + (counts - 1) // 2
+    return np.where(counts > 0, x[order][middle], np.nan)  # a row of none reads another's, then NaN
 
 
 def _named_columns(rows: list[list[PyFunction]] | list[list[PyTimed]], field: str) -> tuple[list[str], np.ndarray]:

@@ -160,11 +160,12 @@ def test_the_text_report_says_the_time_outside_steps():
 SAVE_CPU = 1.2  # of a save, seconds rank 0 spends on a CPU (the rest is its fsync, off a CPU)
 
 
-def _saving_job(seed: int, spin: float = 0.0, steps: int = 100) -> list[RankPattern]:
+def _saving_job(seed: int, spin: float = 0.0, steps: int = 100, barrier: bool = True) -> list[RankPattern]:
     """Two ranks of one-bucket steps, every rank's arrival jittered alike; rank 0 writes a checkpoint after
-    every CKPT_EVERY-th step (SAVE long, SAVE_CPU of it on a CPU) while rank 1 waits for it asleep at a
-    barrier, and rank 0 computes `spin` seconds longer in every step, which its peer waits for in the
-    all-reduce. The scheduler's and /proc's totals hold the save as they hold the steps."""
+    every CKPT_EVERY-th step (SAVE long, SAVE_CPU of it on a CPU) while rank 1 waits for it asleep, at a
+    barrier or (`barrier` False) in its next all-reduce, and rank 0 computes `spin` seconds longer in every
+    step, which its peer waits for in the all-reduce. The scheduler's and /proc's totals hold the save as
+    they hold the steps."""
     rng = np.random.default_rng(seed)
     work = STEP - CALL
     arrive = T0 + 0.05 + work + rng.normal(0.0, 0.004, (steps, 2)).clip(-0.01, 0.01)
@@ -172,7 +173,7 @@ def _saving_job(seed: int, spin: float = 0.0, steps: int = 100) -> list[RankPatt
     done = np.zeros(steps)
     for i in range(steps):
         if i:  # the step begins where the last one's all-reduce ended, after a save
-            arrive[i] += done[i - 1] - (T0 + 0.05) + (SAVE if i % CKPT_EVERY == 0 else 0.0)
+            arrive[i] += done[i - 1] - (T0 + 0.05) + (SAVE if i % CKPT_EVERY == 0 else 0.0) * np.array([1, barrier])
         done[i] = arrive[i].max() + CALL
     start, end = T0, float(done[-1]) + 0.05
     saves = (steps - 1) // CKPT_EVERY
@@ -203,11 +204,22 @@ def test_the_rank_that_writes_a_checkpoint_is_no_straggler(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_rank_that_both_writes_a_checkpoint_and_computes_longer_is_named(seed):
+def test_a_rank_its_peer_waits_for_in_its_next_collective_is_no_straggler(seed):
+    """Without a barrier the peer waits out the save in its next all-reduce: that wait lies outside its
+    steps, as the save does, and is no longer time in collectives a step than the saver's."""
+    doc = diagnose_job(_saving_job(seed, barrier=False))
+    assert doc["findings"] == [] and doc.get("unconfirmed", []) == []
+    assert doc["step_time_s"] == pytest.approx(STEP, rel=0.05)
+    ranks = doc["ranks"]
+    assert ranks[1]["comm_s"] == pytest.approx(ranks[0]["comm_s"], abs=0.01 * STEP)
+
+
+@pytest.mark.parametrize(("seed", "barrier"), [(0, True), (1, True), (2, False), (3, False)])
+def test_a_rank_that_both_writes_a_checkpoint_and_computes_longer_is_named(seed, barrier):
     """Spinning a fifth of the step longer in every step, beside its saves: its peer waits for it in every
     step, and it is named for that, at what the spin costs the steps."""
     spin = 0.2 * STEP
-    doc = diagnose_job(_saving_job(seed, spin=spin))
+    doc = diagnose_job(_saving_job(seed, spin=spin, barrier=barrier))
     [f] = doc["findings"]
     assert (f["kind"], f["ranks"]) == ("compute_straggler", [0])
     assert f["cost"] == pytest.approx(spin / doc["step_time_s"], rel=0.3)
