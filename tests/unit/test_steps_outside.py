@@ -10,7 +10,8 @@ from rankscope.agent.report import render
 from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline
 from rankscope.analyzer.diagnosis import diagnose_job
 from rankscope.analyzer.steps import LEAD_DRIFT, step_split
-from rankscope.schema.patterns import CollectiveColumns, FunctionStats, RankPattern, Role, ThreadTimes
+from rankscope.schema.patterns import (CollectiveColumns, FunctionStats, PyFunction, RankPattern, Role,
+                                       ThreadTimes)
 
 T0 = 1_700_000_000.0
 STEP = 0.1
@@ -164,8 +165,8 @@ def _saving_job(seed: int, spin: float = 0.0, steps: int = 100, barrier: bool = 
     """Two ranks of one-bucket steps, every rank's arrival jittered alike; rank 0 writes a checkpoint after
     every CKPT_EVERY-th step (SAVE long, SAVE_CPU of it on a CPU) while rank 1 waits for it asleep, at a
     barrier or (`barrier` False) in its next all-reduce, and rank 0 computes `spin` seconds longer in every
-    step, which its peer waits for in the all-reduce. The scheduler's and /proc's totals hold the save as
-    they hold the steps."""
+    step, which its peer waits for in the all-reduce. The scheduler's, /proc's and the Python sampler's
+    totals hold the save as they hold the steps."""
     rng = np.random.default_rng(seed)
     work = STEP - CALL
     arrive = T0 + 0.05 + work + rng.normal(0.0, 0.004, (steps, 2)).clip(-0.01, 0.01)
@@ -187,9 +188,13 @@ def _saving_job(seed: int, spin: float = 0.0, steps: int = 100, barrier: bool = 
                      REDUCER: FunctionStats(REDUCER, Role.EXPOSED, steps, steps * CALL, CALL, CALL, CALL)}
         records = CollectiveColumns.named(["gloo_allreduce"] * steps, [1 << 20] * steps, arrive[:, r], done)
         main = ThreadTimes("main", 1, on_cpu, 0.01 * steps, end - start - on_cpu, 0.0, 0.0, 0, 0.001)
+        python = [PyFunction("model.py:forward", steps * work, steps * work, steps * work)]
+        if r == 0:
+            python += [PyFunction("serialization.py:_save", saves * SAVE, saves * SAVE, saves * SAVE_CPU),
+                       PyFunction("model.py:spin", steps * spin, steps * spin, steps * spin)]
         out.append(RankPattern(job="j", rank=r, world_size=2, pid=100 + r, host="h", window_start=start,
                                window_end=end, functions=functions, collectives=records, sched={"main": main},
-                               kernel_s=kernel, minor_faults=1000 * steps))
+                               kernel_s=kernel, minor_faults=1000 * steps, python=python))
     return out
 
 
@@ -217,9 +222,11 @@ def test_a_rank_its_peer_waits_for_in_its_next_collective_is_no_straggler(seed):
 @pytest.mark.parametrize(("seed", "barrier"), [(0, True), (1, True), (2, False), (3, False)])
 def test_a_rank_that_both_writes_a_checkpoint_and_computes_longer_is_named(seed, barrier):
     """Spinning a fifth of the step longer in every step, beside its saves: its peer waits for it in every
-    step, and it is named for that, at what the spin costs the steps."""
+    step, and it is named for that, at what the spin costs the steps, not for its save. (Where in its steps
+    the spin lies, window totals cannot tell from its saves beside it.)"""
     spin = 0.2 * STEP
     doc = diagnose_job(_saving_job(seed, spin=spin, barrier=barrier))
     [f] = doc["findings"]
     assert (f["kind"], f["ranks"]) == ("compute_straggler", [0])
+    assert f["function"] != "serialization.py:_save"  # its save is no step's: not where its extra time lies
     assert f["cost"] == pytest.approx(spin / doc["step_time_s"], rel=0.3)

@@ -381,15 +381,16 @@ def _other_work(p: RankPattern) -> float:
 
 
 def _python_excess(names: list[str], per_step: np.ndarray, i: int, valid: np.ndarray,
-                   excess: float) -> tuple[str, float] | None:
-    """The Python function holding most of a straggler's extra time, if any, and that time per step: of the
-    sampled main-thread functions (t.py_names, t.py_s) or of the exactly timed ones (t.timed_names, t.timed_s)."""
+                   excess: float, outside: float) -> tuple[str, float] | None:
+    """The Python function holding most of a straggler's extra time in its steps (in_steps, its `outside`: a
+    checkpoint's save names none), if any, and that time per step: of the sampled main-thread functions
+    (t.py_names, t.py_s) or of the exactly timed ones (t.timed_names, t.timed_s)."""
     if not names:
         return None
     known = valid & np.isfinite(per_step).all(axis=1)  # NaN rows: ranks not timed at all
     if not known[i] or known.sum() < 2:  # a rank timed among untimed peers would look slow in all it was timed in
         return None
-    extra = per_step[i] - np.median(per_step[_peers_of(known, i)], axis=0)
+    extra = in_steps(per_step[i] - np.median(per_step[_peers_of(known, i)], axis=0), outside)
     j = int(np.argmax(extra))
     return (names[j], float(extra[j])) if extra[j] >= PYTHON_SHARE * excess else None
 
@@ -479,10 +480,12 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     z, excess, work, comm_med = found.z, found.excess, found.work, found.comm_med
     step = t.job_step_s
     valid = np.isfinite(t.step_s)
+    outside = t.outside_per_step_s
 
     # Where the excess lies: the function (or host time outside probes) furthest above its peers' median, a
     # function where it holds PYTHON_SHARE of the excess at least: where a straggler's host time is no longer
-    # than its peers', a garbage collector microseconds longer would name a spinner python_gc.
+    # than its peers', a garbage collector microseconds longer would name a spinner python_gc. A function's
+    # excess its pauses can hold is not its steps' (in_steps).
     cols = [j for j, r in enumerate(t.fn_roles) if r != Role.COMM]
     comm_cols = [j for j, r in enumerate(t.fn_roles) if r == Role.COMM]
     waited_in = None  # the collective the peers spend most time in: where they wait for the straggler
@@ -498,7 +501,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
     explained = {int(t.rank[i]): explain(t, found, i) for i in flagged}
     for i, med in zip(flagged, medians):
-        host_excess, fn_excess = own[i, 0] - med[0], own[i, 1:] - med[1:]
+        host_excess, fn_excess = own[i, 0] - med[0], in_steps(own[i, 1:] - med[1:], outside[i])
         if paging[i] > 0 and paging[i] >= 0.5 * excess[i]:  # mostly faulting in memory (if at all), in the kernel
             function, component, where = PAGE_FAULTS, "host", float(paging[i] + found.excused[i])
         elif fn_excess.size and fn_excess.max() > host_excess and fn_excess.max() >= PYTHON_SHARE * excess[i]:
@@ -508,8 +511,8 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
                 component = "gpu"
         else:
             function, component, where = _HOST_TIME, "cpu", float(host_excess)
-        python = _python_excess(t.py_names, t.py_s, i, valid, excess[i])
-        timed = _python_excess(t.timed_names, t.timed_s, i, valid, excess[i])
+        python = _python_excess(t.py_names, t.py_s, i, valid, excess[i], outside[i])
+        timed = _python_excess(t.timed_names, t.timed_s, i, valid, excess[i], outside[i])
         kind = "python_gc" if component == "python" else "compute_straggler"
         # The one holding more of the extra time; of two alike, the exactly timed one (a sampled estimate is
         # noisier). Not the timed one whatever it holds: on a host short of CPUs a spinning rank's timed loader
