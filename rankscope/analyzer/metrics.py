@@ -16,6 +16,7 @@ import numpy as np
 from rankscope.analyzer.functions import FunctionTable
 from rankscope.analyzer.records import Collectives
 from rankscope.analyzer.steps import step_split, window_seconds
+from rankscope.analyzer.thresholds import PAUSE_MIN_S, PAUSE_STEPS
 from rankscope.schema.patterns import PyFunction, PyTimed, RankPattern, Role, ThreadTimes
 
 # Python functions of the input pipeline (data loaders, datasets, batch loading), by the words of their name
@@ -98,6 +99,13 @@ class RankTable:
                 float(np.median(self.longest_outside_s[known])))
 
     @cached_property
+    def outside_per_step_s(self) -> np.ndarray:
+        """Per row: its time outside steps over its steps, as its window totals are read per step (0 where
+        unknown): the most of a total's per-step excess that its pauses can hold."""
+        outside = np.nan_to_num(self.outside_s)
+        return outside * self.step_s / np.maximum(self.window_s - outside, 1e-9)
+
+    @cached_property
     def job_step_s(self) -> float:
         """The job's step time: the median over ranks (ranks of a synchronous job share it). Once: the rules
         ask ~20 times (100,000 ranks: ~1.5 ms each)."""
@@ -122,8 +130,9 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     step = split.step_s
     if job_step_s is not None and np.isfinite(job_step_s):
         step[records.counts > 0] = job_step_s
-    # Window totals -> seconds per step: over the window's time in steps. A pause's own work (a checkpoint's
-    # save) is then spread over the steps, but the probed functions' time in steps is not diluted by it.
+    # Window totals -> seconds per step: over the window's time in steps, so that the probed functions' time in
+    # steps is not diluted by a pause. A pause's own work (a checkpoint's save) is still in the totals: the rules
+    # take a rank's excess beyond its peers as step work only beyond what its pauses can hold (outside_per_step_s).
     per_step = step / np.maximum(window_s - np.nan_to_num(split.outside_s), 1e-9)
 
     fn_per_step = functions.total_s * per_step[:, None]
@@ -140,8 +149,9 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
     timed[[not fs for fs in timeds]] = np.nan
 
     main = [s.get("main") for s in map(attrgetter("sched"), patterns)]
-    summed = in_role(Role.COMM)
-    comm = summed * records.busy_share  # the rank's time in collectives, counted once where several overlap
+    # The rank's time in collectives, counted once where several overlap, less its waits across a pause.
+    summed = in_role(Role.COMM) - _pause_waits(records, step) * per_step
+    comm = summed * records.busy_share
     # Other probed calls on other threads may overlap too, so the remainder can dip below zero: clip.
     host = np.clip(step - fn_per_step.sum(axis=1) + (summed - comm), 0.0, None)
     return RankTable(
@@ -169,6 +179,31 @@ def rank_table(patterns: Sequence[RankPattern], job_step_s: float | None = None,
         timed_s=timed * per_step[:, None],
         records=records,
     )
+
+
+def _pause_waits(records: Collectives, step: np.ndarray) -> np.ndarray:
+    """Per pattern: its time in host collectives (gloo's, whose records time the wait its functions count)
+    beyond its usual wait in one (the median of its host collectives'), in those lasting PAUSE_STEPS steps and
+    PAUSE_MIN_S beyond one: no wait within a step is so long, and a rank whose peer pauses (to write a
+    checkpoint) waits for it in its next collective. That wait is outside its steps, as the pause is
+    (steps.py), not its time in collectives a step."""
+    host = np.fromiter((bool(HOST_COLLECTIVES.match(op)) for op in records.ops), bool, len(records.ops))[records.op]
+    row, wait = records.row, records.done - records.enter
+    with np.errstate(invalid="ignore"):  # NaN step: unknown, no pause
+        held = host & (wait > np.maximum(PAUSE_STEPS * step[row], step[row] + PAUSE_MIN_S))
+    if not held.any():
+        return np.zeros(records.counts.size)
+    mine = host & np.isin(row, row[held])  # the host collectives of the ranks that waited across a pause
+    usual = _lower_medians(row[mine], wait[mine], records.counts.size)
+    return np.bincount(row[held], weights=wait[held] - usual[row[held]], minlength=records.counts.size)
+
+
+def _lower_medians(row: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
+    """Per row of n: the lower median of its values of `x` (`row`: each value's row; NaN where it has none)."""
+    order = np.lexsort((x, row))
+    counts = np.bincount(row, minlength=n)
+    middle = np.cumsum(counts) - counts + (counts - 1) // 2
+    return np.where(counts > 0, x[order][middle], np.nan)  # a row of none reads another's, then NaN
 
 
 def _named_columns(rows: list[list[PyFunction]] | list[list[PyTimed]], field: str) -> tuple[list[str], np.ndarray]:

@@ -1,9 +1,11 @@
 """The step time of real jobs outside steady state, against their own step logs: a job that pauses to save a
 checkpoint, a Hugging Face Trainer diagnosed from its start-up, an FSDP2 job. The step is the steps' own (the
-median of the logged steps in the window, within STEP_TOLERANCE); start-up and pauses are `outside_steps`."""
+median of the logged steps in the window, within STEP_TOLERANCE; of the checkpointing job, whose steps beside a
+save run slower, their mean less its saves); start-up and pauses are `outside_steps`."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -18,6 +20,10 @@ import launch  # noqa: E402
 
 STEP_TOLERANCE = 0.10  # the accuracy tests' margin: a neighbour's load moves a job's pace within a window
 PAUSED = 2.5  # a logged step this many times the median holds a pause
+# The checkpointing job's step against its own steps' mean less its saves: the same time in steps, however
+# skewed they are.
+CHECKPOINT_TOLERANCE = 0.05
+SAVED = re.compile(r"step (\d+): checkpoint written in ([\d.]+) s")  # mlp_checkpoint.py's line of a save
 
 
 @pytest.fixture
@@ -49,6 +55,28 @@ def logged_steps(job: launch.TorchrunJob, doc: dict) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:])]
 
 
+def steps_less_saves(job: launch.TorchrunJob, doc: dict) -> list[float]:
+    """Every rank's logged steps within the document's window, each less the save the job printed after the
+    step it follows (rank 0 saves, the others wait for it at a barrier in the same step)."""
+    saves = {int(n): float(s) for n, s in SAVED.findall(job.log.read_text(errors="replace"))}
+    w = doc["window"]
+    out = []
+    for r in range(job.ranks):
+        log = job.step_log(r)
+        ends, first = log["ends"], log["steps"] - len(log["ends"]) + 1  # the step ends[0] ended
+        out += [b - a - saves.get(first + k, 0.0) for k, (a, b) in enumerate(zip(ends, ends[1:]))
+                if w["start"] <= a and b <= w["end"]]
+    return out
+
+
+def own_step_less_saves(job: launch.TorchrunJob, doc: dict) -> float:
+    """The job's own step over the document's window: the mean of its steps less its saves, but for those
+    still PAUSED times their median (the host held every rank: a pause, whoever caused it)."""
+    steps = steps_less_saves(job, doc)
+    median = statistics.median(steps)
+    return statistics.fmean(s for s in steps if s <= PAUSED * median)
+
+
 def assert_step(job: launch.TorchrunJob, doc: dict, tolerance: float = STEP_TOLERANCE) -> None:
     own = job.median_step(doc["window"]["start"], doc["window"]["end"])
     assert doc["step_time_s"] == pytest.approx(own, rel=tolerance), (doc["step_time_s"], own)
@@ -56,10 +84,12 @@ def assert_step(job: launch.TorchrunJob, doc: dict, tolerance: float = STEP_TOLE
 
 def test_a_checkpoints_save_is_outside_steps_not_a_slower_step(job, tmp_path):
     """Rank 0 saves model, optimizer and replay buffer every 25 steps (about a second, fsynced); the others
-    wait at a barrier meanwhile. Spread over the steps, the saves would read as a step half again as long."""
+    wait at a barrier meanwhile. Spread over the steps, the saves would read as a step half again as long,
+    and rank 0's save on a CPU as its extra work: nothing is named."""
     j = job("mlp_checkpoint.py", 2, "--ckpt-dir", str(tmp_path))
     doc = diagnose(j, 8.0)
-    assert_step(j, doc)  # a save's writeback slows the steps beside it: up to ~9% off the log's median
+    assert doc["findings"] == [], [f["summary"] for f in doc["findings"]]
+    assert doc["step_time_s"] == pytest.approx(own_step_less_saves(j, doc), rel=CHECKPOINT_TOLERANCE)
     assert doc["outside_steps"]["seconds"] > 0
     steps = logged_steps(j, doc)
     median = statistics.median(steps)

@@ -51,7 +51,9 @@ def diagnosed(name: str) -> dict:
 
 
 def test_every_kept_window_names_a_fault_the_matrix_injects():
-    assert all(w["fault"] in FAULTS and ("rank" in w or w["shape"] in SHAPES) for w in WINDOWS.values())
+    # A healthy window of a job the matrix does not run (a checkpointing job) has no rank to hit.
+    assert all(w["fault"] in FAULTS and ("rank" in w or w["shape"] in SHAPES or FAULTS[w["fault"]].expect is None)
+               for w in WINDOWS.values())
     assert not any(set(w.get("known_wrong", {})) - {"verdict", "component", "cost"} for w in WINDOWS.values())
 
 

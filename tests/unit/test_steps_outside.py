@@ -10,7 +10,8 @@ from rankscope.agent.report import render
 from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline
 from rankscope.analyzer.diagnosis import diagnose_job
 from rankscope.analyzer.steps import LEAD_DRIFT, step_split
-from rankscope.schema.patterns import CollectiveColumns, FunctionStats, RankPattern, Role
+from rankscope.schema.patterns import (CollectiveColumns, FunctionStats, PyFunction, RankPattern, Role,
+                                       ThreadTimes)
 
 T0 = 1_700_000_000.0
 STEP = 0.1
@@ -155,3 +156,77 @@ def test_the_text_report_says_the_time_outside_steps():
     assert "outside steps: 3.00 s of the window" in text
     steady = render(diagnose_job(_ranks(_one_bucket(_steps(T0 + 0.05, 60)), T0, T0 + 6.05)))
     assert "outside steps" not in steady
+
+
+SAVE_CPU = 1.2  # of a save, seconds rank 0 spends on a CPU (the rest is its fsync, off a CPU)
+
+
+def _saving_job(seed: int, spin: float = 0.0, steps: int = 100, barrier: bool = True) -> list[RankPattern]:
+    """Two ranks of one-bucket steps, every rank's arrival jittered alike; rank 0 writes a checkpoint after
+    every CKPT_EVERY-th step (SAVE long, SAVE_CPU of it on a CPU) while rank 1 waits for it asleep, at a
+    barrier or (`barrier` False) in its next all-reduce, and rank 0 computes `spin` seconds longer in every
+    step, which its peer waits for in the all-reduce. The scheduler's, /proc's and the Python sampler's
+    totals hold the save as they hold the steps."""
+    rng = np.random.default_rng(seed)
+    work = STEP - CALL
+    arrive = T0 + 0.05 + work + rng.normal(0.0, 0.004, (steps, 2)).clip(-0.01, 0.01)
+    arrive[:, 0] += spin
+    done = np.zeros(steps)
+    for i in range(steps):
+        if i:  # the step begins where the last one's all-reduce ended, after a save
+            arrive[i] += done[i - 1] - (T0 + 0.05) + (SAVE if i % CKPT_EVERY == 0 else 0.0) * np.array([1, barrier])
+        done[i] = arrive[i].max() + CALL
+    start, end = T0, float(done[-1]) + 0.05
+    saves = (steps - 1) // CKPT_EVERY
+    out = []
+    for r in range(2):
+        waits = done - arrive[:, r]
+        on_cpu = steps * (work + (spin if r == 0 else 0.0)) + (saves * SAVE_CPU if r == 0 else 0.0)
+        kernel = 0.05 * on_cpu + (saves * 0.3 if r == 0 else 0.0)  # a save writes in the kernel
+        functions = {"gloo_allreduce": FunctionStats("gloo_allreduce", Role.COMM, steps, float(waits.sum()),
+                                                     CALL, CALL, CALL),
+                     REDUCER: FunctionStats(REDUCER, Role.EXPOSED, steps, steps * CALL, CALL, CALL, CALL)}
+        records = CollectiveColumns.named(["gloo_allreduce"] * steps, [1 << 20] * steps, arrive[:, r], done)
+        main = ThreadTimes("main", 1, on_cpu, 0.01 * steps, end - start - on_cpu, 0.0, 0.0, 0, 0.001)
+        python = [PyFunction("model.py:forward", steps * work, steps * work, steps * work)]
+        if r == 0:
+            python += [PyFunction("serialization.py:_save", saves * SAVE, saves * SAVE, saves * SAVE_CPU),
+                       PyFunction("model.py:spin", steps * spin, steps * spin, steps * spin)]
+        out.append(RankPattern(job="j", rank=r, world_size=2, pid=100 + r, host="h", window_start=start,
+                               window_end=end, functions=functions, collectives=records, sched={"main": main},
+                               kernel_s=kernel, minor_faults=1000 * steps, python=python))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_rank_that_writes_a_checkpoint_is_no_straggler(seed):
+    """Its save's time on a CPU, in user mode and in the kernel is in its window's totals but in no step: its
+    peer waits for it outside the steps, and nothing is named."""
+    doc = diagnose_job(_saving_job(seed))
+    assert doc["findings"] == [] and doc.get("unconfirmed", []) == []
+    assert doc["step_time_s"] == pytest.approx(STEP, rel=0.05)
+    assert doc["outside_steps"]["longest_s"] == pytest.approx(SAVE, abs=0.05)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rank_its_peer_waits_for_in_its_next_collective_is_no_straggler(seed):
+    """Without a barrier the peer waits out the save in its next all-reduce: that wait lies outside its
+    steps, as the save does, and is no longer time in collectives a step than the saver's."""
+    doc = diagnose_job(_saving_job(seed, barrier=False))
+    assert doc["findings"] == [] and doc.get("unconfirmed", []) == []
+    assert doc["step_time_s"] == pytest.approx(STEP, rel=0.05)
+    ranks = doc["ranks"]
+    assert ranks[1]["comm_s"] == pytest.approx(ranks[0]["comm_s"], abs=0.01 * STEP)
+
+
+@pytest.mark.parametrize(("seed", "barrier"), [(0, True), (1, True), (2, False), (3, False)])
+def test_a_rank_that_both_writes_a_checkpoint_and_computes_longer_is_named(seed, barrier):
+    """Spinning a fifth of the step longer in every step, beside its saves: its peer waits for it in every
+    step, and it is named for that, at what the spin costs the steps, not for its save. (Where in its steps
+    the spin lies, window totals cannot tell from its saves beside it.)"""
+    spin = 0.2 * STEP
+    doc = diagnose_job(_saving_job(seed, spin=spin, barrier=barrier))
+    [f] = doc["findings"]
+    assert (f["kind"], f["ranks"]) == ("compute_straggler", [0])
+    assert f["function"] != "serialization.py:_save"  # its save is no step's: not where its extra time lies
+    assert f["cost"] == pytest.approx(spin / doc["step_time_s"], rel=0.3)

@@ -34,8 +34,9 @@ def faulting(t: RankTable) -> np.ndarray:
     pages it hands back are faulted in again on the next step: healthy ranks alike in user time can differ
     by a tenth of the step in the kernel, and be that much longer on a CPU and late at the collectives,
     without being stragglers. Counted as the extra faults at the rank's own cost per fault, at
-    most its extra kernel time: a rank whose kernel time grows without faults (a loader's reads) keeps it."""
-    kernel = peer_deviation(t.kernel_s, 0.0)[1]
+    most its extra kernel time in its steps (in_steps): a rank whose kernel time grows without faults (a
+    loader's reads) keeps it, and a pause's faults (a checkpoint's buffers) are no step's."""
+    kernel = in_steps(peer_deviation(t.kernel_s, 0.0)[1], t.outside_per_step_s)
     faults = peer_deviation(t.faults, 0.0)[1]
     with np.errstate(invalid="ignore", divide="ignore"):
         cost = np.minimum(kernel, faults * t.kernel_s / t.faults)
@@ -76,6 +77,16 @@ def _lead_bar(paged: np.ndarray, step: float, runq: np.ndarray, user: np.ndarray
     with np.errstate(invalid="ignore"):
         contended = (runq >= STRAGGLER_MIN_EXCESS * step) & (runq >= paged) & (user < SMALL_USER * step)
     return np.where(contended, CONTENDED_HELD, SMALL_HELD)
+
+
+def in_steps(excess: np.ndarray, outside: np.ndarray | float) -> np.ndarray:
+    """A rank's excess per step of a window total beyond its peers' (time on a CPU, in user mode, its GPU
+    busy), less the most of it its time outside steps (`outside`, RankTable.outside_per_step_s) can hold. A
+    window's totals hold what a rank does in its pauses too (the rank that writes a checkpoint, while its peers
+    wait for it), which is no step's work: only what its pauses cannot hold is surely in its steps. A rank that
+    works longer in every step still shows it in its arrivals and in its share of the collectives' wait."""
+    with np.errstate(invalid="ignore"):
+        return np.where(excess > 0, np.clip(excess - outside, 0.0, None), excess)
 
 
 def decidable(t: RankTable, min_ranks: int = MIN_RANKS) -> np.ndarray | None:
@@ -140,14 +151,15 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
         return None
     step = t.job_step_s
     paged = faulting(t)
-    user = peer_deviation(np.where(valid, t.oncpu_s - t.kernel_s, np.nan), 0.0)[1]  # NaN: no kernel view
+    outside = t.outside_per_step_s
+    user = in_steps(peer_deviation(np.where(valid, t.oncpu_s - t.kernel_s, np.nan), 0.0)[1], outside)  # NaN: unknown
     through = None if a is None else late_through(a, paged, step, _runq_excess(t), user)
     faults = excused_faults(paged, step, through)
     work = np.where(valid, t.work_s - faults, np.nan)
     z, excess = peer_deviation(work, Z_FLOOR * step)
     comm_med = peers_median(np.where(valid, t.comm_s, np.nan))
     gpu_excess = _gpu_busy_excess(t)
-    ran = peer_deviation(t.oncpu_s, 0.0)[1] - faults
+    ran = in_steps(peer_deviation(t.oncpu_s, 0.0)[1], outside) - faults
     small = held = thin = steady = np.zeros(valid.shape, dtype=bool)
     comm_excess = peer_deviation(np.where(valid, t.comm_s, np.nan), 0.0)[1]
     checks = Checks(step, comm_excess)
@@ -182,7 +194,7 @@ def straggling(t: RankTable, min_ranks: int = MIN_RANKS, a: Alignment | None = N
             leads = busier & arrives.oftener
             # Its own work is also its host's wait for its own GPU: a slower GPU keeps the host no longer on a CPU,
             # longer in its synchronizations.
-            own_gpu = np.fmax(peer_deviation(np.where(valid, t.sync_s, np.nan), 0.0)[1], gpu_excess)
+            own_gpu = np.fmax(in_steps(peer_deviation(np.where(valid, t.sync_s, np.nan), 0.0)[1], outside), gpu_excess)
             # Page faults not excused are its own work, and on a host short of CPUs they take longer in wall time
             # than on a CPU: at its share of the CPU while runnable. Its faults only, not all its time on a
             # CPU: scaled so, a healthy rank of a host loaded several deep would look as if it worked late.
@@ -318,8 +330,8 @@ def _late_shares(a: Alignment, valid: np.ndarray) -> tuple[np.ndarray, np.ndarra
 def _runq_excess(t: RankTable) -> np.ndarray:
     """Per row: how much longer per step its main thread waited for a CPU than its peers' (NaN: unknown),
     against the same peers as its work (the others only, in a small job: of two ranks, the median of both
-    would halve the difference)."""
-    return peer_deviation(t.runq_s, 0.0)[1]
+    would halve the difference); in its steps (in_steps)."""
+    return in_steps(peer_deviation(t.runq_s, 0.0)[1], t.outside_per_step_s)
 
 
 def _contended(t: RankTable, rows: np.ndarray, found: Straggling) -> np.ndarray:
@@ -369,15 +381,16 @@ def _other_work(p: RankPattern) -> float:
 
 
 def _python_excess(names: list[str], per_step: np.ndarray, i: int, valid: np.ndarray,
-                   excess: float) -> tuple[str, float] | None:
-    """The Python function holding most of a straggler's extra time, if any, and that time per step: of the
-    sampled main-thread functions (t.py_names, t.py_s) or of the exactly timed ones (t.timed_names, t.timed_s)."""
+                   excess: float, outside: float) -> tuple[str, float] | None:
+    """The Python function holding most of a straggler's extra time in its steps (in_steps, its `outside`: a
+    checkpoint's save names none), if any, and that time per step: of the sampled main-thread functions
+    (t.py_names, t.py_s) or of the exactly timed ones (t.timed_names, t.timed_s)."""
     if not names:
         return None
     known = valid & np.isfinite(per_step).all(axis=1)  # NaN rows: ranks not timed at all
     if not known[i] or known.sum() < 2:  # a rank timed among untimed peers would look slow in all it was timed in
         return None
-    extra = per_step[i] - np.median(per_step[_peers_of(known, i)], axis=0)
+    extra = in_steps(per_step[i] - np.median(per_step[_peers_of(known, i)], axis=0), outside)
     j = int(np.argmax(extra))
     return (names[j], float(extra[j])) if extra[j] >= PYTHON_SHARE * excess else None
 
@@ -428,12 +441,12 @@ def _host_evidence(t: RankTable, i: int, peers: tuple[np.ndarray, np.ndarray]) -
 
 def _gpu_busy_excess(t: RankTable) -> np.ndarray:
     """Per row: how much longer per step its GPU was busy than its peers' (the shim's union of kernel, copy
-    and set intervals; NaN: not measured)."""
+    and set intervals; NaN: not measured), in its steps (in_steps)."""
     busy = np.full(len(t.patterns), np.nan)
     for i, p in enumerate(t.patterns):
         if p.gpu is not None:
             busy[i] = p.gpu.busy_s / p.window_s * t.step_s[i]  # NaN with an unknown step
-    return peer_deviation(busy, 0.0)[1]
+    return in_steps(peer_deviation(busy, 0.0)[1], t.outside_per_step_s)
 
 
 def compute_straggler(t: RankTable, a: Alignment | None = None) -> list[Finding]:
@@ -467,10 +480,12 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     z, excess, work, comm_med = found.z, found.excess, found.work, found.comm_med
     step = t.job_step_s
     valid = np.isfinite(t.step_s)
+    outside = t.outside_per_step_s
 
     # Where the excess lies: the function (or host time outside probes) furthest above its peers' median, a
     # function where it holds PYTHON_SHARE of the excess at least: where a straggler's host time is no longer
-    # than its peers', a garbage collector microseconds longer would name a spinner python_gc.
+    # than its peers', a garbage collector microseconds longer would name a spinner python_gc. A function's
+    # excess its pauses can hold is not its steps' (in_steps).
     cols = [j for j, r in enumerate(t.fn_roles) if r != Role.COMM]
     comm_cols = [j for j, r in enumerate(t.fn_roles) if r == Role.COMM]
     waited_in = None  # the collective the peers spend most time in: where they wait for the straggler
@@ -486,7 +501,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
     explained = {int(t.rank[i]): explain(t, found, i) for i in flagged}
     for i, med in zip(flagged, medians):
-        host_excess, fn_excess = own[i, 0] - med[0], own[i, 1:] - med[1:]
+        host_excess, fn_excess = own[i, 0] - med[0], in_steps(own[i, 1:] - med[1:], outside[i])
         if paging[i] > 0 and paging[i] >= 0.5 * excess[i]:  # mostly faulting in memory (if at all), in the kernel
             function, component, where = PAGE_FAULTS, "host", float(paging[i] + found.excused[i])
         elif fn_excess.size and fn_excess.max() > host_excess and fn_excess.max() >= PYTHON_SHARE * excess[i]:
@@ -496,8 +511,8 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
                 component = "gpu"
         else:
             function, component, where = _HOST_TIME, "cpu", float(host_excess)
-        python = _python_excess(t.py_names, t.py_s, i, valid, excess[i])
-        timed = _python_excess(t.timed_names, t.timed_s, i, valid, excess[i])
+        python = _python_excess(t.py_names, t.py_s, i, valid, excess[i], outside[i])
+        timed = _python_excess(t.timed_names, t.timed_s, i, valid, excess[i], outside[i])
         kind = "python_gc" if component == "python" else "compute_straggler"
         # The one holding more of the extra time; of two alike, the exactly timed one (a sampled estimate is
         # noisier). Not the timed one whatever it holds: on a host short of CPUs a spinning rank's timed loader
