@@ -10,7 +10,7 @@ from rankscope.agent.detail import SlowdownTrigger
 from rankscope.agent.host.discovery import training_processes
 from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
-from rankscope.agent.service.history import StepHistory
+from rankscope.agent.service.history import StepHistory, Store
 from rankscope.agent.service.http import make_app, serve_windows
 from rankscope.agent.service.snapshot import AgentHealth, Snapshot, TargetView, targets_of
 from rankscope.agent.session import JOB_PATTERNS, Session
@@ -29,7 +29,8 @@ class Agent:
     MAX_EXITED = 256  # exited targets kept in /v1/targets
 
     def __init__(self, session: Session, discover_all: bool, hang_timeout_s: float,
-                 trigger: SlowdownTrigger | None = None, slowdown_threshold: float = SLOWDOWN_THRESHOLD):
+                 trigger: SlowdownTrigger | None = None, slowdown_threshold: float = SLOWDOWN_THRESHOLD,
+                 history: Store | None = None):
         self.session = session
         self.hang_timeout_s = hang_timeout_s
         self.discover_all = discover_all
@@ -37,10 +38,10 @@ class Agent:
         self.slowdown_threshold = slowdown_threshold
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows (jobs that ended are dropped)
         self.confirmer = Confirmer()  # a finding is reported once it held (stability.py)
-        self.history = StepHistory()  # the page's step-time chart
+        self.history = StepHistory(store=history)  # the page's chart and /v1/history, on disk with a store
         self.windows = 0
         self.attach_errors = 0
-        self.snapshot = Snapshot()
+        self.snapshot = Snapshot(history=self.history)  # a restarted agent serves its kept history at once
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
         self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
         self._skipped: dict[int, str] = {}  # training-library processes that are not ranks (launchers, workers)
@@ -129,3 +130,4 @@ async def serve(agent: Agent, host: str, port: int, window_s: float, token: str 
                             first=lambda: loop.run_in_executor(None, agent.discover))
     finally:
         agent.session.close()
+        agent.history.close()

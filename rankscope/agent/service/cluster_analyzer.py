@@ -19,7 +19,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from rankscope.agent.service.history import StepHistory, StepPoint
+from rankscope.agent.service.history import StepHistory, Store
 from rankscope.agent.service.http import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
 from rankscope.agent.service.page import add_page
 from rankscope.agent.service.prometheus import build_info, exposition, gauge
@@ -90,7 +90,7 @@ class _Served:
 class ClusterSnapshot:
     agents: list[AgentStatus] = field(default_factory=list)
     diagnoses: dict[str, dict[str, Any]] = field(default_factory=dict)
-    history: dict[str, list[StepPoint]] = field(default_factory=dict)  # job -> its recent windows (the page)
+    history: StepHistory = field(default_factory=StepHistory)  # each job's windows (the page, /v1/history)
     # pull_s (wall, decoding included), diagnose_s (wall) and diagnose_cpu_s of the window
     timing: dict[str, float] = field(default_factory=dict)
 
@@ -101,7 +101,7 @@ class PullError(Exception):
 
 class Cluster:
     def __init__(self, agents: Sequence[str], token: str | None, timeout_s: float, concurrency: int,
-                 hang_timeout_s: float, window_s: float, shard: Shard = Shard()):
+                 hang_timeout_s: float, window_s: float, shard: Shard = Shard(), history: Store | None = None):
         self.sources = list(agents)
         self.shard = shard  # this replica's jobs only
         self.headers = {"Accept": MSGPACK, **({"Authorization": f"Bearer {token}"} if token else {})}
@@ -110,11 +110,11 @@ class Cluster:
         self.hang_timeout_s = hang_timeout_s
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows over all nodes
         self.confirmer = Confirmer()  # a finding is reported once it held (stability.py)
-        self.history = StepHistory()
+        self.history = StepHistory(store=history)
         self.forget_after_s = FORGET_AFTER_WINDOWS * window_s
         self.status: dict[str, AgentStatus] = {}
         self.served: dict[str, dict[str, _Served]] = {}  # agent -> job -> what it last served
-        self.snapshot = ClusterSnapshot()
+        self.snapshot = ClusterSnapshot(history=self.history)
         self.windows = 0
         self.idle: set[str] = set()  # sharded: agents whose last answer held none of this replica's jobs
         self._session: aiohttp.ClientSession | None = None
@@ -122,6 +122,7 @@ class Cluster:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+        self.history.close()
 
     async def _urls(self) -> list[str]:
         urls: list[str] = []

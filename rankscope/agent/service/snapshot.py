@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankscope.agent.host.containers import Container
-from rankscope.agent.service.history import StepPoint
+from rankscope.agent.service.history import StepHistory
 from rankscope.agent.views.profile import RankProfile
 from rankscope.schema.patterns import RankPattern
 
@@ -39,7 +39,7 @@ class Snapshot:
     errors: list[str] = field(default_factory=list)  # processes that could not be watched, and why
     skipped: list[str] = field(default_factory=list)  # processes not watched on purpose (launchers, workers)
     profiles: list[RankProfile] = field(default_factory=list)  # each rank's Python stacks of the window, bounded
-    history: dict[str, list[StepPoint]] = field(default_factory=dict)  # job -> its recent windows (the page)
+    history: StepHistory = field(default_factory=StepHistory)  # each job's windows (the page, /v1/history)
     health: AgentHealth = field(default_factory=AgentHealth)
 
 
