@@ -95,7 +95,8 @@ class Agent:
             skipped=[f"pid {pid}: {why}" for pid, why in sorted(self._skipped.items())],
             profiles=window_profiles(patterns, self.session.frames.last, self.session.frames.last_frequency, docs),
             history=self.history.record(docs),
-            health=AgentHealth(windows=self.windows, attach_errors=self.attach_errors, drops=self.session.drops()),
+            health=AgentHealth(windows=self.windows, attach_errors=self.attach_errors, drops=self.session.drops(),
+                               last_window=time.time()),
         )
         self.discover()
         return self.snapshot

@@ -22,7 +22,7 @@ from yarl import URL
 from rankscope.agent.service.history import StepHistory, Store
 from rankscope.agent.service.http import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
 from rankscope.agent.service.page import add_page
-from rankscope.agent.service.prometheus import build_info, exposition, gauge
+from rankscope.agent.service.prometheus import build_info, exposition, finding_metrics, gauge, last_window
 from rankscope.agent.service.shard import Shard
 from rankscope.analyzer.baseline import Baseline
 from rankscope.analyzer.cluster import diagnose_cluster
@@ -93,6 +93,7 @@ class ClusterSnapshot:
     history: StepHistory = field(default_factory=StepHistory)  # each job's windows (the page, /v1/history)
     # pull_s (wall, decoding included), diagnose_s (wall) and diagnose_cpu_s of the window
     timing: dict[str, float] = field(default_factory=dict)
+    closed_at: float | None = None  # unix s when the window closed
 
 
 class PullError(Exception):
@@ -204,7 +205,8 @@ class Cluster:
         self.snapshot = ClusterSnapshot(agents=sorted(self.status.values(), key=lambda s: s.url),
                                         diagnoses=diagnoses, history=self.history.record(diagnoses),
                                         timing={"pull_s": pulled - started, "diagnose_s": time.perf_counter() - pulled,
-                                                "diagnose_cpu_s": time.thread_time() - pulled_cpu})
+                                                "diagnose_cpu_s": time.thread_time() - pulled_cpu},
+                                        closed_at=time.time())
         return self.snapshot
 
     def _due(self, url: str) -> bool:
@@ -262,7 +264,9 @@ def make_cluster_app(current: Callable[[], ClusterSnapshot], token: str | None) 
         return metrics_response(exposition(snap.diagnoses, [
             build_info("cluster"),
             gauge("rankscope_cluster_agents", "Node agents by the state of their last pull.", states, ("state",)),
-            gauge("rankscope_cluster_jobs", "Jobs observed over all agents.", len(snap.diagnoses))]))
+            gauge("rankscope_cluster_jobs", "Jobs observed over all agents.", len(snap.diagnoses)),
+            last_window("cluster", socket.gethostname(), snap.closed_at),
+            *finding_metrics(snap.diagnoses, snap.history.held())]))
 
     app = secure_app(token)
     app.router.add_get("/v1/jobs", jobs)

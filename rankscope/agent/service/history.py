@@ -173,6 +173,16 @@ class StepHistory:
             self.store.put(new)
         return self
 
+    def held(self) -> dict[tuple[str, FindingKey], int]:
+        """(job, finding) -> how many windows in a row, up to the last, reported it (at most `keep`)."""
+        out: dict[tuple[str, FindingKey], int] = {}
+        with self._lock:
+            for job, windows in self._jobs.items():
+                keys = [{finding_key(f) for f in w.findings} for w in reversed(windows)]
+                for key in keys[0] if keys else ():
+                    out[(job, key)] = next((n for n, ks in enumerate(keys) if key not in ks), len(keys))
+        return out
+
     def points(self) -> dict[str, list[StepPoint]]:
         """Each job's windows in memory."""
         with self._lock:

@@ -26,6 +26,7 @@ class AgentHealth:
     """Counts since the agent started, for /metrics."""
 
     windows: int = 0
+    last_window: float | None = None  # unix s when the last window closed
     attach_errors: int = 0  # processes --all found that could not be watched
     drops: dict[str, int] = field(default_factory=dict)  # what the kernel side had no room for, by kind
 
