@@ -234,11 +234,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     token = load_token(args.token_file)
     check_bind(host, token)  # before attaching anything
+    notify, history = notifier(args, "agent"), history_store(args, "agent")
     session = make_session(args, trigger.fixed or LIGHT)
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
     agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger,
-                  slowdown_threshold=args.slowdown_threshold, history=history_store(args, "agent"))
+                  slowdown_threshold=args.slowdown_threshold, history=history, notifier=notify)
     asyncio.run(serve(agent, host, port, args.window, token))
     return 0
 
@@ -271,7 +272,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     token = load_token(args.token_file)
     check_bind(host, token)
     cluster = Cluster(agents, token, args.timeout, args.concurrency, args.hang_timeout, args.window, shard,
-                      history_store(args, "cluster"))
+                      history_store(args, "cluster"), notifier(args, "cluster"))
     asyncio.run(serve_cluster(cluster, host, port, args.window, token))
     return 0
 
@@ -284,6 +285,18 @@ def history_store(args: argparse.Namespace, name: str):
         raise UsageError("--history-max-age and --history-max-mb must be positive")
     directory = None if args.history_dir in ("", "off") else args.history_dir
     return open_store(directory, name, args.history_max_age * 86400, int(args.history_max_mb * 1024 * 1024))
+
+
+def notifier(args: argparse.Namespace, component: str):
+    """--notify-url's notifier (None without one)."""
+    from rankscope.agent.service.notify import Notifier, parse_notify_url
+
+    if not args.notify_url:
+        return None
+    try:
+        return Notifier([parse_notify_url(u) for u in args.notify_url], component)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -335,6 +348,9 @@ def add_history(p: argparse.ArgumentParser) -> None:
                    help="windows older than this are deleted (default %(default)g)")
     p.add_argument("--history-max-mb", type=float, default=DEFAULT_MAX_BYTES / 1024 / 1024, metavar="MB",
                    help="the oldest windows are deleted while the history is larger (default %(default)g)")
+    p.add_argument("--notify-url", action="append", metavar="URL",
+                   help="POST a JSON event (Alertmanager's webhook payload with a chat `text` line) to URL when a "
+                        "finding starts and when it ends; repeatable")
 
 
 def add_trace_function(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
 from rankscope.agent.service.history import StepHistory, Store
 from rankscope.agent.service.http import make_app, serve_windows
+from rankscope.agent.service.notify import Notifier
 from rankscope.agent.service.snapshot import AgentHealth, Snapshot, TargetView, targets_of
 from rankscope.agent.session import JOB_PATTERNS, Session
 from rankscope.agent.trace_capture import capture
@@ -30,7 +31,7 @@ class Agent:
 
     def __init__(self, session: Session, discover_all: bool, hang_timeout_s: float,
                  trigger: SlowdownTrigger | None = None, slowdown_threshold: float = SLOWDOWN_THRESHOLD,
-                 history: Store | None = None):
+                 history: Store | None = None, notifier: Notifier | None = None):
         self.session = session
         self.hang_timeout_s = hang_timeout_s
         self.discover_all = discover_all
@@ -39,6 +40,7 @@ class Agent:
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows (jobs that ended are dropped)
         self.confirmer = Confirmer()  # a finding is reported once it held (stability.py)
         self.history = StepHistory(store=history)  # the page's chart and /v1/history, on disk with a store
+        self.notifier = notifier  # --notify-url: a POST when a finding starts and ends
         self.windows = 0
         self.attach_errors = 0
         self.snapshot = Snapshot(history=self.history)  # a restarted agent serves its kept history at once
@@ -86,6 +88,8 @@ class Agent:
         self.confirmer.confirm(docs)
         for doc in docs.values():
             doc["mode"] = self.trigger.mode()
+        if self.notifier is not None:
+            self.notifier.update(docs)
         self.snapshot = Snapshot(
             window_end=max((p.window_end for p in patterns), default=None),
             targets=views + [v for pid, v in self._exited.items() if pid not in current],
@@ -132,3 +136,5 @@ async def serve(agent: Agent, host: str, port: int, window_s: float, token: str 
     finally:
         agent.session.close()
         agent.history.close()
+        if agent.notifier is not None:
+            agent.notifier.close()

@@ -21,6 +21,7 @@ from yarl import URL
 
 from rankscope.agent.service.history import StepHistory, Store
 from rankscope.agent.service.http import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
+from rankscope.agent.service.notify import Notifier
 from rankscope.agent.service.page import add_page
 from rankscope.agent.service.prometheus import build_info, exposition, finding_metrics, gauge, last_window
 from rankscope.agent.service.shard import Shard
@@ -102,7 +103,8 @@ class PullError(Exception):
 
 class Cluster:
     def __init__(self, agents: Sequence[str], token: str | None, timeout_s: float, concurrency: int,
-                 hang_timeout_s: float, window_s: float, shard: Shard = Shard(), history: Store | None = None):
+                 hang_timeout_s: float, window_s: float, shard: Shard = Shard(), history: Store | None = None,
+                 notifier: Notifier | None = None):
         self.sources = list(agents)
         self.shard = shard  # this replica's jobs only
         self.headers = {"Accept": MSGPACK, **({"Authorization": f"Bearer {token}"} if token else {})}
@@ -112,6 +114,7 @@ class Cluster:
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows over all nodes
         self.confirmer = Confirmer()  # a finding is reported once it held (stability.py)
         self.history = StepHistory(store=history)
+        self.notifier = notifier  # --notify-url: a POST when a finding starts and ends
         self.forget_after_s = FORGET_AFTER_WINDOWS * window_s
         self.status: dict[str, AgentStatus] = {}
         self.served: dict[str, dict[str, _Served]] = {}  # agent -> job -> what it last served
@@ -124,6 +127,8 @@ class Cluster:
         if self._session is not None:
             await self._session.close()
         self.history.close()
+        if self.notifier is not None:
+            self.notifier.close()
 
     async def _urls(self) -> list[str]:
         urls: list[str] = []
@@ -202,6 +207,8 @@ class Cluster:
         diagnoses = diagnose_cluster(patterns, lost, self.hang_timeout_s, self.baselines)
         self.baselines = {job: b for job, b in self.baselines.items() if job in diagnoses}
         self.confirmer.confirm(diagnoses)
+        if self.notifier is not None:
+            self.notifier.update(diagnoses)
         self.snapshot = ClusterSnapshot(agents=sorted(self.status.values(), key=lambda s: s.url),
                                         diagnoses=diagnoses, history=self.history.record(diagnoses),
                                         timing={"pull_s": pulled - started, "diagnose_s": time.perf_counter() - pulled,
