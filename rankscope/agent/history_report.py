@@ -42,8 +42,9 @@ def _ms(s: float | None) -> str:
 def render_history(answer: dict[str, Any]) -> str:
     """Each job: its windows' span and step time, then its findings from onset to end."""
     jobs = answer["jobs"]
-    if not jobs:
-        return f"no windows from {_clock(answer['since'])} to {_clock(answer['until'])}\n"
+    if not jobs:  # (an agent older than `since` and `until` answers neither)
+        return (f"no windows from {_clock(answer['since'])} to {_clock(answer['until'])}\n" if "since" in answer
+                else "no windows\n")
     out: list[str] = []
     for job, points in jobs.items():
         steps = [p["step_time_s"] for p in points if p["step_time_s"] is not None]

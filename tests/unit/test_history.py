@@ -170,3 +170,19 @@ def test_times_are_unix_seconds_or_a_duration_ago(text, expected):
 def test_a_time_out_of_bounds_is_refused(text):
     with pytest.raises(ValueError):
         parse_time(text, T0)
+
+
+def test_the_history_command_reads_the_database_of_a_stopped_agent(tmp_path, capsys):
+    from rankscope.agent.cli import main
+
+    store = _store(tmp_path)
+    _record(StepHistory(store=store), WINDOWS)
+    store.close()
+    assert main(["history", "--history-dir", str(tmp_path), "--since", "2h"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"job job-a: {len(WINDOWS)} windows from ")
+    assert [line.split("  ")[2].split(",")[0] for line in lines[1:]] == [
+        "compute_straggler ranks 1", "noncomm_hang ranks 2", "compute_straggler ranks 1"]
+    assert "(3 windows)" in lines[1] and "costs 20%: compute_straggler of [1]" in lines[1]
+    assert main(["history", "--history-dir", str(tmp_path / "none")]) == 2
+    assert "no history database" in capsys.readouterr().err
