@@ -1,6 +1,6 @@
-"""The `rankscope` command line: diagnose, agent, cluster, sim, demo; profile, trace and dump; history. The commands,
-the HTTP API and the diagnosis document are described in docs/api.md; the document's JSON Schema ships as
-rankscope/schema/diagnosis.schema.json."""
+"""The `rankscope` command line: diagnose, agent, cluster, sim, demo; profile, trace and dump; history. The
+commands, the HTTP API and the diagnosis document are described in docs/api.md; the document's JSON Schema
+ships as rankscope/schema/diagnosis.schema.json."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import urllib.parse
+from typing import TYPE_CHECKING
 
 import rankscope
 from rankscope.agent.detail import DEEP, DEEP_SECONDS, LEVELS, LIGHT, Detail, SlowdownTrigger
@@ -26,6 +27,10 @@ from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
 from rankscope.analyzer.diagnosis import diagnose
 from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 
+
+if TYPE_CHECKING:
+    from rankscope.agent.service.history_store import HistoryStore
+    from rankscope.agent.service.notify import Notifier
 
 DEFAULT_AGENT_LISTEN = "127.0.0.1:9464"
 
@@ -277,7 +282,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def history_store(args: argparse.Namespace, name: str):
+def history_store(args: argparse.Namespace, name: str) -> HistoryStore | None:
     """The service's history on disk as --history-dir and its bounds say (None: memory only)."""
     from rankscope.agent.service.history_store import open_store
 
@@ -287,7 +292,7 @@ def history_store(args: argparse.Namespace, name: str):
     return open_store(directory, name, args.history_max_age * 86400, int(args.history_max_mb * 1024 * 1024))
 
 
-def notifier(args: argparse.Namespace, component: str):
+def notifier(args: argparse.Namespace, component: str) -> Notifier | None:
     """--notify-url's notifier (None without one)."""
     from rankscope.agent.service.notify import Notifier, parse_notify_url
 
@@ -312,7 +317,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             answer = read_agent(parse_agent_url(args.agent), query, load_token(args.token_file))
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
-    print(json.dumps(answer) if args.json else render_history(answer), end="" if not args.json else "\n", flush=True)
+    print(json.dumps(answer) if args.json else render_history(answer), end="\n" if args.json else "", flush=True)
     return 0
 
 
@@ -348,6 +353,9 @@ def add_history(p: argparse.ArgumentParser) -> None:
                    help="windows older than this are deleted (default %(default)g)")
     p.add_argument("--history-max-mb", type=float, default=DEFAULT_MAX_BYTES / 1024 / 1024, metavar="MB",
                    help="the oldest windows are deleted while the history is larger (default %(default)g)")
+
+
+def add_notify_url(p: argparse.ArgumentParser) -> None:
     p.add_argument("--notify-url", action="append", metavar="URL",
                    help="POST a JSON event (Alertmanager's webhook payload with a chat `text` line) to URL when a "
                         "finding starts and when it ends; repeatable")
@@ -436,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_function(p)
     add_inject_shim(p)
     add_history(p)
+    add_notify_url(p)
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("cluster", help="the cluster analyzer: pull every node agent, diagnose each job over all nodes")
@@ -455,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_token_file(p)
     add_hang_timeout(p)
     add_history(p)
+    add_notify_url(p)
     p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("history", help="a job's step times and findings over hours or days, kept across restarts")

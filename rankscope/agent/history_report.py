@@ -56,7 +56,8 @@ def render_history(answer: dict[str, Any]) -> str:
         for e in episodes:
             f = e["finding"]
             out.append(f"  {_clock(e['start'])} .. {_clock(e['end'])} ({e['windows']} windows)  {e['kind']} "
-                       f"ranks {','.join(map(str, e['ranks']))}, costs {f.get('cost', 0) * 100:.0f}%: {f.get('summary', '')}")
+                       f"ranks {','.join(map(str, e['ranks']))}, costs {f.get('cost', 0) * 100:.0f}%: "
+                       f"{f.get('summary', '')}")
         if not episodes:
             out.append("  no findings")
     return "\n".join(out) + "\n"

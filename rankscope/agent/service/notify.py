@@ -70,12 +70,13 @@ class Event:
         verb = "started" if self.kind == "start" else "ended"
         summary = f"{f['kind']} of rank{'s' if len(f['ranks']) > 1 else ''} {ranks} in job {self.job} {verb}"
         text = f"rankscope: {summary}: {f.get('summary', '')} (costs {f.get('cost', 0.0) * 100:.0f}% of step time)"
+        group = f"{self.job}/{f['kind']}/{ranks}"
         alert = {"status": status, "labels": labels,
                  "annotations": {"summary": summary, "description": f.get("summary", "")},
                  "startsAt": _iso(self.started), "endsAt": _iso(self.at) if self.kind == "end" else ZERO_TIME,
-                 "generatorURL": "", "fingerprint": hashlib.sha1(f"{self.job}/{f['kind']}/{ranks}".encode()).hexdigest()[:16]}
-        return {"version": "4", "status": status, "receiver": "rankscope", "groupKey": f"{self.job}/{f['kind']}/{ranks}",
-                "truncatedAlerts": 0, "groupLabels": {"job": self.job, "kind": f["kind"]}, "commonLabels": labels,
+                 "generatorURL": "", "fingerprint": hashlib.sha1(group.encode()).hexdigest()[:16]}
+        return {"version": "4", "status": status, "receiver": "rankscope", "groupKey": group, "truncatedAlerts": 0,
+                "groupLabels": {"job": self.job, "kind": f["kind"]}, "commonLabels": labels,
                 "commonAnnotations": alert["annotations"], "externalURL": "", "alerts": [alert],
                 "text": text, "event": self.kind, "job": self.job, "finding": dict(f)}
 
