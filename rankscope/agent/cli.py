@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import urllib.parse
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import rankscope
@@ -244,7 +245,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
     agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger,
-                  slowdown_threshold=args.slowdown_threshold, history=history, notifier=notify)
+                  slowdown_threshold=args.slowdown_threshold, history=history(), notifier=notify)
     asyncio.run(serve(agent, host, port, args.window, token))
     return 0
 
@@ -277,19 +278,21 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     token = load_token(args.token_file)
     check_bind(host, token)
     cluster = Cluster(agents, token, args.timeout, args.concurrency, args.hang_timeout, args.window, shard,
-                      history_store(args, "cluster"), notifier(args, "cluster"))
+                      history_store(args, "cluster")(), notifier(args, "cluster"))
     asyncio.run(serve_cluster(cluster, host, port, args.window, token))
     return 0
 
 
-def history_store(args: argparse.Namespace, name: str) -> HistoryStore | None:
-    """The service's history on disk as --history-dir and its bounds say (None: memory only)."""
+def history_store(args: argparse.Namespace, name: str) -> Callable[[], HistoryStore | None]:
+    """Opens the service's history on disk as --history-dir and its bounds say (None: memory only) when
+    called: the flags are checked now, the directory once the processes are attached (so that an attach
+    error stays the one line a failed start prints)."""
     from rankscope.agent.service.history_store import open_store
 
     if args.history_max_age <= 0 or args.history_max_mb <= 0:
         raise UsageError("--history-max-age and --history-max-mb must be positive")
     directory = None if args.history_dir in ("", "off") else args.history_dir
-    return open_store(directory, name, args.history_max_age * 86400, int(args.history_max_mb * 1024 * 1024))
+    return lambda: open_store(directory, name, args.history_max_age * 86400, int(args.history_max_mb * 1024 * 1024))
 
 
 def notifier(args: argparse.Namespace, component: str) -> Notifier | None:
