@@ -30,11 +30,15 @@ RANKSCOPE = [sys.executable, "-m", "rankscope.agent.cli"]
 # RANKSCOPE_BPF_CACHE (e.g. "off": every process compiles) is kept.
 _BPF_CACHE = os.environ.get("RANKSCOPE_BPF_CACHE") or tempfile.mkdtemp(prefix="rankscope-test-bpf-")
 os.environ["RANKSCOPE_BPF_CACHE"] = _BPF_CACHE
+# Agents' history databases (--history-dir's default) in a directory of the test session, not the node's.
+_HISTORY = tempfile.mkdtemp(prefix="rankscope-test-history-")
+os.environ["RANKSCOPE_HISTORY_DIR"] = _HISTORY
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     if _BPF_CACHE.startswith(tempfile.gettempdir() + "/rankscope-test-bpf-"):
         shutil.rmtree(_BPF_CACHE, ignore_errors=True)
+    shutil.rmtree(_HISTORY, ignore_errors=True)
 
 
 def run(*args: str, user: int | None = None) -> subprocess.CompletedProcess:

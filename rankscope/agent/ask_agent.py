@@ -44,7 +44,7 @@ def ask_agent(url: str, pids: list[int], duration: float, token: str | None,
     asked = time.time()
     deadline = asked + duration + GRACE_S
     while True:  # an agent that has just started lists its processes once its first window closes
-        listing = _get(url, "/v1/targets", token)
+        listing = get_json(url, "/v1/targets", token)
         # (an agent older than `window_end` is taken at its word at once)
         if listing.get("window_end", asked) is not None or time.time() > deadline:
             break
@@ -63,7 +63,7 @@ def ask_agent(url: str, pids: list[int], duration: float, token: str | None,
     query = "/v1/diagnosis?" + urllib.parse.urlencode({"job": job})
     while True:
         try:
-            doc = _get(url, query, token)
+            doc = get_json(url, query, token)
         except _Status as e:
             if e.status != 404:  # 404: a job whose first window has not closed yet has no document
                 raise
@@ -75,7 +75,7 @@ def ask_agent(url: str, pids: list[int], duration: float, token: str | None,
         time.sleep(POLL_S)
 
 
-def _get(url: str, path: str, token: str | None) -> dict[str, Any]:
+def get_json(url: str, path: str, token: str | None) -> dict[str, Any]:
     request = urllib.request.Request(url + path, headers={"Accept": "application/json",
                                                           **({"Authorization": f"Bearer {token}"} if token else {})})
     try:

@@ -1,6 +1,6 @@
-"""The `rankscope` command line: diagnose, agent, cluster, sim, demo; profile, trace and dump. The commands,
-the HTTP API and the diagnosis document are described in docs/api.md; the document's JSON Schema ships as
-rankscope/schema/diagnosis.schema.json."""
+"""The `rankscope` command line: diagnose, agent, cluster, sim, demo; profile, trace and dump; history. The
+commands, the HTTP API and the diagnosis document are described in docs/api.md; the document's JSON Schema
+ships as rankscope/schema/diagnosis.schema.json."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,8 @@ import os
 import socket
 import sys
 import urllib.parse
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import rankscope
 from rankscope.agent.detail import DEEP, DEEP_SECONDS, LEVELS, LIGHT, Detail, SlowdownTrigger
@@ -26,6 +28,10 @@ from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
 from rankscope.analyzer.diagnosis import diagnose
 from rankscope.analyzer.rules.hangs import DEFAULT_HANG_TIMEOUT_S
 
+
+if TYPE_CHECKING:
+    from rankscope.agent.service.history_store import HistoryStore
+    from rankscope.agent.service.notify import Notifier
 
 DEFAULT_AGENT_LISTEN = "127.0.0.1:9464"
 
@@ -234,11 +240,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     token = load_token(args.token_file)
     check_bind(host, token)  # before attaching anything
+    notify, history = notifier(args, "agent"), history_store(args, "agent")
     session = make_session(args, trigger.fixed or LIGHT)
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
     agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger,
-                  slowdown_threshold=args.slowdown_threshold)
+                  slowdown_threshold=args.slowdown_threshold, history=history(), notifier=notify)
     asyncio.run(serve(agent, host, port, args.window, token))
     return 0
 
@@ -270,8 +277,50 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise UsageError(f"--replica/--replicas: {e}") from None
     token = load_token(args.token_file)
     check_bind(host, token)
-    cluster = Cluster(agents, token, args.timeout, args.concurrency, args.hang_timeout, args.window, shard)
+    cluster = Cluster(agents, token, args.timeout, args.concurrency, args.hang_timeout, args.window, shard,
+                      history_store(args, "cluster")(), notifier(args, "cluster"))
     asyncio.run(serve_cluster(cluster, host, port, args.window, token))
+    return 0
+
+
+def history_store(args: argparse.Namespace, name: str) -> Callable[[], HistoryStore | None]:
+    """Opens the service's history on disk as --history-dir and its bounds say (None: memory only) when
+    called: the flags are checked now, the directory once the processes are attached (so that an attach
+    error stays the one line a failed start prints)."""
+    from rankscope.agent.service.history_store import open_store
+
+    if args.history_max_age <= 0 or args.history_max_mb <= 0:
+        raise UsageError("--history-max-age and --history-max-mb must be positive")
+    directory = None if args.history_dir in ("", "off") else args.history_dir
+    return lambda: open_store(directory, name, args.history_max_age * 86400, int(args.history_max_mb * 1024 * 1024))
+
+
+def notifier(args: argparse.Namespace, component: str) -> Notifier | None:
+    """--notify-url's notifier (None without one)."""
+    from rankscope.agent.service.notify import Notifier, parse_notify_url
+
+    if not args.notify_url:
+        return None
+    try:
+        return Notifier([parse_notify_url(u) for u in args.notify_url], component)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    """`rankscope history`: a job's windows and findings, from the agent's /v1/history, or with --history-dir
+    from the database on this node (the agent need not run)."""
+    from rankscope.agent.history_report import read_agent, read_local, render_history
+
+    query = {k: v for k, v in (("job", args.job), ("since", args.since), ("until", args.until)) if v is not None}
+    try:
+        if args.history_dir is not None:
+            answer = read_local(args.history_dir, args.name, query)
+        else:
+            answer = read_agent(parse_agent_url(args.agent), query, load_token(args.token_file))
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps(answer) if args.json else render_history(answer), end="\n" if args.json else "", flush=True)
     return 0
 
 
@@ -295,6 +344,24 @@ def add_token_file(p: argparse.ArgumentParser) -> None:
 def add_hang_timeout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S, metavar="SECONDS",
                    help=f"no collective completing for this long is a hang (default {DEFAULT_HANG_TIMEOUT_S:.0f})")
+
+
+def add_history(p: argparse.ArgumentParser) -> None:
+    from rankscope.agent.service.history_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, ENV, default_dir
+
+    p.add_argument("--history-dir", default=default_dir() or "off", metavar="DIR",
+                   help=f"where every window's step time and findings are kept, across restarts (default: ${ENV} "
+                        f"or %(default)s; off: in memory only, the last 20 minutes)")
+    p.add_argument("--history-max-age", type=float, default=DEFAULT_MAX_AGE_S / 86400, metavar="DAYS",
+                   help="windows older than this are deleted (default %(default)g)")
+    p.add_argument("--history-max-mb", type=float, default=DEFAULT_MAX_BYTES / 1024 / 1024, metavar="MB",
+                   help="the oldest windows are deleted while the history is larger (default %(default)g)")
+
+
+def add_notify_url(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--notify-url", action="append", metavar="URL",
+                   help="POST a JSON event (Alertmanager's webhook payload with a chat `text` line) to URL when a "
+                        "finding starts and when it ends; repeatable")
 
 
 def add_trace_function(p: argparse.ArgumentParser) -> None:
@@ -379,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_hang_timeout(p)
     add_trace_function(p)
     add_inject_shim(p)
+    add_history(p)
+    add_notify_url(p)
     p.set_defaults(func=cmd_agent)
 
     p = sub.add_parser("cluster", help="the cluster analyzer: pull every node agent, diagnose each job over all nodes")
@@ -397,7 +466,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "StatefulSet's pod name)")
     add_token_file(p)
     add_hang_timeout(p)
+    add_history(p)
+    add_notify_url(p)
     p.set_defaults(func=cmd_cluster)
+
+    p = sub.add_parser("history", help="a job's step times and findings over hours or days, kept across restarts")
+    p.add_argument("--agent", default=f"http://{DEFAULT_AGENT_LISTEN}", metavar="URL",
+                   help=f"the agent (or cluster analyzer) to ask (default http://{DEFAULT_AGENT_LISTEN})")
+    p.add_argument("--history-dir", metavar="DIR",
+                   help="read the history database in DIR on this node instead of asking a running agent")
+    p.add_argument("--name", choices=["agent", "cluster"], default="agent",
+                   help="with --history-dir: the agent's database or the cluster analyzer's (default agent)")
+    p.add_argument("--job", help="one job (default: every job with windows in the span)")
+    p.add_argument("--since", help="start: unix seconds or a duration ago, 90s, 30m, 3h, 7d (default 1h)")
+    p.add_argument("--until", help="end, likewise (default now)")
+    p.add_argument("--json", action="store_true", help="print what GET /v1/history answers")
+    add_token_file(p)
+    p.set_defaults(func=cmd_history)
 
     p = sub.add_parser("sim", help="run a simulated GPU training job (stand-in libcuda/libnccl)")
     from rankscope.sim import job

@@ -10,8 +10,9 @@ from rankscope.agent.detail import SlowdownTrigger
 from rankscope.agent.host.discovery import training_processes
 from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
-from rankscope.agent.service.history import StepHistory
+from rankscope.agent.service.history import StepHistory, Store
 from rankscope.agent.service.http import make_app, serve_windows
+from rankscope.agent.service.notify import Notifier
 from rankscope.agent.service.snapshot import AgentHealth, Snapshot, TargetView, targets_of
 from rankscope.agent.session import JOB_PATTERNS, Session
 from rankscope.agent.trace_capture import capture
@@ -29,7 +30,8 @@ class Agent:
     MAX_EXITED = 256  # exited targets kept in /v1/targets
 
     def __init__(self, session: Session, discover_all: bool, hang_timeout_s: float,
-                 trigger: SlowdownTrigger | None = None, slowdown_threshold: float = SLOWDOWN_THRESHOLD):
+                 trigger: SlowdownTrigger | None = None, slowdown_threshold: float = SLOWDOWN_THRESHOLD,
+                 history: Store | None = None, notifier: Notifier | None = None):
         self.session = session
         self.hang_timeout_s = hang_timeout_s
         self.discover_all = discover_all
@@ -37,10 +39,11 @@ class Agent:
         self.slowdown_threshold = slowdown_threshold
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows (jobs that ended are dropped)
         self.confirmer = Confirmer()  # a finding is reported once it held (stability.py)
-        self.history = StepHistory()  # the page's step-time chart
+        self.history = StepHistory(store=history)  # the page's chart and /v1/history, on disk with a store
+        self.notifier = notifier  # --notify-url: a POST when a finding starts and ends
         self.windows = 0
         self.attach_errors = 0
-        self.snapshot = Snapshot()
+        self.snapshot = Snapshot(history=self.history)  # a restarted agent serves its kept history at once
         self._refused: dict[int, str] = {}  # discovered processes that could not be watched, and why
         self._exited: dict[int, TargetView] = {}  # kept so that users see what left, most recent last
         self._skipped: dict[int, str] = {}  # training-library processes that are not ranks (launchers, workers)
@@ -85,6 +88,8 @@ class Agent:
         self.confirmer.confirm(docs)
         for doc in docs.values():
             doc["mode"] = self.trigger.mode()
+        if self.notifier is not None:
+            self.notifier.update(docs)
         self.snapshot = Snapshot(
             window_end=max((p.window_end for p in patterns), default=None),
             targets=views + [v for pid, v in self._exited.items() if pid not in current],
@@ -94,7 +99,8 @@ class Agent:
             skipped=[f"pid {pid}: {why}" for pid, why in sorted(self._skipped.items())],
             profiles=window_profiles(patterns, self.session.frames.last, self.session.frames.last_frequency, docs),
             history=self.history.record(docs),
-            health=AgentHealth(windows=self.windows, attach_errors=self.attach_errors, drops=self.session.drops()),
+            health=AgentHealth(windows=self.windows, attach_errors=self.attach_errors, drops=self.session.drops(),
+                               last_window=time.time()),
         )
         self.discover()
         return self.snapshot
@@ -129,3 +135,6 @@ async def serve(agent: Agent, host: str, port: int, window_s: float, token: str 
                             first=lambda: loop.run_in_executor(None, agent.discover))
     finally:
         agent.session.close()
+        agent.history.close()
+        if agent.notifier is not None:
+            agent.notifier.close()

@@ -1,4 +1,5 @@
-"""The node agent on a running simulated job: diagnosis over HTTP, exits, and SIGKILL safety."""
+"""The node agent on a running simulated job: diagnosis over HTTP, its history, exits, and SIGKILL safety."""
+import json
 import os
 import signal
 import time
@@ -18,10 +19,12 @@ def _findings(a) -> list:
     return a.get("/v1/diagnosis")["findings"]
 
 
-def test_a_finding_is_reported_once_held_over_hold_s_and_diagnose_asks_the_agent_for_it(sim_job, agent):
+def test_a_finding_is_reported_once_held_diagnose_asks_the_agent_and_its_history_survives_sigkill(sim_job, agent):
     """A finding is reported once it held over HOLD_S (1.5 s windows: from the fourth after attach, 6 s);
     `diagnose --agent` then gets the agent's verdict from a window that closed after it asked, and refuses
-    processes the agent does not watch. One job and agent for both: a second would take HOLD_S again."""
+    processes the agent does not watch. The agent killed with SIGKILL and started again serves the finding's
+    history at once (/v1/history, `rankscope history`), at most its last window lost. One job and agent for
+    all: a second would take HOLD_S again."""
     job = sim_job(4, faults=("slow-gpu:1:2",))
     other = sim_job(2)
     a = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
@@ -45,6 +48,22 @@ def test_a_finding_is_reported_once_held_over_hold_s_and_diagnose_asks_the_agent
     assert f"does not watch pid {other.pids[0]}" in err and "without --agent" in err
     err = one_line_error(run("diagnose", "--pid", str(job.pids[0]), "--agent", a.url, "--save-patterns", "/tmp/x"))
     assert "--save-patterns" in err
+
+    last = a.get("/v1/diagnosis")["window"]["end"]
+    a.proc.kill()
+    a.proc.wait(timeout=60)
+    again = agent("--pid", ",".join(map(str, job.pids)), "--window", str(WINDOW_S))
+    kept = again.get(f"/v1/history?job={job.job_id}&since=10m")
+    ends = [p["end"] for p in kept["jobs"][job.job_id]]
+    assert {named["window"]["end"], doc["window"]["end"]} - {last} <= set(ends)
+    assert max(ends) >= last - 1.5 * WINDOW_S  # the window being written when killed, at most, is lost
+    onset = kept["findings"][job.job_id][0]
+    assert (onset["kind"], onset["ranks"]) == ("compute_straggler", [1])
+    assert onset["start"] <= named["window"]["end"] and onset["finding"]["evidence"]
+    shown = run("history", "--agent", again.url, "--job", job.job_id, "--since", "10m")
+    assert shown.returncode == 0 and "compute_straggler ranks 1" in shown.stdout, shown
+    local = run("history", "--history-dir", os.environ["RANKSCOPE_HISTORY_DIR"], "--job", job.job_id, "--json")
+    assert json.loads(local.stdout)["findings"][job.job_id][0]["start"] == onset["start"], local
 
 
 def test_exited_rank_is_reported_and_the_rest_still_served(sim_job, agent):

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -115,6 +116,8 @@ def _fixture_docs() -> dict[str, dict]:
 def served_snapshot() -> Iterator[tuple[str, str]]:
     """An agent's app serving fixed documents behind a token, on a loopback port, from a thread of its own."""
     token, port, docs = "page-test-token", free_port(), _fixture_docs()
+    now = time.time()  # the page charts the last hours: the documents' windows closed just now
+    docs = {job: {**doc, "window": {"start": now - 2, "end": now}} for job, doc in docs.items()}
     history = StepHistory()
     for ago in range(10, 0, -1):  # ten windows of each job before it, the last ones with its findings
         history.record({job: {**doc, "window": {"end": doc["window"]["end"] - 5 * ago},

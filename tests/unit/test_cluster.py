@@ -302,3 +302,44 @@ def test_cluster_cli_port_in_use():
         line = one_line_error(run("cluster", "--agents", "http://127.0.0.1:1", "--listen",
                                   f"127.0.0.1:{s.getsockname()[1]}"))
     assert "cannot listen on 127.0.0.1" in line
+
+
+class _Recorder:
+    """Stands in for --notify-url's notifier: what each window handed it."""
+
+    def __init__(self):
+        self.windows: list[dict] = []
+
+    def update(self, diagnoses: dict) -> None:
+        self.windows.append({job: [f["kind"] for f in doc["findings"]] for job, doc in diagnoses.items()})
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_analyzer_keeps_its_history_on_disk_and_hands_each_window_to_the_notifier(tmp_path):
+    from rankscope.agent.service.history_store import HistoryStore
+
+    job = {host: [dataclasses.replace(p) for p in ps] for host, ps in JOB.items()}
+    old = 1e10  # the simulated windows closed long ago: kept all the same
+    assert {p.window_end for ps in job.values() for p in ps} == {1700000002.0}
+
+    async def go():
+        notified = _Recorder()
+        async with agents(job) as servers:
+            c = Cluster([_url(s) for s in servers.values()], TOKEN, timeout_s=2.0, concurrency=2, hang_timeout_s=30.0,
+                        window_s=1.0, history=HistoryStore(str(tmp_path), "cluster", max_age_s=old), notifier=notified)
+            for _ in range(3):
+                await c.window()
+                for p in (p for ps in job.values() for p in ps):  # the agents' next window
+                    p.window_start, p.window_end = p.window_end, 2 * p.window_end - p.window_start
+            await c.close()  # the writer finishes what it was given
+        again = Cluster(["http://127.0.0.1:1"], TOKEN, timeout_s=2.0, concurrency=2, hang_timeout_s=30.0,
+                        window_s=1.0, history=HistoryStore(str(tmp_path), "cluster", max_age_s=old))
+        kept = again.snapshot.history.query(since=0)
+        await again.close()
+        return notified.windows, kept
+
+    windows, kept = asyncio.run(go())
+    assert windows == [{"job-a": []}] * 3  # each window's documents, findings held or not (none held here)
+    assert [p.end for p in kept["job-a"].points] == [1700000002.0, 1700000004.0, 1700000006.0]

@@ -17,7 +17,8 @@ from rankscope.schema.patterns import CollectiveGpu, GpuHealth, ThreadTimes
 
 N = 4
 SLOW = 2
-UNITS = ("_seconds", "_bytes_per_second", "_ratio", "_total", "_info")  # rankscope's own names end in a unit
+# rankscope's own names end in a unit (a finding's age is counted in the agent's windows)
+UNITS = ("_seconds", "_bytes_per_second", "_ratio", "_total", "_info", "_windows")
 
 
 def _snapshot() -> Snapshot:
@@ -87,7 +88,8 @@ def test_gpus_under_dcgm_names_collectives_health_and_build_info():
 
 def test_conventions_and_bounded_labels():
     text, families = _scrape(_snapshot())
-    allowed = {"job", "rank", "kind", "phase", "gpu", "collective", "timing_source", "version", "component", "python"}
+    allowed = {"job", "rank", "kind", "phase", "gpu", "collective", "timing_source", "version", "component", "python",
+               "node"}
     for name, family in families.items():
         assert {k for s in family.samples for k in s.labels} <= allowed, name
         if name.startswith("rankscope_") and name not in ("rankscope_targets", "rankscope_finding_cost"):

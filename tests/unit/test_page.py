@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import time
 from urllib.parse import urlencode
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from test_server import SNAP, _doc
 
@@ -26,12 +29,13 @@ def test_history_keeps_each_window_once_bounded_and_forgets_ended_jobs():
     h = StepHistory(keep=3)
     a = _doc("a")
     for end in (10.0, 15.0, 15.0, 20.0, 25.0):  # 15 twice: a window served again is one point
-        got = h.record({"a": _window(a, end, 0.05, 0.04)})
+        h.record({"a": _window(a, end, 0.05, 0.04)})
+    got = h.points()
     assert [p.end for p in got["a"]] == [15.0, 20.0, 25.0]
     assert got["a"][-1] == StepPoint(end=25.0, step_time_s=0.05, baseline_s=0.04, findings=("compute_straggler",))
-    got = h.record({"b": _window(_doc("b"), 30.0, None)})
+    got = h.record({"b": _window(_doc("b"), 30.0, None)}).points()
     assert list(got) == ["b"] and got["b"][0].step_time_s is None
-    assert h.record({"b": {**_doc("b"), "window": {"start": None, "end": None}}})["b"] == got["b"]
+    assert h.record({"b": {**_doc("b"), "window": {"start": None, "end": None}}}).points()["b"] == got["b"]
 
 
 def test_page_is_self_contained():
@@ -39,7 +43,7 @@ def test_page_is_self_contained():
     # No resource from elsewhere: no external script, style, font or image (clusters are often air-gapped).
     assert not re.search(r"(src|href)\s*=|@import|url\(|@font-face", html, re.I)
     assert re.findall(r"(?:https?:)?//[\w.-]+\.\w+[^\"' ]*", html) == ["http://www.w3.org/2000/svg"]  # a name, not fetched
-    assert 'fetch(path' in html and '"v1/history"' in html and '"v1/diagnosis?job="' in html  # relative: proxies
+    assert 'fetch(path' in html and '"v1/history?since="' in html and '"v1/diagnosis?job="' in html  # relative: proxies
 
 
 def _get(app, *requests: tuple[str, dict]) -> list[tuple[int, dict, str]]:
@@ -55,14 +59,29 @@ def _get(app, *requests: tuple[str, dict]) -> list[tuple[int, dict, str]]:
 
 
 def test_page_and_history_on_the_agent_and_the_cluster_analyzer():
-    history = {"job-a": [StepPoint(1000.0, 0.05, None, ()), StepPoint(1005.0, 0.08, 0.05, ("regression",))]}
+    history = StepHistory()
+    now = time.time()
+    history.record({"job-a": {**_window(_doc("job-a"), now - 10, 0.05), "findings": []}})
+    history.record({"job-a": _window(_doc("job-a"), now - 5, 0.08, 0.05)})
     agent = make_app(lambda: SNAP.__class__(diagnoses=SNAP.diagnoses, history=history))
     cluster = make_cluster_app(lambda: ClusterSnapshot(diagnoses=SNAP.diagnoses, history=history), None)
     for app in (agent, cluster):
-        (status, headers, body), (h_status, _, h_body) = _get(app, ("/", {}), ("/v1/history", {}))
+        (status, headers, body), (h_status, _, h_body) = _get(app, ("/", {}), ("/v1/history?job=job-a&since=1h", {}))
         assert status == 200 and headers["Content-Type"].startswith("text/html")
         assert "default-src 'none'" in headers["Content-Security-Policy"] and "<title>rankscope</title>" in body
-        assert h_status == 200 and '"baseline_s": 0.05' in h_body and '"findings": ["regression"]' in h_body
+        answer = json.loads(h_body)
+        assert h_status == 200 and [p["baseline_s"] for p in answer["jobs"]["job-a"]] == [None, 0.05]
+        assert answer["jobs"]["job-a"][-1]["findings"] == ["compute_straggler"]
+        (onset,) = answer["findings"]["job-a"]
+        assert (onset["kind"], onset["ranks"], onset["start"], onset["windows"]) == ("compute_straggler", [0], now - 5, 1)
+        assert onset["finding"]["cost"] == 0.25
+
+
+@pytest.mark.parametrize("query", ["since=yesterday", "since=nan", "since=-3h", "until=1e300", "since=400d",
+                                   "since=1h&until=2h", "job=" + "j" * 300, "job="])
+def test_a_history_parameter_out_of_bounds_is_a_400(query):
+    ((status, _, body),) = _get(make_app(lambda: SNAP), ("/v1/history?" + query, {}))
+    assert status == 400 and body.strip(), (query, body)
 
 
 def test_a_browser_passes_the_token_once_and_keeps_it_in_a_cookie():

@@ -111,6 +111,7 @@ def test_metrics_low_cardinality():
             "rankscope_step_time_seconds[('job', 'job-a'), ('rank', '0')]": 0.05,
             "rankscope_finding_cost[('job', 'job-a'), ('kind', 'compute_straggler')]": 0.25,
             "rankscope_finding_cost_ratio[('job', 'job-a'), ('kind', 'compute_straggler')]": 0.25,
+            "rankscope_finding_held_windows[('job', 'job-a'), ('kind', 'compute_straggler'), ('node', ''), ('rank', '0')]": 1.0,
         }  # tests/unit/test_metrics.py checks the rest
         assert "cuStreamSynchronize" not in text  # function names never become labels
 

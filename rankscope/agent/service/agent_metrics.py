@@ -6,8 +6,9 @@ from __future__ import annotations
 from prometheus_client.core import Metric
 
 from rankscope.agent.service.pattern_metrics import collective_metrics, gpu_metrics
-from rankscope.agent.service.prometheus import build_info, counter, gauge
+from rankscope.agent.service.prometheus import build_info, counter, finding_metrics, gauge, last_window
 from rankscope.agent.service.snapshot import Snapshot
+from rankscope.agent.session import host_name
 
 
 def agent_metrics(snap: Snapshot) -> list[Metric]:
@@ -16,6 +17,8 @@ def agent_metrics(snap: Snapshot) -> list[Metric]:
         build_info("agent"),
         gauge("rankscope_targets", "Processes watched by this agent.", sum(t.state == "running" for t in snap.targets)),
         counter("rankscope_windows", "Windows the agent closed.", health.windows),
+        last_window("agent", host_name(), health.last_window),
+        *finding_metrics(snap.diagnoses, snap.history.held()),
         counter("rankscope_attach_errors", "Processes found (--all) that could not be watched.", health.attach_errors),
         counter("rankscope_probe_drops", "Records the kernel side had no room for: completed collectives, Python "
                 "samples.", {(kind,): n for kind, n in health.drops.items()}, ("kind",)),

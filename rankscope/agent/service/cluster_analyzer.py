@@ -19,10 +19,11 @@ from aiohttp import web
 from yarl import URL
 
 from rankscope.agent.service.collector import WindowCollector
-from rankscope.agent.service.history import StepHistory, StepPoint
+from rankscope.agent.service.history import StepHistory, Store
 from rankscope.agent.service.http import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
+from rankscope.agent.service.notify import Notifier
 from rankscope.agent.service.page import add_page
-from rankscope.agent.service.prometheus import build_info, exposition, gauge
+from rankscope.agent.service.prometheus import build_info, exposition, finding_metrics, gauge, last_window
 from rankscope.agent.service.pull import Puller, PullError
 from rankscope.agent.service.shard import Shard
 from rankscope.analyzer.baseline import Baseline
@@ -91,14 +92,16 @@ class _Served:
 class ClusterSnapshot:
     agents: list[AgentStatus] = field(default_factory=list)
     diagnoses: dict[str, dict[str, Any]] = field(default_factory=dict)
-    history: dict[str, list[StepPoint]] = field(default_factory=dict)  # job -> its recent windows (the page)
+    history: StepHistory = field(default_factory=StepHistory)  # each job's windows (the page, /v1/history)
     # pull_s (wall, decoding included), diagnose_s (wall) and diagnose_cpu_s of the window
     timing: dict[str, float] = field(default_factory=dict)
+    closed_at: float | None = None  # unix s when the window closed
 
 
 class Cluster:
     def __init__(self, agents: Sequence[str], token: str | None, timeout_s: float, concurrency: int,
-                 hang_timeout_s: float, window_s: float, shard: Shard = Shard()):
+                 hang_timeout_s: float, window_s: float, shard: Shard = Shard(), history: Store | None = None,
+                 notifier: Notifier | None = None):
         self.sources = list(agents)
         self.shard = shard  # this replica's jobs only
         self.puller = Puller({"Accept": MSGPACK, **({"Authorization": f"Bearer {token}"} if token else {})},
@@ -106,17 +109,21 @@ class Cluster:
         self.hang_timeout_s = hang_timeout_s
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows over all nodes
         self.confirmer = Confirmer()  # a finding is reported once it held (stability.py)
-        self.history = StepHistory()
+        self.history = StepHistory(store=history)
+        self.notifier = notifier  # --notify-url: a POST when a finding starts and ends
         self.forget_after_s = FORGET_AFTER_WINDOWS * window_s
         self.status: dict[str, AgentStatus] = {}
         self.served: dict[str, dict[str, _Served]] = {}  # agent -> job -> what it last served
-        self.snapshot = ClusterSnapshot()
+        self.snapshot = ClusterSnapshot(history=self.history)
         self.windows = 0
         self.idle: set[str] = set()  # sharded: agents whose last answer held none of this replica's jobs
         self.collector = WindowCollector(full_every=FULL_COLLECTION_WINDOWS)
 
     async def close(self) -> None:
         self.puller.close()
+        self.history.close()
+        if self.notifier is not None:
+            self.notifier.close()
 
     async def _urls(self) -> list[str]:
         urls: list[str] = []
@@ -185,10 +192,13 @@ class Cluster:
         diagnoses = diagnose_cluster(patterns, lost, self.hang_timeout_s, self.baselines)
         self.baselines = {job: b for job, b in self.baselines.items() if job in diagnoses}
         self.confirmer.confirm(diagnoses)
+        if self.notifier is not None:
+            self.notifier.update(diagnoses)
         self.snapshot = ClusterSnapshot(agents=sorted(self.status.values(), key=lambda s: s.url),
                                         diagnoses=diagnoses, history=self.history.record(diagnoses),
                                         timing={"pull_s": pulled - started, "diagnose_s": time.perf_counter() - pulled,
-                                                "diagnose_cpu_s": time.thread_time() - pulled_cpu})
+                                                "diagnose_cpu_s": time.thread_time() - pulled_cpu},
+                                        closed_at=time.time())
         return self.snapshot
 
     def _due(self, url: str) -> bool:
@@ -246,7 +256,9 @@ def make_cluster_app(current: Callable[[], ClusterSnapshot], token: str | None) 
         return metrics_response(exposition(snap.diagnoses, [
             build_info("cluster"),
             gauge("rankscope_cluster_agents", "Node agents by the state of their last pull.", states, ("state",)),
-            gauge("rankscope_cluster_jobs", "Jobs observed over all agents.", len(snap.diagnoses))]))
+            gauge("rankscope_cluster_jobs", "Jobs observed over all agents.", len(snap.diagnoses)),
+            last_window("cluster", socket.gethostname(), snap.closed_at),
+            *finding_metrics(snap.diagnoses, snap.history.held())]))
 
     app = secure_app(token)
     app.router.add_get("/v1/jobs", jobs)

@@ -84,6 +84,28 @@ def diagnosis_metrics(diagnoses: Mapping[str, Mapping[str, Any]]) -> list[GaugeM
     ]
 
 
+def finding_metrics(diagnoses: Mapping[str, Mapping[str, Any]],
+                    held: Mapping[tuple[str, tuple[str, tuple[int, ...]]], int]) -> list[GaugeMetricFamily]:
+    """Each reported finding's named ranks with their node, and how many windows in a row it has been
+    reported (`held`: history.StepHistory.held): what an alert routes by and waits for."""
+    windows: dict[tuple[str, ...], float] = {}
+    for job, doc in diagnoses.items():
+        nodes = {r["rank"]: r.get("host") or "" for r in doc["ranks"]}
+        for f in doc["findings"]:
+            n = held.get((job, (f["kind"], tuple(f["ranks"]))), 1)
+            for rank in f["ranks"]:
+                key = (job, f["kind"], str(rank), nodes.get(rank, ""))
+                windows[key] = max(windows.get(key, 0), n)
+    return [gauge("rankscope_finding_held_windows", "Windows in a row a finding has been reported, for each rank "
+                  "it names and that rank's node (absent when not found).", windows, ("job", "kind", "rank", "node"))]
+
+
+def last_window(component: str, node: str, at: float | None) -> GaugeMetricFamily:
+    return gauge("rankscope_last_window_timestamp_seconds", "Unix time the last window closed (absent before the "
+                 "first): an agent or analyzer whose windows stopped lags behind time().",
+                 {(component, node): at} if at is not None else {}, ("component", "node"))
+
+
 class _Once(Collector):
     def __init__(self, families: Iterable[Metric]):
         self.families = list(families)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankscope.agent.host.containers import Container
-from rankscope.agent.service.history import StepPoint
+from rankscope.agent.service.history import StepHistory
 from rankscope.agent.views.profile import RankProfile
 from rankscope.schema.patterns import RankPattern
 
@@ -26,6 +26,7 @@ class AgentHealth:
     """Counts since the agent started, for /metrics."""
 
     windows: int = 0
+    last_window: float | None = None  # unix s when the last window closed
     attach_errors: int = 0  # processes --all found that could not be watched
     drops: dict[str, int] = field(default_factory=dict)  # what the kernel side had no room for, by kind
 
@@ -39,7 +40,7 @@ class Snapshot:
     errors: list[str] = field(default_factory=list)  # processes that could not be watched, and why
     skipped: list[str] = field(default_factory=list)  # processes not watched on purpose (launchers, workers)
     profiles: list[RankProfile] = field(default_factory=list)  # each rank's Python stacks of the window, bounded
-    history: dict[str, list[StepPoint]] = field(default_factory=dict)  # job -> its recent windows (the page)
+    history: StepHistory = field(default_factory=StepHistory)  # each job's windows (the page, /v1/history)
     health: AgentHealth = field(default_factory=AgentHealth)
 
 
