@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from rankscope.agent.service.auth import Access
 from rankscope.agent.service.history import StepHistory, StepPoint
 from rankscope.agent.service.http import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
 from rankscope.agent.service.page import add_page
@@ -101,8 +103,10 @@ class PullError(Exception):
 
 class Cluster:
     def __init__(self, agents: Sequence[str], token: str | None, timeout_s: float, concurrency: int,
-                 hang_timeout_s: float, window_s: float, shard: Shard = Shard()):
+                 hang_timeout_s: float, window_s: float, shard: Shard = Shard(),
+                 agents_tls: ssl.SSLContext | None = None):
         self.sources = list(agents)
+        self.agents_tls = agents_tls  # https agents' certificates are checked against it (None: the system's)
         self.shard = shard  # this replica's jobs only
         self.headers = {"Accept": MSGPACK, **({"Authorization": f"Bearer {token}"} if token else {})}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -164,7 +168,8 @@ class Cluster:
 
     async def window(self) -> ClusterSnapshot:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            connector = aiohttp.TCPConnector(ssl=self.agents_tls) if self.agents_tls else None
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
         started = time.perf_counter()
         urls = await self._urls()
         asked = [u for u in urls if self._due(u)]
@@ -235,7 +240,7 @@ class Cluster:
         return lost
 
 
-def make_cluster_app(current: Callable[[], ClusterSnapshot], token: str | None) -> web.Application:
+def make_cluster_app(current: Callable[[], ClusterSnapshot], token: Access | str | None) -> web.Application:
     def agents_of(snap: ClusterSnapshot, job: str | None) -> list[dict[str, Any]]:
         return [asdict(a) for a in snap.agents if job is None or job in a.jobs or a.state != "up"]
 
@@ -271,9 +276,10 @@ def make_cluster_app(current: Callable[[], ClusterSnapshot], token: str | None) 
     return app
 
 
-async def serve_cluster(cluster: Cluster, host: str, port: int, window_s: float, token: str | None) -> None:
+async def serve_cluster(cluster: Cluster, host: str, port: int, window_s: float, access: Access,
+                        tls: ssl.SSLContext | None = None) -> None:
     try:
-        await serve_windows(make_cluster_app(lambda: cluster.snapshot, token), host, port, window_s,
-                            cluster.window, "cluster analyzer", first=cluster.window)
+        await serve_windows(make_cluster_app(lambda: cluster.snapshot, access), host, port, window_s,
+                            cluster.window, "cluster analyzer", first=cluster.window, tls=tls)
     finally:
         await cluster.close()
