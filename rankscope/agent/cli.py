@@ -305,7 +305,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def add_token_file(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="FILE",
-                   help=f"bearer token for the HTTP API (default: ${TOKEN_ENV}); required to listen beyond loopback")
+                   help=f"the HTTP API's read token (default: ${TOKEN_ENV}); required to listen beyond loopback")
 
 
 def add_serving(p: argparse.ArgumentParser) -> None:
