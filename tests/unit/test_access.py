@@ -141,7 +141,7 @@ def test_a_pull_with_a_replica_out_of_range_is_400_at_once(query):
             return r.status, time.perf_counter() - started
 
     status, took = asyncio.run(go())
-    assert status == 400 and took < 1.0
+    assert status == 400 and took < 5  # hashing 10**12 replicas would take hours
 
 
 @pytest.mark.parametrize("path", [
