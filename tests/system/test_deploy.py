@@ -185,7 +185,8 @@ def test_chart_values_reach_the_pods():
     args = build_parser().parse_args(c["args"])
     assert (args.detail, args.window, args.listen) == ("deep", 2.5, "[::]:9500")
     assert c["ports"][0]["containerPort"] == 9500 and c["securityContext"]["privileged"] is True
-    assert c["image"] == "registry.local/rankscope:dev" and c["resources"]["limits"] == {"memory": "3Gi"}
+    assert c["image"] == "registry.local/rankscope:dev"
+    assert c["resources"]["limits"] == {"cpu": "1", "memory": "3Gi"}  # Helm merges the given map into the default
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"} and "tolerations" not in pod
     analyzer = docs[("StatefulSet", "fleet-rankscope-analyzer")]
     cluster = build_parser().parse_args(_container(analyzer)["args"])

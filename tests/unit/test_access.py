@@ -51,6 +51,10 @@ CAPTURES = [("GET", "/v1/stacks"), ("POST", "/v1/stacks"), ("GET", "/v1/trace?se
             ("POST", "/v1/trace?seconds=1")]
 
 
+def _everything(token: str) -> list[tuple[str, str, dict]]:
+    return [("GET", p, _bearer(token)) for p in READS] + [(m, p, _bearer(token)) for m, p in CAPTURES]
+
+
 def test_the_read_token_reads_and_cannot_capture():
     app = _app(Access(READ, CAPTURE))
     reads = _statuses(app, [("GET", p, _bearer(READ)) for p in READS])
@@ -59,9 +63,7 @@ def test_the_read_token_reads_and_cannot_capture():
 
 
 def test_the_capture_token_captures_and_reads():
-    statuses = _statuses(_app(Access(READ, CAPTURE)),
-                         [("GET", p, _bearer(CAPTURE)) for p in READS] + [(m, p, _bearer(CAPTURE)) for m, p in CAPTURES])
-    assert set(statuses) == {200}
+    assert set(_statuses(_app(Access(READ, CAPTURE)), _everything(CAPTURE))) == {200}
 
 
 @pytest.mark.parametrize("headers", [{}, _bearer("nope"), _bearer(CAPTURE + "x")])
@@ -71,8 +73,7 @@ def test_a_capture_without_a_token_is_401(headers):
 
 def test_a_single_token_keeps_its_former_scope():
     """A deployment that sets only --token-file: its token reads and captures, as it always did."""
-    statuses = _statuses(_app(READ), [("GET", p, _bearer(READ)) for p in READS] + [(m, p, _bearer(READ)) for m, p in CAPTURES])
-    assert set(statuses) == {200}
+    assert set(_statuses(_app(READ), _everything(READ))) == {200}
 
 
 def test_the_capture_token_must_differ_from_the_read_token():
@@ -131,7 +132,8 @@ def test_without_a_token_no_other_site_starts_a_capture():
 
 @pytest.mark.parametrize("query", [
     "replicas=1000000000000&replica=0", f"replicas={MAX_REPLICAS + 1}&replica=0", "replicas=3&replica=3",
-    "replicas=2&replica=-1", "replicas=2", "replica=0", "replicas=1e3&replica=0", "replicas=" + "9" * 5000 + "&replica=0",
+    "replicas=2&replica=-1", "replicas=2", "replica=0", "replicas=1e3&replica=0",
+    "replicas=" + "9" * 5000 + "&replica=0",
 ])
 def test_a_pull_with_a_replica_out_of_range_is_400_at_once(query):
     async def go():
@@ -280,7 +282,8 @@ def test_tls_serves_https_and_marks_the_cookie_secure(certificate):
     (["--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"], "cannot load the TLS certificate"),
 ])
 def test_cluster_refuses_unusable_tls_files(args, says):
-    line = one_line_error(run("cluster", "--agents", "http://127.0.0.1:1", "--listen", f"127.0.0.1:{free_port()}", *args))
+    listen = f"127.0.0.1:{free_port()}"
+    line = one_line_error(run("cluster", "--agents", "http://127.0.0.1:1", "--listen", listen, *args))
     assert says in line
 
 
