@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import sys
 import urllib.parse
 from collections.abc import Callable
@@ -20,8 +21,8 @@ from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
 from rankscope.agent.observe import observe
 from rankscope.agent.report import render
-from rankscope.agent.service.auth import TOKEN_ENV, TokenError, check_bind, load_token
-from rankscope.agent.service.http import ListenError
+from rankscope.agent.service.auth import CAPTURE_TOKEN_ENV, TOKEN_ENV, Access, TokenError, check_bind, load_token
+from rankscope.agent.service.http import ListenError, tls_context
 from rankscope.agent.session import Session
 from rankscope.agent.sources.python_exact import TracedFunction
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
@@ -238,15 +239,19 @@ def cmd_agent(args: argparse.Namespace) -> int:
         trigger = SlowdownTrigger(args.deep_seconds, LEVELS.get(args.detail))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    token = load_token(args.token_file)
-    check_bind(host, token)  # before attaching anything
+    access = Access(load_token(args.token_file), load_token(args.capture_token_file, CAPTURE_TOKEN_ENV))
+    check_bind(host, access, args.require_token)  # before attaching anything
+    tls = tls_context(args.tls_cert, args.tls_key)
+    if access.capture is None and access.read is not None and not args.no_captures:
+        logging.getLogger(__name__).warning("the token also grants captures (/v1/stacks, /v1/trace): give them "
+                                            "their own with --capture-token-file, or --no-captures")
     notify, history = notifier(args, "agent"), history_store(args, "agent")
     session = make_session(args, trigger.fixed or LIGHT)
     for pid in parse_pids(args.pid) if args.pid else []:
         session.add(pid)
     agent = Agent(session, discover_all=args.all, hang_timeout_s=args.hang_timeout, trigger=trigger,
                   slowdown_threshold=args.slowdown_threshold, history=history(), notifier=notify)
-    asyncio.run(serve(agent, host, port, args.window, token))
+    asyncio.run(serve(agent, host, port, args.window, access, captures=not args.no_captures, tls=tls))
     return 0
 
 
@@ -275,12 +280,22 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         shard = Shard(index, args.replicas)
     except ValueError as e:
         raise UsageError(f"--replica/--replicas: {e}") from None
-    token = load_token(args.token_file)
-    check_bind(host, token)
-    cluster = Cluster(agents, token, args.timeout, args.concurrency, args.hang_timeout, args.window, shard,
-                      history_store(args, "cluster")(), notifier(args, "cluster"))
-    asyncio.run(serve_cluster(cluster, host, port, args.window, token))
+    access = Access(load_token(args.token_file))
+    check_bind(host, access, args.require_token)
+    tls = tls_context(args.tls_cert, args.tls_key)
+    cluster = Cluster(agents, access.read, args.timeout, args.concurrency, args.hang_timeout, args.window, shard,
+                      history_store(args, "cluster")(), notifier(args, "cluster"), agents_tls(args.agents_ca))
+    asyncio.run(serve_cluster(cluster, host, port, args.window, access, tls))
     return 0
+
+
+def agents_tls(ca_file: str | None) -> ssl.SSLContext | None:
+    if ca_file is None:
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise UsageError(f"--agents-ca: cannot load {ca_file}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def history_store(args: argparse.Namespace, name: str) -> Callable[[], HistoryStore | None]:
@@ -338,7 +353,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def add_token_file(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="FILE",
-                   help=f"bearer token for the HTTP API (default: ${TOKEN_ENV}); required to listen beyond loopback")
+                   help=f"the HTTP API's read token (default: ${TOKEN_ENV}); required to listen beyond loopback")
+
+
+def add_serving(p: argparse.ArgumentParser) -> None:
+    """How the HTTP API is served: TLS, and whether loopback needs the token too."""
+    p.add_argument("--require-token", action="store_true",
+                   help="refuse to start without a token, on loopback too (other users of the host cannot read)")
+    p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this PEM certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", metavar="FILE", help="the PEM private key of --tls-cert")
 
 
 def add_hang_timeout(p: argparse.ArgumentParser) -> None:
@@ -443,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--detail", choices=["auto", *LEVELS], default="auto",
                    help="what the agent records: light always-on, deep, or auto (light, deep after a slowdown)")
     add_token_file(p)
+    p.add_argument("--capture-token-file", metavar="FILE",
+                   help=f"the token that /v1/stacks and /v1/trace need (default: ${CAPTURE_TOKEN_ENV}); with it, "
+                        "--token-file's token grants reads only (without it, captures too)")
+    p.add_argument("--no-captures", action="store_true", help="serve no /v1/stacks and /v1/trace")
+    add_serving(p)
     add_hang_timeout(p)
     add_trace_function(p)
     add_inject_shim(p)
@@ -465,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this analyzer's ordinal, 0..N-1 (default: the number the hostname ends with, as a "
                         "StatefulSet's pod name)")
     add_token_file(p)
+    add_serving(p)
+    p.add_argument("--agents-ca", metavar="FILE",
+                   help="PEM certificates that https agents' certificates must chain to (default: the system's)")
     add_hang_timeout(p)
     add_history(p)
     add_notify_url(p)

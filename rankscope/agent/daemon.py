@@ -4,12 +4,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import time
 
 from rankscope.agent.detail import SlowdownTrigger
 from rankscope.agent.host.discovery import training_processes
 from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
+from rankscope.agent.service.auth import Access
 from rankscope.agent.service.history import StepHistory, Store
 from rankscope.agent.service.http import make_app, serve_windows
 from rankscope.agent.service.notify import Notifier
@@ -127,12 +129,15 @@ class Agent:
         return [chrome.chrome_trace(chrome.RankInfo.of(p), cap, functions) for p in chosen]
 
 
-async def serve(agent: Agent, host: str, port: int, window_s: float, token: str | None) -> None:
+async def serve(agent: Agent, host: str, port: int, window_s: float, access: Access, captures: bool = True,
+                tls: ssl.SSLContext | None = None) -> None:
+    """Serve the agent's API; without `captures`, no /v1/stacks and /v1/trace (404)."""
     loop = asyncio.get_running_loop()
+    app = make_app(lambda: agent.snapshot, access, agent.stacks if captures else None,
+                   agent.trace if captures else None)
     try:
-        await serve_windows(make_app(lambda: agent.snapshot, token, agent.stacks, agent.trace), host, port, window_s,
-                            lambda: loop.run_in_executor(None, agent.window), "agent",
-                            first=lambda: loop.run_in_executor(None, agent.discover))
+        await serve_windows(app, host, port, window_s, lambda: loop.run_in_executor(None, agent.window), "agent",
+                            first=lambda: loop.run_in_executor(None, agent.discover), tls=tls)
     finally:
         agent.session.close()
         agent.history.close()

@@ -21,6 +21,8 @@ K8S_VERSION = "1.30.0"  # the oldest release with appArmorProfile fields
 HELM = ROOT / ".tools" / "helm"  # scripts/install fetches it
 CHART = ROOT / "deploy" / "helm" / "rankscope"
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance")  # a release's own
+READ_TOKEN, CAPTURE_TOKEN = "read-0123456789", "capture-9876543210"
+TOKENS = ("--set", f"token.value={READ_TOKEN}", "--set", f"token.captureValue={CAPTURE_TOKEN}")
 
 
 def _docs() -> dict[tuple[str, str], dict]:
@@ -49,8 +51,9 @@ def _helm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=60)
 
 
-def _render(*values: str, release: str = "rankscope", namespace: str = "rankscope") -> dict[tuple[str, str], dict]:
-    out = _helm("template", release, str(CHART), "--namespace", namespace, *values)
+def _render(*values: str, release: str = "rankscope", namespace: str = "rankscope",
+            tokens: tuple[str, ...] = TOKENS) -> dict[tuple[str, str], dict]:
+    out = _helm("template", release, str(CHART), "--namespace", namespace, *tokens, *values)
     assert out.returncode == 0, out.stderr
     docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out.stdout) if d}
     for doc in docs.values():
@@ -91,6 +94,8 @@ def test_agent_daemonset_has_what_the_agent_needs():
     assert args.command == "agent" and args.all and args.token_file.startswith("/etc/rankscope/")
     # The BPF cache's sealing key: a file of the same Secret's mount, named by the Secret's key.
     assert env["RANKSCOPE_BPF_CACHE_KEY"]["value"] == "/etc/rankscope/bpf-cache-key"
+    assert args.capture_token_file.startswith("/etc/rankscope/") and not args.no_captures
+    assert pod["automountServiceAccountToken"] is False and c["resources"]["limits"]["cpu"]
     assert args.listen.endswith(":" + str(c["ports"][0]["containerPort"]))
     analyzer = _docs()[("StatefulSet", "rankscope-analyzer")]["spec"]["template"]["spec"]
     for volumes in (pod["volumes"], analyzer["volumes"]):  # agents and analyzer share the token
@@ -116,7 +121,7 @@ def test_analyzer_pulls_the_agents_through_the_headless_service():
 
 
 def test_chart_lints():
-    out = _helm("lint", "--strict", str(CHART))
+    out = _helm("lint", "--strict", str(CHART), *TOKENS)
     assert out.returncode == 0, out.stdout + out.stderr
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert f'\nversion = "{chart["appVersion"]}"\n' in (ROOT / "pyproject.toml").read_text()  # the image's tag
@@ -128,12 +133,44 @@ def test_chart_defaults_render_the_manifests():
     assert set(rendered) == set(manifests) | {("Secret", "rankscope-token")}
     for key, doc in manifests.items():
         assert _without_helm_labels(rendered[key]) == doc, key
-    token = base64.b64decode(rendered[("Secret", "rankscope-token")]["data"]["token"])
-    assert len(token) == 64 and token.isalnum()  # generated when none is given
-    cache_key = base64.b64decode(rendered[("Secret", "rankscope-token")]["data"]["bpf-cache-key"])
-    assert len(cache_key) == 64 and cache_key.isalnum() and cache_key != token
-    assert _render("--set", "token.value=s3cret")[("Secret", "rankscope-token")]["data"]["token"] == \
-        base64.b64encode(b"s3cret").decode()
+    data = {k: base64.b64decode(v).decode() for k, v in rendered[("Secret", "rankscope-token")]["data"].items()}
+    cache_key = data.pop("bpf-cache-key")  # seals the nodes' BPF caches: derived, never a token
+    assert data == {"token": READ_TOKEN, "capture-token": CAPTURE_TOKEN}
+    assert len(cache_key) >= 32 and cache_key not in (READ_TOKEN, CAPTURE_TOKEN)
+
+
+def test_chart_makes_up_no_token():
+    """A generated token would change with every `helm template` (no cluster to look the Secret up in): the
+    chart asks for the tokens instead, and the same values render the same Secret."""
+    for given, says in (((), "token.value is needed"), (TOKENS[:2], "token.captureValue is needed"),
+                        (("--set", "token.value=same", "--set", "token.captureValue=same"), "must differ")):
+        out = _helm("template", "rankscope", str(CHART), *given)
+        assert out.returncode != 0 and says in out.stderr, out.stderr
+    assert _render()[("Secret", "rankscope-token")] == _render()[("Secret", "rankscope-token")]
+    without = _render("--set", "captures.enabled=false", tokens=TOKENS[:2])
+    assert set(without[("Secret", "rankscope-token")]["data"]) == {"token", "bpf-cache-key"}
+    assert build_parser().parse_args(_container(without[("DaemonSet", "rankscope-agent")])["args"]).no_captures
+
+
+def test_chart_limits_who_reaches_the_agents():
+    docs = _render()
+    policy = docs[("NetworkPolicy", "rankscope-agent")]["spec"]
+    agent_pod = docs[("DaemonSet", "rankscope-agent")]["spec"]["template"]
+    analyzer_pod = docs[("StatefulSet", "rankscope-analyzer")]["spec"]["template"]
+    assert policy["podSelector"]["matchLabels"].items() <= agent_pod["metadata"]["labels"].items()
+    (rule,) = policy["ingress"]
+    analyzer, prometheus = rule["from"]
+    assert analyzer["podSelector"]["matchLabels"].items() <= analyzer_pod["metadata"]["labels"].items()
+    assert prometheus["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    for pod in (agent_pod, analyzer_pod):  # neither calls the Kubernetes API
+        assert pod["spec"]["automountServiceAccountToken"] is False
+    token = next(v for v in analyzer_pod["spec"]["volumes"] if v["name"] == "token")
+    assert token["secret"]["items"] == [{"key": "token", "path": "token"}]  # the analyzer starts no capture
+    mine = _render("--set-json", 'networkPolicy.from=[{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]')
+    assert mine[("NetworkPolicy", "rankscope-agent")]["spec"]["ingress"][0]["from"][1] == {
+        "namespaceSelector": {"matchLabels": {"team": "obs"}}}
+    assert ("NetworkPolicy", "rankscope-agent") not in _render("--set", "networkPolicy.enabled=false")
 
 
 def test_chart_values_reach_the_pods():
@@ -144,14 +181,15 @@ def test_chart_values_reach_the_pods():
                    "--set", "image.repository=registry.local/rankscope", "--set", "image.tag=dev",
                    "--set", "token.existingSecret=my-token", "--set", "analyzer.window=10",
                    "--set", "analyzer.replicas=3",
-                   release="fleet", namespace="ml")
+                   release="fleet", namespace="ml", tokens=())
     assert not [key for key in docs if key[0] == "Secret"]  # the user's own
     ds = docs[("DaemonSet", "fleet-rankscope-agent")]
     pod, c = ds["spec"]["template"]["spec"], _container(ds)
     args = build_parser().parse_args(c["args"])
     assert (args.detail, args.window, args.listen) == ("deep", 2.5, "[::]:9500")
     assert c["ports"][0]["containerPort"] == 9500 and c["securityContext"]["privileged"] is True
-    assert c["image"] == "registry.local/rankscope:dev" and c["resources"]["limits"] == {"memory": "3Gi"}
+    assert c["image"] == "registry.local/rankscope:dev"
+    assert c["resources"]["limits"] == {"cpu": "1", "memory": "3Gi"}  # Helm merges the given map into the default
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"} and "tolerations" not in pod
     analyzer = docs[("StatefulSet", "fleet-rankscope-analyzer")]
     cluster = build_parser().parse_args(_container(analyzer)["args"])
@@ -162,11 +200,12 @@ def test_chart_values_reach_the_pods():
         volumes = workload["spec"]["template"]["spec"]["volumes"]
         assert next(v for v in volumes if v["name"] == "token")["secret"]["secretName"] == "my-token"
     assert set(_render("--set", "analyzer.enabled=false")) == {
-        ("DaemonSet", "rankscope-agent"), ("Service", "rankscope-agent"), ("Secret", "rankscope-token")}
+        ("DaemonSet", "rankscope-agent"), ("Service", "rankscope-agent"), ("Secret", "rankscope-token"),
+        ("NetworkPolicy", "rankscope-agent")}
 
 
 def test_chart_refuses_bad_values():
-    out = _helm("template", "rankscope", str(CHART), "--set", "agent.detail=verbose")
+    out = _helm("template", "rankscope", str(CHART), *TOKENS, "--set", "agent.detail=verbose")
     assert out.returncode != 0 and "agent/detail" in out.stderr
 
 

@@ -153,7 +153,7 @@ def _get(url: str) -> tuple[int, str, bytes]:
         return e.code, "", e.read()
 
 
-def test_agent_serves_one_capture_at_a_time(job, agent):
+def test_agent_serves_one_capture_at_a_time_then_cools_down(job, agent):
     a = agent("--pid", ",".join(str(p) for p in job.pids.values()))
     wait_until(lambda: len(a.get("/v1/diagnosis")["ranks"]) == RANKS, 60, "the agent's first window")
     answers: list[tuple[int, str, bytes]] = []
@@ -170,7 +170,11 @@ def test_agent_serves_one_capture_at_a_time(job, agent):
         doc = json.loads(z.read("rank1.trace.json"))
     assert doc["distributedInfo"]["rank"] == 1 and doc["rankscope"]["seconds"] == pytest.approx(2, abs=0.2)
     assert any(e["tid"] >= COLLECTIVE_TID for e in doc["traceEvents"])
-    status, _, body = _get(f"{a.url}/v1/trace?seconds=1&rank=0")  # the first is over: a new one runs
+    # The first is over, but the next waits as long as it took: a trace costs the ranks at most half the time.
+    status, _, _ = _get(f"{a.url}/v1/trace?seconds=1&rank=0")
+    assert status == 429
+    status, _, body = wait_until(lambda: (r := _get(f"{a.url}/v1/trace?seconds=1&rank=0"))[0] != 429 and r, 30,
+                                 "the captures' cool-down", interval=0.5)
     assert status == 200 and json.loads(body)["distributedInfo"]["rank"] == 0
     assert _get(f"{a.url}/v1/trace?seconds=600")[0] == 400
 

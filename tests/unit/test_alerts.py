@@ -21,6 +21,7 @@ from rankscope.agent.service.snapshot import AgentHealth
 ROOT = Path(__file__).resolve().parents[2]
 HELM = ROOT / ".tools" / "helm"  # scripts/install fetches it
 CHART = ROOT / "deploy" / "helm" / "rankscope"
+TOKENS = ("--set", "token.value=read-token", "--set", "token.captureValue=capture-token")  # the chart needs both
 ROUTED = {"RankscopeFinding": {"job", "kind", "rank", "node"}, "RankscopeRegression": {"job", "kind"},
           "RankscopeHang": {"job", "kind", "rank", "node"}, "RankscopeStalled": {"component", "node"}}
 
@@ -28,8 +29,8 @@ ROUTED = {"RankscopeFinding": {"job", "kind", "rank", "node"}, "RankscopeRegress
 def _render(*values: str) -> list[dict]:
     if not HELM.exists():
         pytest.skip("helm is missing: scripts/install fetches it into .tools/")
-    out = subprocess.run([str(HELM), "template", "rankscope", str(CHART), *values], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([str(HELM), "template", "rankscope", str(CHART), *TOKENS, *values], capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 

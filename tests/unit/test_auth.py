@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from conftest import one_line_error, run
 from test_server import SNAP
 
-from rankscope.agent.service.auth import TOKEN_ENV, TokenError, check_bind, is_loopback, load_token
+from rankscope.agent.service.auth import TOKEN_ENV, Access, TokenError, check_bind, is_loopback, load_token
 from rankscope.agent.service.http import make_app
 
 TOKEN = "0123456789abcdef-token"
@@ -59,11 +59,14 @@ def test_401_says_why_and_how():
 def test_loopback(host, loopback):
     assert is_loopback(host) is loopback
     if loopback:
-        check_bind(host, None)
+        check_bind(host, Access())
     else:
         with pytest.raises(TokenError, match="without a token"):
-            check_bind(host, None)
-    check_bind(host, TOKEN)
+            check_bind(host, Access())
+    check_bind(host, Access(TOKEN))
+    with pytest.raises(TokenError, match="--require-token"):
+        check_bind(host, Access(), require_token=True)
+    check_bind(host, Access(capture=TOKEN), require_token=True)
 
 
 def test_token_sources(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from test_server import SNAP, _doc
 
-from rankscope.agent.service.auth import TOKEN_COOKIE
+from rankscope.agent.service.auth import LEGACY_COOKIE, SESSION_COOKIE
 from rankscope.agent.service.cluster_analyzer import ClusterSnapshot, make_cluster_app
 from rankscope.agent.service.history import StepHistory, StepPoint
 from rankscope.agent.service.http import make_app
@@ -84,7 +84,7 @@ def test_a_history_parameter_out_of_bounds_is_a_400(query):
     assert status == 400 and body.strip(), (query, body)
 
 
-def test_a_browser_passes_the_token_once_and_keeps_it_in_a_cookie():
+def test_a_browser_passes_the_token_once_and_keeps_a_session_cookie():
     async def go():
         async with TestClient(TestServer(make_app(lambda: SNAP, TOKEN))) as c:
             async def status(path: str) -> int:
@@ -96,11 +96,17 @@ def test_a_browser_passes_the_token_once_and_keeps_it_in_a_cookie():
             r = await c.get("/?" + urlencode({"token": TOKEN}), allow_redirects=False)
             after = [await status(p) for p in ("/", "/v1/diagnosis", "/v1/history", "/metrics")]
             c.session.cookie_jar.clear()
-            wrong = (await c.get("/", headers={"Cookie": f"{TOKEN_COOKIE}=nope"})).status
-            return before, why, r.status, r.headers["Location"], r.headers["Set-Cookie"], after, wrong
+            wrong = [(await c.get("/", headers={"Cookie": f"{name}={value}"})).status
+                     for name, value in ((SESSION_COOKIE, "nope"), (SESSION_COOKIE, "1.00"), (LEGACY_COOKIE, TOKEN))]
+            return before, why, r.status, r.headers["Location"], r.headers.getall("Set-Cookie"), after, wrong
 
-    before, why, given, location, cookie, after, wrong = asyncio.run(go())
+    before, why, given, location, cookies, after, wrong = asyncio.run(go())
     assert before == [401, 401, 401] and "/?token=" in why  # only the page takes it; the 401 says how
     assert given == 303 and location == "./"  # relative: keeps a proxy's path prefix; drops the token from the URL
-    assert cookie.startswith(f"{TOKEN_COOKIE}=") and "HttpOnly" in cookie and "SameSite=Strict" in cookie
-    assert after == [200, 200, 200, 200] and wrong == 401
+    session = next(c for c in cookies if c.startswith(f"{SESSION_COOKIE}="))
+    value = session.split(";")[0].split("=", 1)[1]
+    assert TOKEN not in session and value.strip('"') != TOKEN  # derived, never the token
+    assert all(attr in session for attr in ("HttpOnly", "SameSite=Strict", "Path=/", "Max-Age="))
+    assert "Secure" not in session  # plain HTTP: a Secure cookie would never come back
+    assert any(c.startswith(f"{LEGACY_COOKIE}=") and "Max-Age=0" in c for c in cookies)  # the old raw-token cookie cleared
+    assert after == [200, 200, 200, 200] and wrong == [401, 401, 401]  # the raw token as a cookie opens nothing

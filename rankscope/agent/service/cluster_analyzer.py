@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from yarl import URL
 
+from rankscope.agent.service.auth import Access
 from rankscope.agent.service.collector import WindowCollector
 from rankscope.agent.service.history import StepHistory, Store
 from rankscope.agent.service.http import MSGPACK, metrics_response, secure_app, select_diagnosis, serve_windows
@@ -101,11 +103,12 @@ class ClusterSnapshot:
 class Cluster:
     def __init__(self, agents: Sequence[str], token: str | None, timeout_s: float, concurrency: int,
                  hang_timeout_s: float, window_s: float, shard: Shard = Shard(), history: Store | None = None,
-                 notifier: Notifier | None = None):
+                 notifier: Notifier | None = None, agents_tls: ssl.SSLContext | None = None):
         self.sources = list(agents)
         self.shard = shard  # this replica's jobs only
+        # https agents' certificates are checked against agents_tls (None: the system's)
         self.puller = Puller({"Accept": MSGPACK, **({"Authorization": f"Bearer {token}"} if token else {})},
-                             timeout_s, concurrency, MAX_PAYLOAD_BYTES)
+                             timeout_s, concurrency, MAX_PAYLOAD_BYTES, agents_tls)
         self.hang_timeout_s = hang_timeout_s
         self.baselines: dict[str, Baseline] = {}  # job -> its recent windows over all nodes
         self.confirmer = Confirmer()  # a finding is reported once it held (stability.py)
@@ -230,7 +233,7 @@ class Cluster:
         return lost
 
 
-def make_cluster_app(current: Callable[[], ClusterSnapshot], token: str | None) -> web.Application:
+def make_cluster_app(current: Callable[[], ClusterSnapshot], token: Access | str | None) -> web.Application:
     def agents_of(snap: ClusterSnapshot, job: str | None) -> list[dict[str, Any]]:
         return [asdict(a) for a in snap.agents if job is None or job in a.jobs or a.state != "up"]
 
@@ -268,9 +271,10 @@ def make_cluster_app(current: Callable[[], ClusterSnapshot], token: str | None) 
     return app
 
 
-async def serve_cluster(cluster: Cluster, host: str, port: int, window_s: float, token: str | None) -> None:
+async def serve_cluster(cluster: Cluster, host: str, port: int, window_s: float, access: Access,
+                        tls: ssl.SSLContext | None = None) -> None:
     try:
-        await serve_windows(make_cluster_app(lambda: cluster.snapshot, token), host, port, window_s,
-                            cluster.window, "cluster analyzer", first=cluster.window)
+        await serve_windows(make_cluster_app(lambda: cluster.snapshot, access), host, port, window_s,
+                            cluster.window, "cluster analyzer", first=cluster.window, tls=tls)
     finally:
         await cluster.close()

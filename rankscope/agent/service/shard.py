@@ -11,33 +11,25 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
+
+
+MAX_REPLICAS = 1024  # each pull hashes its jobs once per replica: bounded, and far beyond any cluster's need
 
 
 @dataclass(frozen=True)
 class Shard:
-    """Replica `index` of `replicas` (0 <= index < replicas)."""
+    """Replica `index` of `replicas` (0 <= index < replicas <= MAX_REPLICAS)."""
 
     index: int = 0
     replicas: int = 1
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or not 0 <= self.index < self.replicas:
-            raise ValueError(f"replica {self.index} of {self.replicas}: need 0 <= replica < replicas")
+        if not 1 <= self.replicas <= MAX_REPLICAS or not 0 <= self.index < self.replicas:
+            raise ValueError(f"replica {self.index} of {self.replicas}: need 0 <= replica < replicas <= {MAX_REPLICAS}")
 
     def owns(self, job: str) -> bool:
         return self.replicas == 1 or owner(job, self.replicas) == self.index
-
-    @classmethod
-    def of_query(cls, query: Mapping[str, str]) -> Shard:
-        """The replica a pull names (`?replica=i&replicas=N`; neither: the only one); ValueError if malformed."""
-        if ("replica" in query) != ("replicas" in query):
-            raise ValueError("give replica and replicas together")
-        try:
-            return cls(int(query.get("replica", 0)), int(query.get("replicas", 1)))
-        except ValueError as e:
-            raise ValueError(f"bad replica: {e}") from None
 
     @property
     def query(self) -> dict[str, str]:
