@@ -4,7 +4,6 @@ rankscope/schema/diagnosis.schema.json."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -18,8 +17,7 @@ from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
 from rankscope.agent.observe import observe
 from rankscope.agent.report import render
-from rankscope.agent.service.auth import TOKEN_ENV, TokenError, check_bind, load_token
-from rankscope.agent.service.http import ListenError
+from rankscope.agent.service.auth import TOKEN_ENV, ListenError, TokenError, check_bind, load_token
 from rankscope.agent.session import Session
 from rankscope.agent.sources.python_exact import TracedFunction
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
@@ -221,6 +219,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    import asyncio
+
     from rankscope.agent.daemon import Agent, serve
 
     host, port = parse_listen(args.listen)
@@ -244,6 +244,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
+    import asyncio
+
     from rankscope.agent.service.cluster_analyzer import AgentListError, Cluster, parse_agents, serve_cluster
     from rankscope.agent.service.shard import Shard, ordinal
 

@@ -47,21 +47,47 @@ SHN_UNDEF = 0
 @lru_cache(maxsize=64)
 def _functions(path: str, local: bool, _dev: int, _ino: int, _mtime: int) -> dict[str, int]:
     found: dict[str, int] = {}
+    for section in (".symtab", ".dynsym") if local else (".dynsym",):
+        found.update(_defined(path, section, STT_FUNC))
+    return found
+
+
+def dynamic_symbols(path: str) -> dict[str, int]:
+    """Every defined symbol of `path`'s dynamic symbol table (functions, objects), name -> st_value. Cached per
+    file identity, as functions() is."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
+    return _dynamic_symbols(path, st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _dynamic_symbols(path: str, _dev: int, _ino: int, _mtime: int) -> dict[str, int]:
+    return _defined(path, ".dynsym", None)
+
+
+def _defined(path: str, section: str, kind: int | None) -> dict[str, int]:
+    """name -> value of the symbols of `section` defined in `path` (not undefined), of type `kind` (None:
+    any); empty when it has no such section."""
+    found: dict[str, int] = {}
     try:
         with open(path, "rb") as f:
             elf = ELFFile(f)
             if elf.elfclass != 64 or not elf.little_endian:
                 raise SymbolError(f"{path} is not a 64-bit little-endian ELF file")
-            for section in (".symtab", ".dynsym") if local else (".dynsym",):
-                table = elf.get_section_by_name(section)
-                if not isinstance(table, SymbolTableSection):
-                    continue
-                data = table.data()
-                syms = np.frombuffer(data, ELF64_SYM, len(data) // ELF64_SYM.itemsize)
-                defined = syms[((syms["info"] & 0xF) == STT_FUNC) & (syms["shndx"] != SHN_UNDEF)]
-                names = elf.get_section(table["sh_link"]).data()
-                for at, value in zip(defined["name"].tolist(), defined["value"].tolist()):
-                    found[names[at : names.index(b"\0", at)].decode(errors="replace")] = value
+            table = elf.get_section_by_name(section)
+            if not isinstance(table, SymbolTableSection):
+                return found
+            data = table.data()
+            syms = np.frombuffer(data, ELF64_SYM, len(data) // ELF64_SYM.itemsize)
+            keep = syms["shndx"] != SHN_UNDEF
+            if kind is not None:
+                keep &= (syms["info"] & 0xF) == kind
+            defined = syms[keep]
+            names = elf.get_section(table["sh_link"]).data()
+            for at, value in zip(defined["name"].tolist(), defined["value"].tolist()):
+                found[names[at : names.index(b"\0", at)].decode(errors="replace")] = value
     except (OSError, ELFError, ValueError) as e:
         raise SymbolError(f"cannot read symbols of {path}: {e}") from e
     return found

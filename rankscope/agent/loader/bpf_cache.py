@@ -13,8 +13,8 @@ stays). What it keeps: a kernel, bcc, program text or flag that differs gives an
 a program the kernel refuses from an entry is reported as bcc reports a refused program, and the entry is
 deleted so that the next process compiles. A program this cache cannot describe (a map type or attach
 style it does not know) is simply not kept.
-Trust: an entry is code the kernel runs, so entries are read only from a directory that only this user can
-write to, and written whole (a temporary file renamed into place).
+Trust: an entry is code the kernel runs; host/node_cache.py reads it only from a directory and a file that
+only this user can write to.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import platform
-import stat
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -38,13 +37,13 @@ from bcc.libbcc import lib
 from bcc.utils import get_possible_cpus
 from bcc.version import __version__ as bcc_version
 
+from rankscope.agent.host import node_cache
+from rankscope.agent.host.node_cache import ENV, directory  # noqa: F401 - the cache's setting, named here too
 from rankscope.agent.loader import bpf_syscall
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # of an entry file; part of the key
-ENV = "RANKSCOPE_BPF_CACHE"  # the cache's directory; "off" (or empty) keeps nothing
-DEFAULT_DIR = "/var/cache/rankscope/bpf"
 # Entries kept, the least recently used beyond it removed when one is written: a program's text changes with
 # each rankscope version, its flags with each CPython version watched (layout offsets), so old entries pile up.
 MAX_ENTRIES = 64
@@ -126,12 +125,6 @@ class Entry:
         return entry
 
 
-def directory() -> Path | None:
-    """The cache's directory, or None when caching is off."""
-    value = os.environ.get(ENV, DEFAULT_DIR)
-    return Path(value) if value and value != "off" else None
-
-
 def key(text: str, cflags: list[str]) -> str:
     """What decides a compile's output: the program, its flags, bcc, the kernel (its release and build; the
     headers bcc reads are the release's) and the number of possible CPUs (the size of per-CPU arrays)."""
@@ -146,26 +139,17 @@ def key(text: str, cflags: list[str]) -> str:
 
 def load(text: str, cflags: list[str]) -> CachedBPF | None:
     """The program from its entry, maps created; None when there is no usable entry."""
-    root = directory()
-    if root is None:
-        return None
-    path = root / f"{key(text, cflags)}.json"
+    name = f"{key(text, cflags)}.json"
     try:
-        if not _trusted(root):
+        found = node_cache.read(name, touch=True)  # used now: what the pruning of old entries goes by
+        if found is None:
             return None
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd) as f:
-            if not _trusted_file(os.fstat(f.fileno())):
-                log.warning("ignoring BPF cache entry %s: writable by others", path)
-                return None
-            entry = Entry.from_json(f.read())
-            os.utime(f.fileno())  # used now: what the pruning of old entries goes by
+        path, raw = found
+        entry = Entry.from_json(raw)
     except (OSError, CacheError) as e:
+        path = node_cache.directory() / name
         log.warning("BPF cache entry %s unusable, compiling instead: %s", path, e)
-        _remove(path)
+        node_cache.remove(path)
         return None
     try:
         return CachedBPF(entry, path)
@@ -174,33 +158,22 @@ def load(text: str, cflags: list[str]) -> CachedBPF | None:
         return None
     except Exception as e:  # noqa: BLE001 - bcc raises bare Exception; whatever an entry does, the compile decides
         log.warning("BPF program from cache entry %s not loaded, compiling instead: %s", path, e)
-        _remove(path)
+        node_cache.remove(path)
         return None
 
 
 def store(text: str, cflags: list[str], bpf: Any) -> None:
     """Keeps bcc's freshly compiled `bpf` (no function loaded yet matters not: the bytes are the module's)."""
-    root = directory()
-    if root is None:
+    if directory() is None:
         return
     try:
         entry = describe(bpf)
     except Exception as e:  # noqa: BLE001 - a program the cache cannot keep still loads, compiled
         log.debug("BPF program not cached: %s", e)
         return
-    try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not _trusted(root):
-            log.warning("not caching BPF programs in %s: writable by others", root)
-            return
-        path = root / f"{key(text, cflags)}.json"
-        tmp = root / f".{path.name}.{os.getpid()}"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as f:
-            f.write(entry.to_json())
-        os.replace(tmp, path)
-        _prune(root)
-    except OSError as e:
-        log.debug("cannot write the BPF cache in %s: %s", root, e)
+    path = node_cache.write(f"{key(text, cflags)}.json", entry.to_json())
+    if path is not None:
+        _prune(path.parent)
 
 
 def _prune(root: Path) -> None:
@@ -212,7 +185,7 @@ def _prune(root: Path) -> None:
         except OSError:
             continue
     for _, p in sorted(entries, reverse=True)[MAX_ENTRIES:]:
-        _remove(p)
+        node_cache.remove(p)
 
 
 def describe(bpf: Any) -> Entry:
@@ -315,7 +288,7 @@ class CachedBPF(BPF):
         except OSError as e:
             log.warning("the kernel refused %s from BPF cache entry %s (%s); the next start compiles it",
                         func_name.decode(), self._path, e.strerror)
-            _remove(self._path)
+            node_cache.remove(self._path)
             raise Exception(f"Failed to load BPF program {func_name.decode()}: {e.strerror}") from e
         fn = BPF.Function(self, func_name, fd)
         self.funcs[func_name] = fn
@@ -420,25 +393,3 @@ def _libbcc() -> ctypes.CDLL:
         fn = getattr(c, name)
         fn.restype, fn.argtypes = restype, argtypes
     return c
-
-
-# -- trust ------------------------------------------------------------------------------------------------------
-
-def _trusted(root: Path) -> bool:
-    """Whether `root` is a directory owned by this user that nobody else may write to."""
-    st = os.stat(root)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        log.warning("ignoring the BPF cache %s: not a directory only this user can write to", root)
-        return False
-    return True
-
-
-def _trusted_file(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _remove(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)  # another process may have removed it first
-    except OSError as e:
-        log.debug("cannot remove %s: %s", path, e)

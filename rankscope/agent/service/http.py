@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from rankscope.agent.service.agent_metrics import agent_metrics
-from rankscope.agent.service.auth import Handler, bearer_auth
+from rankscope.agent.service.auth import Handler, ListenError, bearer_auth
 from rankscope.agent.service.page import add_page
 from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition
 from rankscope.agent.loader.trace_stream import CaptureBusy
@@ -24,6 +24,7 @@ from rankscope.agent.views.folded import folded_diff
 from rankscope.agent.views.formats import encode
 from rankscope.agent.views.profile import DEFAULT_WHAT, RankProfile, diff, diff_json, peers_of
 from rankscope.agent.service.shard import Shard
+from rankscope.analyzer.diagnosis import empty_diagnosis
 from rankscope.schema.wire import encode_patterns, pattern_to_json
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,6 @@ MAX_BODY_BYTES = 4 * 1024  # every endpoint is a GET: a body is never needed
 MAX_LINE_BYTES = 4 * 1024  # request line and each header
 HANDLER_TIMEOUT_S = 10.0
 MAX_JOB_NAME = 256
-
-
-def empty_diagnosis(job: str | None = None) -> dict:
-    """The document before anything was observed: every key of a real one, nothing in them."""
-    return {"job": job, "window": {"start": None, "end": None}, "step_time_s": None, "baseline": None,
-            "ranks": [], "findings": []}
 
 
 @web.middleware
@@ -65,10 +60,6 @@ def secure_app(token: str | None) -> web.Application:
 
     app.router.add_get("/healthz", healthz)
     return app
-
-
-class ListenError(Exception):
-    """The address cannot be served on (in use, not local, not permitted)."""
 
 
 async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
