@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import urllib.parse
+from contextlib import ExitStack
 
 import rankscope
 from rankscope.agent.detail import DEEP, DEEP_SECONDS, LEVELS, LIGHT, Detail, SlowdownTrigger
@@ -122,11 +123,12 @@ def diagnose_through_agent(args: argparse.Namespace, pids: list[int]) -> int:
     return 0
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
-    from rankscope.agent.capture import capture
-    from rankscope.agent.views.folded import folded_diff
-    from rankscope.agent.views.formats import encode
-    from rankscope.agent.views.profile import diff, diff_json, diff_summary
+    from rankscope.agent.capture import sampled
 
     if args.duration <= 0:
         raise UsageError("--duration must be positive")
@@ -140,27 +142,34 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"-o: cannot write {args.output}: {e.strerror}") from None
     try:
-        try:
-            profiles = capture(pids, args.duration, args.rate,
-                               watching=lambda line: print(line, file=sys.stderr, flush=True))
-        except ValueError as e:  # a sampling rate out of range
-            raise UsageError(f"--rate: {e}") from None
-        if args.diff is None:
-            body, _ = encode(profiles, args.format, args.what)
-        else:
-            target = next((p for p in profiles if p.rank == args.diff), None)
-            if target is None or len(profiles) < 2:
-                raise UsageError(f"--diff {args.diff}: needs that rank and at least one peer among "
-                                 f"the ranks {sorted(p.rank for p in profiles)}")
-            d = diff(target, [p for p in profiles if p is not target], args.what)
-            print(diff_summary(d), file=sys.stderr, flush=True)
-            body = (json.dumps(diff_json(d)) + "\n" if args.format == "json" else folded_diff(d)).encode()
-        out.write(body)
-        out.flush()
+        with ExitStack() as attached:
+            try:
+                profiles = attached.enter_context(sampled(pids, args.duration, args.rate, watching=_say))
+            except ValueError as e:  # a sampling rate out of range
+                raise UsageError(f"--rate: {e}") from None
+            out.write(_profile_body(args, profiles))  # before the sampler detaches: it waits for the kernel
+            out.flush()
     finally:
         if out is not sys.stdout.buffer:
             out.close()
     return 0
+
+
+def _profile_body(args: argparse.Namespace, profiles: list) -> bytes:
+    """What `profile` writes: the profiles in --format, or the --diff of a rank against its peers."""
+    from rankscope.agent.views.folded import folded_diff
+    from rankscope.agent.views.formats import encode
+    from rankscope.agent.views.profile import diff, diff_json, diff_summary
+
+    if args.diff is None:
+        return encode(profiles, args.format, args.what)[0]
+    target = next((p for p in profiles if p.rank == args.diff), None)
+    if target is None or len(profiles) < 2:
+        raise UsageError(f"--diff {args.diff}: needs that rank and at least one peer among "
+                         f"the ranks {sorted(p.rank for p in profiles)}")
+    d = diff(target, [p for p in profiles if p is not target], args.what)
+    print(diff_summary(d), file=sys.stderr, flush=True)
+    return (json.dumps(diff_json(d)) + "\n" if args.format == "json" else folded_diff(d)).encode()
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
