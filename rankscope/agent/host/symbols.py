@@ -29,11 +29,16 @@ def functions(path: str, local: bool) -> dict[str, int]:
 
     Cached per file identity (device, inode, mtime), so many ranks mapping one library cost one read.
     """
+    return _functions(path, local, *_identity(path))
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    """(device, inode, mtime) of `path`: what the readers below are cached by."""
     try:
         st = os.stat(path)
     except OSError as e:
         raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
-    return _functions(path, local, st.st_dev, st.st_ino, st.st_mtime_ns)
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 # An ELF64 symbol (Elf64_Sym), read a whole table at a time: pyelftools parses a symbol in ~20 us, which is
@@ -55,11 +60,7 @@ def _functions(path: str, local: bool, _dev: int, _ino: int, _mtime: int) -> dic
 def dynamic_symbols(path: str) -> dict[str, int]:
     """Every defined symbol of `path`'s dynamic symbol table (functions, objects), name -> st_value. Cached per
     file identity, as functions() is."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
-    return _dynamic_symbols(path, st.st_dev, st.st_ino, st.st_mtime_ns)
+    return _dynamic_symbols(path, *_identity(path))
 
 
 @lru_cache(maxsize=16)
@@ -132,11 +133,7 @@ def sdt_probes(path: str) -> dict[tuple[str, str], SdtProbe]:
 def sdt_sites(path: str) -> list[tuple[str, str, SdtProbe]]:
     """(provider, name, site) of every SDT note of `path`: a probe the compiler placed at several sites (an
     inlined macro) has one entry each."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
-    return _sdt_sites(path, st.st_dev, st.st_ino, st.st_mtime_ns)
+    return _sdt_sites(path, *_identity(path))
 
 
 @lru_cache(maxsize=16)
