@@ -29,9 +29,9 @@ and without the agent, A B B A ..., summarized by the median over pairs so that 
             (bursts every 10 ms), for 2 minutes, the agent in deep mode: the agent process's CPU share of one
             core and, apart, its BPF programs' kernel time (kernel.bpf_stats_enabled, on for the run only);
             RSS at start and end, windows served, launches counted, drops reported in /metrics
-  attach    `diagnose --pid <2 ranks> --duration 1` attaching itself (compiling its programs, or finding them
-            in the node's cache) and through the node agent already watching the job (`--agent`): seconds and
-            CPU to its window, whole run, peak RSS
+  attach    a one-shot command on a 2-rank job, from the command to its exit (wall, CPU, peak RSS; and the
+            seconds to its window): `diagnose --duration 1` attaching itself (compiling its programs, or finding
+            them in the node's cache) and through the node agent (`--agent`); `profile`, `trace`, `dump`
   torch     step time of the real torch DDP job (tests/torch_ddp_train.py, gloo on CPU, 4 ranks under torchrun)
             with the agent attached to its running ranks, light and deep mode; listed only when that script exists
   startup   step time of a 2-rank torch DDP job (both CPUs busy) over the first seconds after the agent starts,

@@ -8,7 +8,8 @@ second of the window.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from rankscope.agent.host.targets import TargetError, environment, identity_from_env
 from rankscope.agent.session import host_name
@@ -29,6 +30,15 @@ def capture(pids: list[int], duration: float, frequency: int,
             watching: Callable[[str], None] = lambda _: None) -> list[RankProfile]:
     """The profiles of `pids` over `duration` seconds (Ctrl-C ends early); TargetError for a process that
     cannot be sampled."""
+    with sampled(pids, duration, frequency, watching) as profiles:
+        return profiles
+
+
+@contextmanager
+def sampled(pids: list[int], duration: float, frequency: int,
+            watching: Callable[[str], None] = lambda _: None) -> Iterator[list[RankProfile]]:
+    """capture()'s profiles, the sampler still attached while the block runs: removing its tracepoint and
+    perf events waits for the kernel (~0.1 s), so a command writes its answer first."""
     ranks = ranks_of(pids)
     host = host_name()
     with PythonSampler(frequency=frequency) as sampler:
@@ -46,5 +56,5 @@ def capture(pids: list[int], duration: float, frequency: int,
             pass
         stacks = sampler.read()
         end = time.time()
-    return [RankProfile(job=ranks[pid][0], rank=ranks[pid][1], pid=pid, host=host, start=start, end=end,
-                        frequency=frequency, stacks=stacks.get(pid, {})) for pid in pids]
+        yield [RankProfile(job=ranks[pid][0], rank=ranks[pid][1], pid=pid, host=host, start=start, end=end,
+                           frequency=frequency, stacks=stacks.get(pid, {})) for pid in pids]

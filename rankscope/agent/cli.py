@@ -4,7 +4,6 @@ ships as rankscope/schema/diagnosis.schema.json."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -13,6 +12,7 @@ import ssl
 import sys
 import urllib.parse
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 import rankscope
@@ -21,8 +21,8 @@ from rankscope.agent.host.targets import TargetError
 from rankscope.agent.loader.program import ProbeError
 from rankscope.agent.observe import observe
 from rankscope.agent.report import render
-from rankscope.agent.service.auth import CAPTURE_TOKEN_ENV, TOKEN_ENV, Access, TokenError, check_bind, load_token
-from rankscope.agent.service.http import ListenError, tls_context
+from rankscope.agent.service.auth import (CAPTURE_TOKEN_ENV, TOKEN_ENV, Access, ListenError, TokenError, check_bind,
+                                          load_token)
 from rankscope.agent.session import Session
 from rankscope.agent.sources.python_exact import TracedFunction
 from rankscope.analyzer.baseline import SLOWDOWN_THRESHOLD
@@ -131,11 +131,12 @@ def diagnose_through_agent(args: argparse.Namespace, pids: list[int]) -> int:
     return 0
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
-    from rankscope.agent.capture import capture
-    from rankscope.agent.views.folded import folded_diff
-    from rankscope.agent.views.formats import encode
-    from rankscope.agent.views.profile import diff, diff_json, diff_summary
+    from rankscope.agent.capture import sampled
 
     if args.duration <= 0:
         raise UsageError("--duration must be positive")
@@ -149,27 +150,34 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"-o: cannot write {args.output}: {e.strerror}") from None
     try:
-        try:
-            profiles = capture(pids, args.duration, args.rate,
-                               watching=lambda line: print(line, file=sys.stderr, flush=True))
-        except ValueError as e:  # a sampling rate out of range
-            raise UsageError(f"--rate: {e}") from None
-        if args.diff is None:
-            body, _ = encode(profiles, args.format, args.what)
-        else:
-            target = next((p for p in profiles if p.rank == args.diff), None)
-            if target is None or len(profiles) < 2:
-                raise UsageError(f"--diff {args.diff}: needs that rank and at least one peer among "
-                                 f"the ranks {sorted(p.rank for p in profiles)}")
-            d = diff(target, [p for p in profiles if p is not target], args.what)
-            print(diff_summary(d), file=sys.stderr, flush=True)
-            body = (json.dumps(diff_json(d)) + "\n" if args.format == "json" else folded_diff(d)).encode()
-        out.write(body)
-        out.flush()
+        with ExitStack() as attached:
+            try:
+                profiles = attached.enter_context(sampled(pids, args.duration, args.rate, watching=_say))
+            except ValueError as e:  # a sampling rate out of range
+                raise UsageError(f"--rate: {e}") from None
+            out.write(_profile_body(args, profiles))  # before the sampler detaches: it waits for the kernel
+            out.flush()
     finally:
         if out is not sys.stdout.buffer:
             out.close()
     return 0
+
+
+def _profile_body(args: argparse.Namespace, profiles: list) -> bytes:
+    """What `profile` writes: the profiles in --format, or the --diff of a rank against its peers."""
+    from rankscope.agent.views.folded import folded_diff
+    from rankscope.agent.views.formats import encode
+    from rankscope.agent.views.profile import diff, diff_json, diff_summary
+
+    if args.diff is None:
+        return encode(profiles, args.format, args.what)[0]
+    target = next((p for p in profiles if p.rank == args.diff), None)
+    if target is None or len(profiles) < 2:
+        raise UsageError(f"--diff {args.diff}: needs that rank and at least one peer among "
+                         f"the ranks {sorted(p.rank for p in profiles)}")
+    d = diff(target, [p for p in profiles if p is not target], args.what)
+    print(diff_summary(d), file=sys.stderr, flush=True)
+    return (json.dumps(diff_json(d)) + "\n" if args.format == "json" else folded_diff(d)).encode()
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -228,7 +236,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    import asyncio
+
     from rankscope.agent.daemon import Agent, serve
+    from rankscope.agent.service.http import tls_context
 
     host, port = parse_listen(args.listen)
     if args.window <= 0 or args.hang_timeout <= 0 or args.slowdown_threshold <= 0:
@@ -256,7 +267,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
+    import asyncio
+
     from rankscope.agent.service.cluster_analyzer import AgentListError, Cluster, parse_agents, serve_cluster
+    from rankscope.agent.service.http import tls_context
     from rankscope.agent.service.shard import Shard, ordinal
 
     host, port = parse_listen(args.listen)

@@ -6,9 +6,8 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 from rankscope.agent.host.targets import TargetError
-from rankscope.agent.service.http import empty_diagnosis
 from rankscope.agent.session import Session
-from rankscope.analyzer.diagnosis import diagnose
+from rankscope.analyzer.diagnosis import diagnose, empty_diagnosis
 from rankscope.schema.wire import encode_patterns
 
 

@@ -29,6 +29,12 @@ NOT_ANALYZED = frozenset({"exited"})  # listed in `ranks`, left out of the compa
 NOT_BASELINE = HANGS | {"regression"}
 
 
+def empty_diagnosis(job: str | None = None) -> dict:
+    """The document before anything was observed: every key of a real one, nothing in them."""
+    return {"job": job, "window": {"start": None, "end": None}, "step_time_s": None, "baseline": None,
+            "ranks": [], "findings": []}
+
+
 def diagnose(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
              baselines: dict[str, Baseline] | None = None,
              slowdown_threshold: float = SLOWDOWN_THRESHOLD) -> dict[str, dict[str, Any]]:

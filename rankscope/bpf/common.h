@@ -277,29 +277,32 @@ static __always_inline int lower_enter(u32 fn, u64 bytes) {
     return timed_enter(fn, bytes);
 }
 
-// Probe entry points, one per probed symbol; FN_<symbol> ids are defined by the loader. A kind's lines using
-// them are generated from its declarations (agent/sources/probes/<kind>.py: Probe.handler), not written here.
-#define COUNTED(sym, bytes_expr)                                          \
-    int enter_##sym(struct pt_regs *ctx) { return count_call(FN_##sym, (bytes_expr)); }
-#define TIMED(sym, bytes_expr)                                            \
-    int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, (bytes_expr)); } \
-    int return_##sym(struct pt_regs *ctx) { return timed_return(FN_##sym); }
+// Probe entry points, one per handler shape (a macro and its arguments), shared by every symbol of that
+// shape: the loader attaches each symbol with its function id as the BPF cookie, so the kernel's verifier
+// checks a handful of programs, not one per symbol. A kind's lines using them are generated from its
+// declarations (agent/sources/probes/<kind>.py: Probe.handler), not written here.
+#define FN_COOKIE ((u32)bpf_get_attach_cookie(ctx))
+#define COUNTED(shape, bytes_expr)                                        \
+    int enter_##shape(struct pt_regs *ctx) { return count_call(FN_COOKIE, (bytes_expr)); }
+#define TIMED(shape, bytes_expr)                                          \
+    int enter_##shape(struct pt_regs *ctx) { return timed_enter(FN_COOKIE, (bytes_expr)); } \
+    int return_##shape(struct pt_regs *ctx) { return timed_return(FN_COOKIE); }
 // Timed and sync probes of the two layers of an API: UPPER_* mark the thread while they run, LOWER_* skip
 // inside them.
-#define UPPER_TIMED(sym, bytes_expr)                                      \
-    int enter_##sym(struct pt_regs *ctx) { return upper_enter(FN_##sym, (bytes_expr)); } \
-    int return_##sym(struct pt_regs *ctx) { upper_exit(FN_##sym); return timed_return(FN_##sym); }
-#define UPPER_SYNC(sym)                                                   \
-    int enter_##sym(struct pt_regs *ctx) { return upper_enter(FN_##sym, 0); } \
-    int return_##sym(struct pt_regs *ctx) { upper_exit(FN_##sym); return sync_return(FN_##sym); }
-#define LOWER_TIMED(sym, bytes_expr)                                      \
-    int enter_##sym(struct pt_regs *ctx) { return lower_enter(FN_##sym, (bytes_expr)); } \
-    int return_##sym(struct pt_regs *ctx) { return timed_return(FN_##sym); }
-#define LOWER_SYNC(sym)                                                   \
-    int enter_##sym(struct pt_regs *ctx) { return lower_enter(FN_##sym, 0); } \
-    int return_##sym(struct pt_regs *ctx) { return sync_return(FN_##sym); }
-#define COLLECTIVE(sym, bytes_expr, blocking)                             \
-    int enter_##sym(struct pt_regs *ctx) { return timed_enter(FN_##sym, (bytes_expr)); } \
-    int return_##sym(struct pt_regs *ctx) { return collective_return(FN_##sym, (blocking)); }
+#define UPPER_TIMED(shape, bytes_expr)                                    \
+    int enter_##shape(struct pt_regs *ctx) { return upper_enter(FN_COOKIE, (bytes_expr)); } \
+    int return_##shape(struct pt_regs *ctx) { u32 fn = FN_COOKIE; upper_exit(fn); return timed_return(fn); }
+#define UPPER_SYNC(shape)                                                 \
+    int enter_##shape(struct pt_regs *ctx) { return upper_enter(FN_COOKIE, 0); } \
+    int return_##shape(struct pt_regs *ctx) { u32 fn = FN_COOKIE; upper_exit(fn); return sync_return(fn); }
+#define LOWER_TIMED(shape, bytes_expr)                                    \
+    int enter_##shape(struct pt_regs *ctx) { return lower_enter(FN_COOKIE, (bytes_expr)); } \
+    int return_##shape(struct pt_regs *ctx) { return timed_return(FN_COOKIE); }
+#define LOWER_SYNC(shape)                                                 \
+    int enter_##shape(struct pt_regs *ctx) { return lower_enter(FN_COOKIE, 0); } \
+    int return_##shape(struct pt_regs *ctx) { return sync_return(FN_COOKIE); }
+#define COLLECTIVE(shape, bytes_expr, blocking)                           \
+    int enter_##shape(struct pt_regs *ctx) { return timed_enter(FN_COOKIE, (bytes_expr)); } \
+    int return_##shape(struct pt_regs *ctx) { return collective_return(FN_COOKIE, (blocking)); }
 
 #endif

@@ -99,10 +99,16 @@ static __always_inline int on_tcp_io(void *sk, u16 family, u16 protocol, int ret
     return 0;
 }
 
-TRACEPOINT_PROBE(sock, sock_send_length) {
-    return on_tcp_io(args->sk, args->family, args->protocol, args->ret, true);
+// sock_send_length / sock_recv_length(struct sock *sk, int ret, int flags), as raw tracepoints: removing one
+// does not wait for a grace period under the kernel's event lock, as a perf-event tracepoint's removal does.
+// The family and protocol the classic tracepoint reports are the socket's own, read here.
+static __always_inline int on_raw_tcp_io(struct bpf_raw_tracepoint_args *ctx, bool send) {
+    void *sk = (void *)ctx->args[0];
+    u16 family = 0, protocol = 0;
+    bpf_probe_read_kernel(&family, sizeof(family), sk + SK_FAMILY);
+    bpf_probe_read_kernel(&protocol, sizeof(protocol), sk + SK_PROTOCOL);
+    return on_tcp_io(sk, family, protocol, (int)ctx->args[1], send);
 }
 
-TRACEPOINT_PROBE(sock, sock_recv_length) {
-    return on_tcp_io(args->sk, args->family, args->protocol, args->ret, false);
-}
+RAW_TRACEPOINT_PROBE(sock_send_length) { return on_raw_tcp_io(ctx, true); }
+RAW_TRACEPOINT_PROBE(sock_recv_length) { return on_raw_tcp_io(ctx, false); }

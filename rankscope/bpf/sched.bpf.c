@@ -153,10 +153,12 @@ static __always_inline int on_wakeup(u32 tid) {
 TRACEPOINT_PROBE(sched, sched_wakeup) { return on_wakeup(args->pid); }
 TRACEPOINT_PROBE(sched, sched_wakeup_new) { return on_wakeup(args->pid); }
 
-// Direct reclaim runs in the allocating task's context: time it per watched thread.
+// Direct reclaim runs in the allocating task's context: time it per watched thread. Raw tracepoints (their
+// arguments are not read): removing one does not wait for a grace period under the kernel's event lock, as
+// a perf-event tracepoint's removal does (~70 ms each at the end of every diagnose).
 BPF_HASH(reclaim_start, u32, u64, 4096);
 
-TRACEPOINT_PROBE(vmscan, mm_vmscan_direct_reclaim_begin) {
+RAW_TRACEPOINT_PROBE(mm_vmscan_direct_reclaim_begin) {
     if (!watched_proc())
         return 0;
     u32 tid = bpf_get_current_pid_tgid();
@@ -165,7 +167,7 @@ TRACEPOINT_PROBE(vmscan, mm_vmscan_direct_reclaim_begin) {
     return 0;
 }
 
-TRACEPOINT_PROBE(vmscan, mm_vmscan_direct_reclaim_end) {
+RAW_TRACEPOINT_PROBE(mm_vmscan_direct_reclaim_end) {
     u64 cur = bpf_get_current_pid_tgid();
     u32 tid = cur;
     u64 *start = reclaim_start.lookup(&tid);

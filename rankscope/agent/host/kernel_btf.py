@@ -2,14 +2,22 @@
 
 The kernel headers bcc compiles against may belong to another kernel version than the one running, so a
 field a BPF program reads out of a kernel structure is read at an offset taken from here, not from them.
+Reading the BTF costs ~0.5 s of CPU (~130k types), so the offsets found are kept in the node's cache
+(host/node_cache.py) under the kernel's build id: a later process on the same kernel reads a small file.
 """
 from __future__ import annotations
 
+import json
+import platform
 import struct
 from array import array
 from functools import cache
 
+from rankscope.agent.host import node_cache
+
 VMLINUX = "/sys/kernel/btf/vmlinux"
+NOTES = "/sys/kernel/notes"  # the kernel's ELF notes: its GNU build id among them
+NT_GNU_BUILD_ID = 3
 
 # BTF kinds and the size of what follows each type's 12-byte header (vlen entries where noted).
 _INT, _PTR, _ARRAY, _STRUCT, _UNION, _ENUM, _FWD, _TYPEDEF, _VOLATILE, _CONST, _RESTRICT = range(1, 12)
@@ -34,11 +42,14 @@ class _BTF:
         self.data = data[hdr_len + type_off : hdr_len + type_off + type_len]
         self.strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
         self.at = array("I", [0])  # type id -> its header's offset in self.data (id 0, void, has none)
+        self.structs: dict[int, int] = {}  # name offset -> type id, of named structs (the first of a name)
         pos = 0
         while pos < len(self.data):
-            self.at.append(pos)
-            info = struct.unpack_from("<I", self.data, pos + 4)[0]
+            name_off, info = struct.unpack_from("<II", self.data, pos)
             kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+            if kind == _STRUCT and name_off:
+                self.structs.setdefault(name_off, len(self.at))
+            self.at.append(pos)
             pos += 12 + _FIXED_EXTRA.get(kind, 0) + _PER_VLEN.get(kind, 0) * vlen
 
     def _header(self, type_id: int) -> tuple[int, int, int, int, int]:
@@ -72,11 +83,8 @@ class _BTF:
 
     def struct_id(self, name: str) -> int | None:
         want = name.encode() + b"\x00"
-        for type_id in range(1, len(self.at)):
-            kind, name_off, _, _, _ = self._header(type_id)
-            if kind == _STRUCT and self.strings[name_off : name_off + len(want)] == want:
-                return type_id
-        return None
+        found = [tid for off, tid in self.structs.items() if self.strings[off : off + len(want)] == want]
+        return min(found, default=None)
 
     def bit_offset(self, struct_name: str, path: str) -> int:
         """Bit offset of `path` ("thread.fsbase") in `struct struct_name`."""
@@ -118,10 +126,54 @@ def _vmlinux() -> _BTF:
         raise BTFError(f"cannot parse the kernel's BTF ({VMLINUX}): {e}") from e
 
 
-@cache
 def kernel_bit_offset(struct_name: str, path: str) -> int:
     """Bit offset of a (possibly nested, possibly bit) field in one of the running kernel's structures."""
-    return _vmlinux().bit_offset(struct_name, path)
+    kept = _kept_offsets()
+    name = f"{struct_name}.{path}"
+    if name not in kept:
+        kept[name] = _vmlinux().bit_offset(struct_name, path)
+        node_cache.write(_entry_name(), json.dumps(kept).encode())
+    return kept[name]
+
+
+def build_id() -> str:
+    """The running kernel's GNU build id (hex), else its release and version: what decides its layouts."""
+    try:
+        with open(NOTES, "rb") as f:
+            notes = f.read()
+        pos = 0
+        while pos + 12 <= len(notes):
+            namesz, descsz, kind = struct.unpack_from("<III", notes, pos)
+            name_end = pos + 12 + (namesz + 3 & ~3)
+            if kind == NT_GNU_BUILD_ID and notes[pos + 12 : pos + 12 + namesz] == b"GNU\x00":
+                return notes[name_end : name_end + descsz].hex()
+            pos = name_end + (descsz + 3 & ~3)
+    except OSError:
+        pass
+    uname = platform.uname()
+    return f"{uname.release} {uname.version}"
+
+
+def _entry_name() -> str:
+    import hashlib
+
+    return f"kernel-offsets-{hashlib.sha256(build_id().encode()).hexdigest()[:40]}.json"
+
+
+@cache
+def _kept_offsets() -> dict[str, int]:
+    """"struct.path" -> bit offset, as kept for this kernel in the node's cache (empty: none kept yet). The
+    process's own lookups are added to this dict."""
+    found = node_cache.read(_entry_name())
+    if found is None:
+        return {}
+    try:
+        kept = json.loads(found[1])
+    except ValueError:
+        return {}
+    if not isinstance(kept, dict):
+        return {}
+    return {k: v for k, v in kept.items() if isinstance(k, str) and isinstance(v, int)}
 
 
 def kernel_offset(struct_name: str, path: str) -> int:

@@ -29,11 +29,16 @@ def functions(path: str, local: bool) -> dict[str, int]:
 
     Cached per file identity (device, inode, mtime), so many ranks mapping one library cost one read.
     """
+    return _functions(path, local, *_identity(path))
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    """(device, inode, mtime) of `path`: what the readers below are cached by."""
     try:
         st = os.stat(path)
     except OSError as e:
         raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
-    return _functions(path, local, st.st_dev, st.st_ino, st.st_mtime_ns)
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 # An ELF64 symbol (Elf64_Sym), read a whole table at a time: pyelftools parses a symbol in ~20 us, which is
@@ -47,21 +52,43 @@ SHN_UNDEF = 0
 @lru_cache(maxsize=64)
 def _functions(path: str, local: bool, _dev: int, _ino: int, _mtime: int) -> dict[str, int]:
     found: dict[str, int] = {}
+    for section in (".symtab", ".dynsym") if local else (".dynsym",):
+        found.update(_defined(path, section, STT_FUNC))
+    return found
+
+
+def dynamic_symbols(path: str) -> dict[str, int]:
+    """Every defined symbol of `path`'s dynamic symbol table (functions, objects), name -> st_value. Cached per
+    file identity, as functions() is."""
+    return _dynamic_symbols(path, *_identity(path))
+
+
+@lru_cache(maxsize=16)
+def _dynamic_symbols(path: str, _dev: int, _ino: int, _mtime: int) -> dict[str, int]:
+    return _defined(path, ".dynsym", None)
+
+
+def _defined(path: str, section: str, kind: int | None) -> dict[str, int]:
+    """name -> value of the symbols of `section` defined in `path` (not undefined), of type `kind` (None:
+    any); empty when it has no such section."""
+    found: dict[str, int] = {}
     try:
         with open(path, "rb") as f:
             elf = ELFFile(f)
             if elf.elfclass != 64 or not elf.little_endian:
                 raise SymbolError(f"{path} is not a 64-bit little-endian ELF file")
-            for section in (".symtab", ".dynsym") if local else (".dynsym",):
-                table = elf.get_section_by_name(section)
-                if not isinstance(table, SymbolTableSection):
-                    continue
-                data = table.data()
-                syms = np.frombuffer(data, ELF64_SYM, len(data) // ELF64_SYM.itemsize)
-                defined = syms[((syms["info"] & 0xF) == STT_FUNC) & (syms["shndx"] != SHN_UNDEF)]
-                names = elf.get_section(table["sh_link"]).data()
-                for at, value in zip(defined["name"].tolist(), defined["value"].tolist()):
-                    found[names[at : names.index(b"\0", at)].decode(errors="replace")] = value
+            table = elf.get_section_by_name(section)
+            if not isinstance(table, SymbolTableSection):
+                return found
+            data = table.data()
+            syms = np.frombuffer(data, ELF64_SYM, len(data) // ELF64_SYM.itemsize)
+            keep = syms["shndx"] != SHN_UNDEF
+            if kind is not None:
+                keep &= (syms["info"] & 0xF) == kind
+            defined = syms[keep]
+            names = elf.get_section(table["sh_link"]).data()
+            for at, value in zip(defined["name"].tolist(), defined["value"].tolist()):
+                found[names[at : names.index(b"\0", at)].decode(errors="replace")] = value
     except (OSError, ELFError, ValueError) as e:
         raise SymbolError(f"cannot read symbols of {path}: {e}") from e
     return found
@@ -106,11 +133,7 @@ def sdt_probes(path: str) -> dict[tuple[str, str], SdtProbe]:
 def sdt_sites(path: str) -> list[tuple[str, str, SdtProbe]]:
     """(provider, name, site) of every SDT note of `path`: a probe the compiler placed at several sites (an
     inlined macro) has one entry each."""
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise SymbolError(f"cannot stat {path}: {e.strerror}") from e
-    return _sdt_sites(path, st.st_dev, st.st_ino, st.st_mtime_ns)
+    return _sdt_sites(path, *_identity(path))
 
 
 @lru_cache(maxsize=16)

@@ -14,8 +14,8 @@ What a hit costs: reading the file, one HMAC over it, and one bpf(2) call per ma
 flag that differs gives another key, so another entry; a program the kernel refuses from an entry is
 reported as bcc reports a refused program, and the entry is deleted so that the next process compiles. A
 program this cache cannot describe (a map type or attach style it does not know) is simply not kept.
-Trust: an entry is code the kernel runs. Entries are read only from a directory that only this user can
-write to, written whole (a temporary file renamed into place), and sealed with an HMAC-SHA256 over their
+Trust: an entry is code the kernel runs. host/node_cache.py reads entries only from a directory and a file
+that only this user can write to, and writes them whole (a temporary file renamed into place); each is sealed with an HMAC-SHA256 over their
 key and bytes; an entry whose seal does not match (changed, copied from another key, or written with
 another secret) is compiled afresh and replaced. The secret is the file $RANKSCOPE_BPF_CACHE_KEY names (the
 chart mounts it from its Secret); without one, a random key made once in the cache directory (readable by
@@ -47,13 +47,13 @@ from bcc.libbcc import lib
 from bcc.utils import get_possible_cpus
 from bcc.version import __version__ as bcc_version
 
+from rankscope.agent.host import node_cache
+from rankscope.agent.host.node_cache import ENV, directory  # noqa: F401 - the cache's setting, named here too
 from rankscope.agent.loader import bpf_syscall
 
 log = logging.getLogger(__name__)
 
 FORMAT = 2  # of an entry file; part of the key
-ENV = "RANKSCOPE_BPF_CACHE"  # the cache's directory; "off" (or empty) keeps nothing
-DEFAULT_DIR = "/var/cache/rankscope/bpf"
 KEY_ENV = "RANKSCOPE_BPF_CACHE_KEY"  # a file holding the secret that seals entries (the chart's Secret)
 NODE_KEY = ".key"  # in the cache directory: the secret made on first use when KEY_ENV names no file
 MIN_SECRET = 16  # bytes; a shorter secret is refused
@@ -144,12 +144,6 @@ class Entry:
                                                for i, m in f.map_refs):
                 raise CacheError(f"malformed entry: function {f.name}")
         return entry
-
-
-def directory() -> Path | None:
-    """The cache's directory, or None when caching is off."""
-    value = os.environ.get(ENV, DEFAULT_DIR)
-    return Path(value) if value and value != "off" else None
 
 
 def key(text: str, cflags: list[str]) -> str:
@@ -244,31 +238,21 @@ def headers_id(build: str, source: str) -> str:
 
 def load(text: str, cflags: list[str]) -> CachedBPF | None:
     """The program from its entry, maps created; None when there is no usable entry."""
-    root = directory()
-    if root is None:
+    if directory() is None:
         return None
     name = key(text, cflags)
-    path = root / f"{name}.json"
-    try:
-        if not _trusted(root):
-            return None
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+    found = node_cache.read(f"{name}.json", touch=True)  # used now: what the pruning of old entries goes by
+    if found is None:
         return None
+    path, data = found
     try:
-        with os.fdopen(fd, "rb") as f:
-            if not _trusted_file(os.fstat(f.fileno())):
-                log.warning("ignoring BPF cache entry %s: writable by others", path)
-                return None
-            data = f.read()
-            sealing = secret(root)
-            if sealing is None:
-                return None
-            entry = Entry.from_json(unseal(sealing, name, data))
-            os.utime(f.fileno())  # used now: what the pruning of old entries goes by
+        sealing = secret(path.parent)
+        if sealing is None:
+            return None
+        entry = Entry.from_json(unseal(sealing, name, data))
     except (OSError, CacheError) as e:
         log.warning("BPF cache entry %s unusable, compiling instead: %s", path, e)
-        _remove(path)
+        node_cache.remove(path)
         return None
     try:
         return CachedBPF(entry, path)
@@ -277,37 +261,26 @@ def load(text: str, cflags: list[str]) -> CachedBPF | None:
         return None
     except Exception as e:  # noqa: BLE001 - bcc raises bare Exception; whatever an entry does, the compile decides
         log.warning("BPF program from cache entry %s not loaded, compiling instead: %s", path, e)
-        _remove(path)
+        node_cache.remove(path)
         return None
 
 
 def store(text: str, cflags: list[str], bpf: Any) -> None:
     """Keeps bcc's freshly compiled `bpf` (no function loaded yet matters not: the bytes are the module's)."""
-    root = directory()
-    if root is None:
+    if directory() is None:
         return
     try:
         entry = describe(bpf)
     except Exception as e:  # noqa: BLE001 - a program the cache cannot keep still loads, compiled
         log.debug("BPF program not cached: %s", e)
         return
-    try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not _trusted(root):
-            log.warning("not caching BPF programs in %s: writable by others", root)
-            return
-        sealing = secret(root)
-        if sealing is None:
-            return
-        name = key(text, cflags)
-        path = root / f"{name}.json"
-        tmp = root / f".{path.name}.{os.getpid()}"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb") as f:
-            f.write(seal(sealing, name, entry.to_json().encode()))
-        os.replace(tmp, path)
+    root = node_cache.ensure()
+    sealing = secret(root) if root is not None else None
+    if sealing is None:
+        return
+    name = key(text, cflags)
+    if node_cache.write(f"{name}.json", seal(sealing, name, entry.to_json().encode())) is not None:
         _prune(root)
-    except OSError as e:
-        log.debug("cannot write the BPF cache in %s: %s", root, e)
 
 
 def seal(mac_key: bytes, name: str, body: bytes) -> bytes:
@@ -383,7 +356,7 @@ def _prune(root: Path) -> None:
         except OSError:
             continue
     for _, p in sorted(entries, reverse=True)[MAX_ENTRIES:]:
-        _remove(p)
+        node_cache.remove(p)
 
 
 def describe(bpf: Any) -> Entry:
@@ -486,7 +459,7 @@ class CachedBPF(BPF):
         except OSError as e:
             log.warning("the kernel refused %s from BPF cache entry %s (%s); the next start compiles it",
                         func_name.decode(), self._path, e.strerror)
-            _remove(self._path)
+            node_cache.remove(self._path)
             raise Exception(f"Failed to load BPF program {func_name.decode()}: {e.strerror}") from e
         fn = BPF.Function(self, func_name, fd)
         self.funcs[func_name] = fn
@@ -591,25 +564,3 @@ def _libbcc() -> ctypes.CDLL:
         fn = getattr(c, name)
         fn.restype, fn.argtypes = restype, argtypes
     return c
-
-
-# -- trust ------------------------------------------------------------------------------------------------------
-
-def _trusted(root: Path) -> bool:
-    """Whether `root` is a directory owned by this user that nobody else may write to."""
-    st = os.stat(root)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        log.warning("ignoring the BPF cache %s: not a directory only this user can write to", root)
-        return False
-    return True
-
-
-def _trusted_file(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _remove(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)  # another process may have removed it first
-    except OSError as e:
-        log.debug("cannot remove %s: %s", path, e)

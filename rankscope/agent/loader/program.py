@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rankscope import bpf as bpf_sources
 from rankscope.agent.host.symbols import SymbolError, file_offset, functions
 from rankscope.agent.host.targets import Target
 from rankscope.agent.loader import uprobe_links
@@ -25,6 +24,7 @@ from rankscope.agent.loader.bcc import compile_bpf
 from rankscope.agent.loader.trace_stream import TraceStream
 from rankscope.agent.loader.uprobe_links import Uprobes
 from rankscope.agent.sources.probes import KINDS, KindUnavailable, Probe, ProbeKind
+from rankscope.agent.sources.probes.base import bpf_text
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +63,13 @@ DONE_RECORD = np.dtype([("pid", "<u4"), ("fn", "<u4"), ("seq", "<u8"), ("enter_n
 
 
 def function_ids(kinds: tuple[ProbeKind, ...]) -> dict[str, int]:
-    """Stable small ids for every probe (by name), the keys of the kernel's per-function stats."""
+    """Stable small ids for every probe (by name): each probe's BPF cookie, which its handler shape's program
+    keys the kernel's per-function stats by."""
     ids: dict[str, int] = {}
     for kind in kinds:
         for probe in kind.probes:
             ids.setdefault(probe.name, len(ids) + 1)
     return ids
-
-
-def _source(kinds: tuple[ProbeKind, ...]) -> str:
-    return bpf_sources.compose(*(kind.bpf_text() for kind in kinds))
 
 
 def hostable(kinds: tuple[ProbeKind, ...]) -> tuple[tuple[ProbeKind, ...], list[str]]:
@@ -111,9 +108,8 @@ class ProbeProgram:
         if self._bpf is None:
             # Decided here, not in __init__: a user who may not load BPF hears that first, not a warning.
             self.kinds, defines = hostable(self.kinds)
-            cflags = [f"-DFN_{sym}={i}" for sym, i in self.ids.items()] + defines
             try:
-                self._bpf = compile_bpf(_source(self.kinds), cflags)
+                self._bpf = compile_bpf(bpf_text(self.kinds), defines)
             except Exception as e:  # bcc raises bare Exception for compile and load failures
                 raise ProbeError(f"cannot load the BPF program (root, kernel headers?): {e}") from e
             self._bpf[COLL_DONE].open_ring_buffer(self._on_done)
@@ -190,6 +186,7 @@ class ProbeProgram:
         except SymbolError as e:
             raise ProbeError(str(e)) from e
         seen_addrs: set[int] = set()
+        steady: list[tuple[Probe, int]] = []
         for probe in kind.probes:
             symbol = probe.resolve(exported)
             addr = None if symbol is None else exported[symbol]
@@ -202,10 +199,8 @@ class ProbeProgram:
                 offset = file_offset(lib.path, addr)
             except SymbolError as e:
                 raise ProbeError(str(e)) from e
-            if probe.hot:
-                lib.hot.append((probe, offset))
-            else:
-                self._attach_one(bpf, lib.path, probe, offset, lib.attached)
+            (lib.hot if probe.hot else steady).append((probe, offset))
+        self._attach_probes(bpf, lib.path, steady, lib.attached)
         if self.hot:
             self._attach_hot(bpf, lib)
 
@@ -227,17 +222,21 @@ class ProbeProgram:
                 log.warning("%s", e)
 
     def _attach_hot(self, bpf, lib: LibraryProbes) -> None:
-        for probe, offset in lib.hot:
-            self._attach_one(bpf, lib.path, probe, offset, lib.hot_attached)
+        self._attach_probes(bpf, lib.path, lib.hot, lib.hot_attached)
 
-    @staticmethod
-    def _attach_one(bpf, path: str, probe: Probe, offset: int, into: list[Uprobes]) -> None:
-        """Attaches the probe's entry (and return) program at `offset` of `path`, each appended to `into` as
-        it attaches, so a failure half-way still detaches what did."""
-        try:
-            into.append(uprobe_links.attach(bpf, f"enter_{probe.name}", path, [offset]))
+    def _attach_probes(self, bpf, path: str, probes: list[tuple[Probe, int]], into: list[Uprobes]) -> None:
+        """Attaches the probes' entry (and return) programs at their offsets of `path`, each with its function
+        id as cookie: one link per program, for all of its offsets. Each link is appended to `into` as it
+        attaches, so a failure half-way still detaches what did."""
+        sites: dict[tuple[str, bool], list[tuple[int, int]]] = {}  # (program, on return) -> (offset, cookie)
+        for probe, offset in probes:
+            sites.setdefault((probe.enter_program, False), []).append((offset, self.ids[probe.name]))
             if probe.returns:
-                into.append(uprobe_links.attach(bpf, f"return_{probe.name}", path, [offset], returns=True))
+                sites.setdefault((probe.return_program, True), []).append((offset, self.ids[probe.name]))
+        try:
+            for (program, returns), at in sites.items():
+                into.append(uprobe_links.attach(bpf, program, path, [o for o, _ in at], returns=returns,
+                                                cookies=[c for _, c in at]))
         except uprobe_links.UprobeError as e:
             raise ProbeError(str(e)) from e
 

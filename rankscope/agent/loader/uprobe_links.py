@@ -9,14 +9,17 @@ many offsets of one file for a single grace period.
 Cost: programs are loaded with expected_attach_type BPF_TRACE_UPROBE_MULTI (still attachable as perf events),
 and detach runs up to MAX_CLOSERS threads for one grace period. Like perf events, links go with the agent's
 file descriptors (a SIGKILLed agent leaves no probe and no raised semaphore), and they leave nothing in tracefs.
-A kernel that refuses the link (before 6.6) gets libbcc's perf_event uprobes instead: decided at the first
-attach, logged once.
+A kernel that refuses the link (before 6.6) gets perf_event uprobes instead (the uprobe PMU, each event
+linked to its program by a BPF perf_event link): decided at the first attach, logged once.
+
+Each offset may carry a BPF cookie (bpf_get_attach_cookie in the program): one program then serves many
+functions, told apart by their cookies, and the kernel's verifier checks it once (Linux 5.15+ for perf
+event links with cookies).
 """
 from __future__ import annotations
 
 import ctypes
 import errno
-import itertools
 import logging
 import os
 from collections.abc import Iterator
@@ -30,15 +33,17 @@ from rankscope.agent.loader import bpf_syscall
 
 log = logging.getLogger(__name__)
 
+BPF_PERF_EVENT = 41
 BPF_TRACE_UPROBE_MULTI = 48
 BPF_F_UPROBE_MULTI_RETURN = 1
-BPF_PROBE_ENTRY, BPF_PROBE_RETURN = 0, 1  # libbcc's bpf_probe_attach_type
+UPROBE_PMU = "/sys/bus/event_source/devices/uprobe"  # the kernel's uprobe PMU: its type and config bits
+PERF_FLAG_FD_CLOEXEC = 8
+SYS_PERF_EVENT_OPEN = 298  # x86-64
 ENOTSUPP = 524  # the kernel's own "not supported", which errno does not name
 REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, ENOTSUPP}  # what a kernel without uprobe_multi answers
 MAX_CLOSERS = 64  # links closed at once, a thread each, asleep in the kernel for one grace period
 
 _links: bool | None = None  # whether the kernel takes uprobe_multi links; None until the first attach
-_event_ids = itertools.count()
 
 
 class UprobeError(Exception):
@@ -54,12 +59,29 @@ class _LinkCreate(ctypes.Structure):
                 ("multi_flags", ctypes.c_uint32), ("pid", ctypes.c_uint32), ("_pad", ctypes.c_uint32)]
 
 
+class _PerfLinkCreate(ctypes.Structure):
+    """union bpf_attr's link_create for a perf event (BPF_PERF_EVENT), with its BPF cookie."""
+
+    _fields_ = [("prog_fd", ctypes.c_uint32), ("target_fd", ctypes.c_uint32), ("attach_type", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32), ("bpf_cookie", ctypes.c_uint64), ("_pad", ctypes.c_uint64 * 5)]
+
+
+class _PerfEventAttr(ctypes.Structure):
+    """struct perf_event_attr up to sample_max_stack (PERF_ATTR_SIZE_VER5, 112 bytes); a uprobe's path in
+    config1, its offset in config2, the retprobe bit and the semaphore's offset in config."""
+
+    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
+                ("sample_period", ctypes.c_uint64), ("sample_type", ctypes.c_uint64), ("read_format", ctypes.c_uint64),
+                ("flags", ctypes.c_uint64), ("wakeup_events", ctypes.c_uint32), ("bp_type", ctypes.c_uint32),
+                ("config1", ctypes.c_uint64), ("config2", ctypes.c_uint64), ("_rest", ctypes.c_uint8 * 48)]
+
+
 @dataclass
 class Uprobes:
     """One program attached at offsets of one file: one link, or (older kernels) a perf event per offset."""
 
     link: int | None = None  # the link's file descriptor
-    perf: list[tuple[int, bytes]] = field(default_factory=list)  # (perf event fd, libbcc's event name)
+    perf: list[tuple[int, int]] = field(default_factory=list)  # (perf event fd, its link's fd)
 
 
 def using_links() -> bool | None:
@@ -80,19 +102,21 @@ def perf_events_only() -> Iterator[None]:
 
 
 def attach(bpf: Any, fn_name: str, path: str, offsets: list[int], *, returns: bool = False, pid: int | None = None,
-           ref_ctr_offsets: list[int] | None = None) -> Uprobes:
+           ref_ctr_offsets: list[int] | None = None, cookies: list[int] | None = None) -> Uprobes:
     """Attaches bcc program `fn_name` of `bpf` to file offsets `offsets` of `path`: on entry, or with
     `returns` on return; in process `pid` only, or every process mapping the file. `ref_ctr_offsets` (one
-    per offset, 0: none) are USDT semaphores the kernel raises while the probe is installed."""
+    per offset, 0: none) are USDT semaphores the kernel raises while the probe is installed; `cookies` (one
+    per offset) what bpf_get_attach_cookie gives the program there."""
     global _links
     prog_fd = _program_fd(bpf, fn_name)
+    site = _Sites(path, offsets, returns, pid, ref_ctr_offsets or [0] * len(offsets), cookies or [0] * len(offsets))
     if _links is not False:
         try:
-            probes = Uprobes(link=_link_create(prog_fd, path, offsets, returns, pid or 0, ref_ctr_offsets))
+            probes = Uprobes(link=_link_create(prog_fd, site))
         except OSError as e:
             if _links or e.errno not in REFUSED:
                 raise UprobeError(f"cannot attach {fn_name} to {path}: {e.strerror}") from e
-            probes = _perf_events(prog_fd, fn_name, path, offsets, returns, pid, ref_ctr_offsets)
+            probes = _perf_events(prog_fd, fn_name, site)
             _links = False  # decided only once the older way worked: a bad first probe decides nothing
             log.warning("this kernel refuses uprobe_multi links (%s): uprobes are perf events, which take "
                         "~0.1 s each to remove", e.strerror)
@@ -101,7 +125,7 @@ def attach(bpf: Any, fn_name: str, path: str, offsets: list[int], *, returns: bo
             log.info("uprobes attached as uprobe_multi links")
             _links = True
         return probes
-    return _perf_events(prog_fd, fn_name, path, offsets, returns, pid, ref_ctr_offsets)
+    return _perf_events(prog_fd, fn_name, site)
 
 
 def detach(probes: list[Uprobes]) -> list[Uprobes]:
@@ -113,12 +137,10 @@ def detach(probes: list[Uprobes]) -> list[Uprobes]:
             list(pool.map(os.close, links))
     elif links:
         os.close(links[0])
-    perf = [event for p in probes for event in p.perf]
-    if perf:
-        from bcc.libbcc import lib
-        for fd, event in perf:
-            lib.bpf_close_perf_event_fd(fd)
-            lib.bpf_detach_uprobe(event)
+    for p in probes:
+        for event, link in p.perf:
+            os.close(link)
+            os.close(event)
     return []
 
 
@@ -141,40 +163,85 @@ def _program_fd(bpf: Any, fn_name: str) -> int:
         raise UprobeError(f"cannot load {fn_name}: {e}") from e
 
 
-def _link_create(prog_fd: int, path: str, offsets: list[int], returns: bool, pid: int,
-                 ref_ctr_offsets: list[int] | None) -> int:
+@dataclass(frozen=True)
+class _Sites:
+    """Where a program goes: offsets of a file, each with its semaphore (0: none) and cookie."""
+
+    path: str
+    offsets: list[int]
+    returns: bool
+    pid: int | None
+    ref_ctr_offsets: list[int]
+    cookies: list[int]
+
+
+def _link_create(prog_fd: int, site: _Sites) -> int:
     """bpf(BPF_LINK_CREATE) of a uprobe_multi link; the link's fd, or OSError with the kernel's errno."""
-    raw_path = ctypes.create_string_buffer(path.encode())
-    offs = (ctypes.c_uint64 * len(offsets))(*offsets)
-    refs = (ctypes.c_uint64 * len(offsets))(*ref_ctr_offsets) if ref_ctr_offsets else None
+    n = len(site.offsets)
+    raw_path = ctypes.create_string_buffer(site.path.encode())
+    offs = (ctypes.c_uint64 * n)(*site.offsets)
+    refs = (ctypes.c_uint64 * n)(*site.ref_ctr_offsets)
+    cookies = (ctypes.c_uint64 * n)(*site.cookies)
     attr = _LinkCreate(prog_fd=prog_fd, attach_type=BPF_TRACE_UPROBE_MULTI, path=ctypes.addressof(raw_path),
-                       offsets=ctypes.addressof(offs), ref_ctr_offsets=ctypes.addressof(refs) if refs else 0,
-                       cnt=len(offsets), multi_flags=BPF_F_UPROBE_MULTI_RETURN if returns else 0, pid=pid)
+                       offsets=ctypes.addressof(offs), ref_ctr_offsets=ctypes.addressof(refs),
+                       cookies=ctypes.addressof(cookies), cnt=n,
+                       multi_flags=BPF_F_UPROBE_MULTI_RETURN if site.returns else 0, pid=site.pid or 0)
     return bpf_syscall.bpf(bpf_syscall.BPF_LINK_CREATE, attr)
 
 
-def _perf_events(prog_fd: int, fn_name: str, path: str, offsets: list[int], returns: bool, pid: int | None,
-                 ref_ctr_offsets: list[int] | None) -> Uprobes:
-    """The older way: a perf_event uprobe per offset through libbcc; all or none."""
+def _perf_events(prog_fd: int, fn_name: str, site: _Sites) -> Uprobes:
+    """The older way: a perf_event uprobe per offset, each linked to the program with its cookie; all or none."""
     probes = Uprobes()
-    for offset, ref_ctr in zip(offsets, ref_ctr_offsets or [0] * len(offsets)):
-        event = f"rankscope_{os.getpid()}_{next(_event_ids)}".encode()
-        fd = _bcc_attach_uprobe()(prog_fd, BPF_PROBE_RETURN if returns else BPF_PROBE_ENTRY, event, path.encode(),
-                                  offset, -1 if pid is None else pid, ref_ctr)
-        if fd < 0:
+    for offset, ref_ctr, cookie in zip(site.offsets, site.ref_ctr_offsets, site.cookies):
+        try:
+            event = _perf_uprobe(site.path, offset, site.returns, site.pid, ref_ctr)
+        except OSError as e:
             detach([probes])
-            raise UprobeError(f"cannot attach {fn_name} to {path} at offset {offset:#x}")
-        probes.perf.append((fd, event))
+            raise UprobeError(f"cannot attach {fn_name} to {site.path} at offset {offset:#x}: {e.strerror}") from e
+        try:
+            link = bpf_syscall.bpf(bpf_syscall.BPF_LINK_CREATE, _PerfLinkCreate(
+                prog_fd=prog_fd, target_fd=event, attach_type=BPF_PERF_EVENT, bpf_cookie=cookie))
+        except OSError as e:
+            os.close(event)
+            detach([probes])
+            raise UprobeError(f"cannot link {fn_name} to its uprobe on {site.path}: {e.strerror}") from e
+        probes.perf.append((event, link))
     return probes
 
 
+def _perf_uprobe(path: str, offset: int, returns: bool, pid: int | None, ref_ctr: int) -> int:
+    """perf_event_open(2) of a uprobe through the kernel's uprobe PMU: the event's fd, or OSError."""
+    pmu_type, retprobe_bit = _uprobe_pmu()
+    raw_path = ctypes.create_string_buffer(path.encode())
+    attr = _PerfEventAttr(type=pmu_type, size=ctypes.sizeof(_PerfEventAttr),
+                          config=(1 << retprobe_bit if returns else 0) | ref_ctr << 32, sample_period=1,
+                          wakeup_events=1, config1=ctypes.addressof(raw_path), config2=offset)
+    # Every process (pid -1) is watched through one CPU's event: the program runs on whichever CPU traps.
+    fd = _syscall()(SYS_PERF_EVENT_OPEN, ctypes.byref(attr), -1 if pid is None else pid, 0 if pid is None else -1,
+                    -1, PERF_FLAG_FD_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fd
+
+
 @cache
-def _bcc_attach_uprobe():
-    """libbcc's bpf_attach_uprobe with its last argument (ref_ctr_offset), which bcc's Python leaves out.
-    A separate function object, so bcc's own argtypes stay as they are."""
-    from bcc.libbcc import lib
-    fn = ctypes.CDLL(lib._name).bpf_attach_uprobe
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulonglong, ctypes.c_int,
-                   ctypes.c_uint32]
+def _uprobe_pmu() -> tuple[int, int]:
+    """The uprobe PMU's perf type and the config bit that makes a uprobe a uretprobe."""
+    try:
+        with open(f"{UPROBE_PMU}/type") as f:
+            pmu_type = int(f.read())
+        with open(f"{UPROBE_PMU}/format/retprobe") as f:
+            retprobe_bit = int(f.read().strip().removeprefix("config:"))
+    except (OSError, ValueError) as e:
+        raise UprobeError(f"this kernel has no uprobe PMU ({UPROBE_PMU}): {e}") from e
+    return pmu_type, retprobe_bit
+
+
+@cache
+def _syscall():
+    """libc's syscall(2), typed for perf_event_open(2)."""
+    fn = ctypes.CDLL(None, use_errno=True).syscall
+    fn.restype = ctypes.c_long
+    fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_ulong]
     return fn

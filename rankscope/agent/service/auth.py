@@ -18,8 +18,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from aiohttp import web
+if TYPE_CHECKING:  # imported where served: a command that serves nothing does not load aiohttp (~0.3 s)
+    from aiohttp import web
 
 TOKEN_ENV = "RANKSCOPE_TOKEN"
 CAPTURE_TOKEN_ENV = "RANKSCOPE_CAPTURE_TOKEN"
@@ -97,6 +99,10 @@ class Access:
         return (self.capture,) if self.capture is not None else self.tokens
 
 
+class ListenError(Exception):
+    """The address cannot be served on (in use, not local, not permitted)."""
+
+
 def check_bind(host: str, access: Access, require_token: bool = False) -> None:
     if not access.open:
         return
@@ -107,7 +113,7 @@ def check_bind(host: str, access: Access, require_token: bool = False) -> None:
                          "(or listen on 127.0.0.1)")
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
 
 
 def capture_route(handler: Handler) -> Handler:
@@ -180,6 +186,7 @@ def access_check(access: Access, clock: Callable[[], float] = time.time
     """The middleware: every path but /healthz needs a read credential, a capture route the capture token in
     an Authorization header (a cookie never starts a capture). Open (no token): loopback only, and no
     capture that another site's page asked for."""
+    from aiohttp import web
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from rankscope.agent.service.agent_metrics import agent_metrics
-from rankscope.agent.service.auth import Access, Handler, access_check, capture_route
+from rankscope.agent.service.auth import Access, Handler, ListenError, access_check, capture_route
 from rankscope.agent.service.page import add_page
 from rankscope.agent.service.prometheus import CONTENT_TYPE_LATEST, exposition
 from rankscope.agent.loader.trace_stream import CaptureBusy
@@ -28,6 +28,7 @@ from rankscope.agent.views.folded import folded_diff
 from rankscope.agent.views.formats import FORMATS, encode
 from rankscope.agent.views.profile import DEFAULT_WHAT, WHATS, RankProfile, diff, diff_json, peers_of
 from rankscope.agent.service.shard import MAX_REPLICAS, Shard
+from rankscope.analyzer.diagnosis import empty_diagnosis
 from rankscope.schema.wire import encode_patterns, pattern_to_json
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,6 @@ MAX_RANK = 1 << 24  # above any world size; a rank parameter beyond it is a mist
 HEAD_TIMEOUT_S = 10.0  # a connection's request line and headers must arrive within this, before any check
 MAX_CONNECTIONS = 256  # open connections at once; more are answered 503 and closed before they are read
 MIN_COOLDOWN_S = 2.0  # after a capture the next waits as long as it took, at least this
-
-
-def empty_diagnosis(job: str | None = None) -> dict:
-    """The document before anything was observed: every key of a real one, nothing in them."""
-    return {"job": job, "window": {"start": None, "end": None}, "step_time_s": None, "baseline": None,
-            "ranks": [], "findings": []}
 
 
 @web.middleware
@@ -73,10 +68,6 @@ def secure_app(access: Access | str | None = None) -> web.Application:
 
     app.router.add_get("/healthz", healthz)
     return app
-
-
-class ListenError(Exception):
-    """The address cannot be served on (in use, not local, not permitted)."""
 
 
 def tls_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:

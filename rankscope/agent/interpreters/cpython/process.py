@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
 
 from rankscope.agent.host import procfs
 from rankscope.agent.host.procfs import Mapping, ProcessMemory
-from rankscope.agent.host.symbols import loaded_offset
+from rankscope.agent.host.symbols import SymbolError, dynamic_symbols, loaded_offset
 from rankscope.agent.interpreters.cpython.errors import InterpreterNotReady, PythonAttachError, UnsupportedInterpreter
 from rankscope.agent.interpreters.cpython.layouts import (SUPPORTED, TABLE, Layout, debug_offsets_size,
                                                           layout_from_debug_offsets, parse_debug_offsets)
@@ -57,21 +56,9 @@ def _elf_facts(open_path: str, shown_path: str) -> ElfFacts:
     try:
         with open(open_path, "rb") as f:
             elf = ELFFile(f)
-            runtime = py_version_addr = None
-            has_aiter = False
-            dynsym = elf.get_section_by_name(".dynsym")
-            if isinstance(dynsym, SymbolTableSection):
-                for name in ("_PyRuntime", "Py_Version", "PyAIter_Check"):
-                    syms = dynsym.get_symbol_by_name(name) or []
-                    sym = next((s for s in syms if s["st_shndx"] != "SHN_UNDEF"), None)
-                    if sym is None:
-                        continue
-                    if name == "_PyRuntime":
-                        runtime = sym["st_value"]
-                    elif name == "Py_Version":
-                        py_version_addr = sym["st_value"]
-                    else:
-                        has_aiter = True
+            dynsym = dynamic_symbols(open_path)  # read once for every rank running this file
+            runtime, py_version_addr = dynsym.get("_PyRuntime"), dynsym.get("Py_Version")
+            has_aiter = "PyAIter_Check" in dynsym
             py_version = None
             if py_version_addr is not None:
                 raw = read_vaddr(elf, f, py_version_addr, 4)
@@ -89,7 +76,7 @@ def _elf_facts(open_path: str, shown_path: str) -> ElfFacts:
             first_vaddr = (first["p_vaddr"] - first["p_offset"]) & ~0xFFF if first is not None else 0
             return ElfFacts(shown_path, runtime, py_version, has_aiter, version_string, first_vaddr,
                             elf.header["e_type"] == "ET_DYN")
-    except (OSError, ELFError) as e:
+    except (OSError, ELFError, SymbolError) as e:
         raise PythonAttachError(f"cannot read {shown_path} as an ELF file: {e}") from e
 
 

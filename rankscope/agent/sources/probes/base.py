@@ -1,12 +1,14 @@
 """What a probe kind declares: the library it recognizes, its BPF source and the functions it probes.
 
 A probe's declaration is the one list of a kind's symbols: each names the macro of bpf/common.h that writes
-its BPF entry points and that macro's arguments, and the kind's BPF text is its `.bpf.c` (helpers, and the
-few handlers written by hand) followed by one macro line per probe, generated here.
+its BPF entry points and that macro's arguments. The program's BPF text is each kind's `.bpf.c` (helpers,
+and the few handlers written by hand) followed by one macro line per handler shape (a macro with its
+arguments), generated here: the symbols of one shape share its programs, told apart by their BPF cookie.
 
 A kind without a library (the scheduler) is made of kernel tracepoints, on for every watched process."""
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -28,6 +30,18 @@ class Handler:
     def __call__(self, *args: str) -> Handler:
         return replace(self, args=args)
 
+    @property
+    def shape(self) -> str:
+        """The C identifier of this macro with these arguments: its programs are enter_<shape> (and
+        return_<shape>)."""
+        digest = hashlib.sha1("\0".join(self.args).encode()).hexdigest()[:8]
+        return f"{self.macro.lower()}_{digest}"
+
+    @property
+    def bpf_line(self) -> str:
+        """The macro line defining its programs (`LOWER_TIMED(lower_timed_1a2b3c4d, PT_REGS_PARM2(ctx))`)."""
+        return f"{self.macro}({', '.join((self.shape, *self.args))})"
+
 
 # The macros of bpf/common.h, with their arguments after the probe's name.
 COUNTED = Handler("COUNTED", returns=False)  # (bytes): counted, not timed (hot calls: no uretprobe)
@@ -48,8 +62,8 @@ class Probe:
     # On a per-call hot path (kernel launches: up to 100k calls/s at ~0.6 us per trap): attached only while
     # the agent records deep detail (agent/detail.py), never in the always-on mode.
     hot: bool = False
-    # C identifier naming the probe: the BPF source defines enter_<name> (and return_<name>), the loader
-    # FN_<name>, and patterns report the function under it. Defaults to the symbol, when that is one.
+    # C identifier naming the probe: patterns report the function under it, and a hand-written handler is
+    # enter_<name> (and return_<name>). Defaults to the symbol, when that is one.
     name: str = ""
 
     def __post_init__(self):
@@ -62,12 +76,14 @@ class Probe:
         return self.handler.returns
 
     @property
-    def bpf_line(self) -> str | None:
-        """The macro line defining its entry points (`LOWER_TIMED(cuMemAlloc_v2, PT_REGS_PARM2(ctx))`); None
-        when they are written by hand."""
-        if self.handler.macro is None:
-            return None
-        return f"{self.handler.macro}({', '.join((self.name, *self.handler.args))})"
+    def enter_program(self) -> str:
+        """The BPF function attached to its entry."""
+        return f"enter_{self.name if self.handler.macro is None else self.handler.shape}"
+
+    @property
+    def return_program(self) -> str:
+        """The BPF function attached to its return (where it `returns`)."""
+        return f"return_{self.name if self.handler.macro is None else self.handler.shape}"
 
     def resolve(self, functions: Mapping[str, int]) -> str | None:
         """The symbol to attach to among a library's defined functions (name -> address); None if absent."""
@@ -96,7 +112,10 @@ class ProbeKind:
     def category(self) -> str:
         return self.trace_category or self.name
 
-    def bpf_text(self) -> str:
-        """Its BPF source, headers not inlined yet: `source`, then its probes' macro lines in their order."""
-        lines = [p.bpf_line for p in self.probes if p.bpf_line is not None]
-        return bpf_sources.source(self.source) + "".join(line + "\n" for line in lines)
+
+
+def bpf_text(kinds: tuple[ProbeKind, ...]) -> str:
+    """The kinds' BPF sources as one program, headers inlined: each kind's `source`, then one macro line per
+    handler shape of their probes, in the order first declared."""
+    lines = dict.fromkeys(p.handler.bpf_line for kind in kinds for p in kind.probes if p.handler.macro is not None)
+    return bpf_sources.compose(*(bpf_sources.source(kind.source) for kind in kinds), "".join(f"{l}\n" for l in lines))

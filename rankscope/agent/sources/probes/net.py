@@ -30,6 +30,8 @@ _FIELDS = {  # define -> (struct, field)
     "SK_V6_RCV_SADDR": ("sock_common", "skc_v6_rcv_saddr"),
     "SK_DPORT": ("sock_common", "skc_dport"),
     "SK_NUM": ("sock_common", "skc_num"),
+    "SK_FAMILY": ("sock_common", "skc_family"),
+    "SK_PROTOCOL": ("sock", "sk_protocol"),
     "TP_BYTES_ACKED": ("tcp_sock", "bytes_acked"),
     "TP_BYTES_RECEIVED": ("tcp_sock", "bytes_received"),
     "TP_CHRONO_START": ("tcp_sock", "chrono_start"),
