@@ -168,7 +168,8 @@ SHAPES = [
           note="Lightning Trainer, strategy=ddp on CPU, Adam, in-process loader (Lightning's sampler)"),
     Shape("static-3", "ddp_static_graph.py", 3, held_out=True, faults=(*IN_PROCESS_FAULTS, "slowlink"),
           note="DDP static_graph + gradient_as_bucket_view, residual MLP, SGD + cosine schedule"),
-    Shape("gpipe-2", "pipelining_gpipe.py", 2, held_out=True, faults=IN_PROCESS_FAULTS,
+    Shape("gpipe-2", "pipelining_gpipe.py", 2, held_out=True,
+          faults=(*IN_PROCESS_FAULTS, "healthy-agent", "compute-agent"),
           note="torch.distributed.pipelining: 2 stages, ScheduleGPipe, 4 micro-batches; both stages load"),
 ]
 
@@ -237,6 +238,9 @@ FAULTS = [
     # busy host, and a healthy rank is as late now and then (rules/stragglers.py, SMALL_LATE); the agent names
     # it once seen in SMALL_WINDOWS of twice as many windows.
     Fault("compute-small-agent", "compute_straggler", mode="agent", injects="compute-small"),
+    # The compute fault switched on under the agent: a pipeline stage with no peer is told only by its own past
+    # (rules/regression.py, grown_stage), which one `diagnose` window does not have.
+    Fault("compute-agent", "compute_straggler", mode="agent", injects="compute"),
 ]
 
 

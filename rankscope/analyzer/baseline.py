@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
@@ -42,6 +42,10 @@ class StepProfile:
     oncpu_s: float  # the main thread running; NaN: no scheduler view
     functions: dict[str, float]  # probed function -> seconds per step
     python: dict[str, float]  # Python function -> self seconds per step
+    # Each rank's own work per step (step - COMM), by rank: what a pipeline stage with no peer is compared with
+    # (rules/regression.py grown_stage). Arrays, not a dict: 100,000 ranks' would cost ~10 ms a window.
+    ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False, repr=False)
+    work_s: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False, repr=False)
 
     @classmethod
     def of(cls, t: RankTable) -> StepProfile | None:
@@ -56,7 +60,17 @@ class StepProfile:
             runq, oncpu = (float(np.nanmedian(x[valid])) for x in (t.runq_s, t.oncpu_s))
         return cls(end=max(map(attrgetter("window_end"), t.patterns)), step_s=float(np.median(t.step_s[valid])),
                    host_s=float(np.median(t.host_s[valid])), runq_s=runq, oncpu_s=oncpu,
-                   functions=dict(zip(t.fn_names, map(float, fn))), python=dict(zip(t.py_names, map(float, py))))
+                   functions=dict(zip(t.fn_names, map(float, fn))), python=dict(zip(t.py_names, map(float, py))),
+                   ranks=t.rank[valid], work_s=t.work_s[valid])
+
+    def work_of(self, ranks: np.ndarray) -> np.ndarray:
+        """The own work per step of each of `ranks` in this window (NaN: a rank it did not see)."""
+        if self.ranks.size == 0:
+            return np.full(len(ranks), np.nan)
+        order = np.argsort(self.ranks)
+        at = np.clip(np.searchsorted(self.ranks, ranks, sorter=order), 0, self.ranks.size - 1)
+        found = self.ranks[order[at]] == ranks
+        return np.where(found, self.work_s[order[at]], np.nan)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from rankscope.analyzer.rules.gpu import gpu_straggler, gpu_throttle, launch_bou
 from rankscope.analyzer.rules.hangs import HANGS, hang
 from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
-from rankscope.analyzer.rules.regression import explaining, regression, restated
+from rankscope.analyzer.rules.regression import explaining, grown_stage, regression, restated
 from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
 from rankscope.analyzer.stability import confirm_span, confirm_windows
 from rankscope.analyzer.thresholds import DEFAULT_HANG_TIMEOUT_S, SLOWDOWN_THRESHOLD
@@ -113,6 +113,10 @@ def _compared(table: RankTable, reference: Reference | None, slowdown_threshold:
     if reference is not None:
         now = profile if profile is not None else StepProfile.of(table)
         costliest = sorted(found, key=_order)[:1]
+        alone = np.zeros(len(table), dtype=bool)
+        for rows in groups if len(groups) > 1 else []:  # a pipeline: a stage with no peer has only its own past
+            alone[rows] = rows.size == 1
+        found += grown_stage(table, reference, now, alone, slowdown_threshold)
         found += _kept(regression(table, reference, now, slowdown_threshold), costliest,
                        lambda f, by: f.component == "link",
                        "a regression in the collectives beside it restates it: the peers wait for it")
