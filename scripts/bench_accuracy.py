@@ -137,6 +137,7 @@ class Shape:
     # A job the analyzer's thresholds were never tuned on (a public framework's training loop): its rows are
     # the held-out measure of a rule change, reported apart from the tuning shapes'.
     held_out: bool = False
+    family: str = ""  # a held-out shape's framework and training loop, as the README's table names it
 
     @property
     def victim_rank(self) -> int:
@@ -165,10 +166,12 @@ SHAPES = [
           faults=("healthy", "compute", "compute-small", "loader", "gc", "sigstop", "slowlink", "healthy-agent"),
           note="simulated GPU job: stand-in libcuda/libnccl, NCCL all-reduce; GPU-side faults"),
     Shape("lightning-2", "lightning_trainer.py", 2, held_out=True, faults=IN_PROCESS_FAULTS,
+          family="Lightning `Trainer`, DDP",
           note="Lightning Trainer, strategy=ddp on CPU, Adam, in-process loader (Lightning's sampler)"),
     Shape("static-3", "ddp_static_graph.py", 3, held_out=True, faults=(*IN_PROCESS_FAULTS, "slowlink"),
+          family="DDP `static_graph`",
           note="DDP static_graph + gradient_as_bucket_view, residual MLP, SGD + cosine schedule"),
-    Shape("gpipe-2", "pipelining_gpipe.py", 2, held_out=True,
+    Shape("gpipe-2", "pipelining_gpipe.py", 2, held_out=True, family="`torch.distributed.pipelining` GPipe",
           faults=(*IN_PROCESS_FAULTS, "healthy-agent", "compute-agent"),
           note="torch.distributed.pipelining: 2 stages, ScheduleGPipe, 4 micro-batches; both stages load"),
 ]
