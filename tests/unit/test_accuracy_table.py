@@ -2,7 +2,6 @@
 and the generator tallies runs as the matrix scores them."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -10,16 +9,13 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import gen_accuracy_table  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def gen() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_accuracy_table", ROOT / "scripts" / "gen_accuracy_table.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return gen_accuracy_table
 
 
 def run(shape: str, fault: str, right: bool, job: str, **figures) -> dict:
