@@ -51,6 +51,7 @@ class Family:
     false: int
     step_errs: list[float]  # |document / job's log - 1|, per run with both
     cost_errs: list[float]  # the finding's cost / the job's loss - 1, per run with both
+    wrong: list[str]  # the cases not right in every run: "fault right/runs"
 
 
 def kept_runs(results: list[dict[str, Any]], bench: ModuleType) -> list[dict[str, Any]]:
@@ -74,7 +75,18 @@ def families(runs: list[dict[str, Any]], bench: ModuleType) -> list[Family]:
             shape.family, shape.name, sum(r["right"] for r in faulty), len(faulty),
             sum(r["right"] for r in healthy), len(healthy), sum(len(r["false"]) for r in rs),
             [abs(r["step_s"] / r["truth_step_s"] - 1) for r in rs if r["step_s"] and r["truth_step_s"]],
-            [r["cost"] / r["lost"] - 1 for r in rs if r["cost"] is not None and r["lost"] and r["lost"] > 0]))
+            [r["cost"] / r["lost"] - 1 for r in rs if r["cost"] is not None and r["lost"] and r["lost"] > 0],
+            _wrong(rs)))
+    return out
+
+
+def _wrong(runs: list[dict[str, Any]]) -> list[str]:
+    """The faults of `runs` (one shape's) not right in every run, with their tally, in the runs' order."""
+    out = []
+    for fault in dict.fromkeys(r["fault"] for r in runs):
+        rs = [r for r in runs if r["fault"] == fault]
+        if (right := sum(r["right"] for r in rs)) < len(rs):
+            out.append(f"{fault} {right}/{len(rs)}")
     return out
 
 
@@ -89,14 +101,15 @@ def table(runs: list[dict[str, Any]], bench: ModuleType) -> str:
              f"{_span(min(jobs), max(jobs))} fresh jobs each, {len(runs) - failed} runs"
              + (f" ({failed} more failed to run)" if failed else "") + ":", "",
              "| family | shape | faulty runs right | healthy runs with no finding | false findings | "
-             "step time vs the job's log: median (worst) | cost vs the job's loss: median (range) |",
-             "|---|---|---|---|---|---|---|"]
+             "step time vs the job's log: median (worst) | cost vs the job's loss: median (range) | not right in "
+             "every run |",
+             "|---|---|---|---|---|---|---|---|"]
     for f in families(runs, bench):
         step = f"{statistics.median(f.step_errs):.1%} ({max(f.step_errs):.1%})" if f.step_errs else "-"
         cost = (f"{statistics.median(f.cost_errs):+.0%} ({min(f.cost_errs):+.0%} to {max(f.cost_errs):+.0%})"
                 if f.cost_errs else "-")
         lines.append(f"| {f.name} | `{f.shape}` | {f.faulty_right}/{f.faulty} | {f.healthy_clean}/{f.healthy} | "
-                     f"{f.false} | {step} | {cost} |")
+                     f"{f.false} | {step} | {cost} | {', '.join(f.wrong) or '-'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -47,4 +47,6 @@ def test_a_familys_row_tallies_its_runs_against_the_jobs_own_figures(gen):
     table = gen.table(runs, bench)
     assert "3 cases (1 families x healthy, compute, hang as each takes them) x 2 fresh jobs each, 5 runs " \
            "(1 more failed to run):" in table
-    assert "| DDP `static_graph` | `static-3` | 2/3 | 1/2 | 1 | 1.0% (4.0%) | +5% (-10% to +20%) |" in table
+    assert f.wrong == ["healthy 1/2", "hang 0/1"]
+    assert "| DDP `static_graph` | `static-3` | 2/3 | 1/2 | 1 | 1.0% (4.0%) | +5% (-10% to +20%) | healthy 1/2, " \
+           "hang 0/1 |" in table
