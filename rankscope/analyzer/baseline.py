@@ -42,14 +42,16 @@ class StepProfile:
     oncpu_s: float  # the main thread running; NaN: no scheduler view
     functions: dict[str, float]  # probed function -> seconds per step
     python: dict[str, float]  # Python function -> self seconds per step
-    # Each rank's own work per step (step - COMM), by rank: what a pipeline stage with no peer is compared with
-    # (rules/regression.py grown_stage). Arrays, not a dict: 100,000 ranks' would cost ~10 ms a window.
+    # Each rank's own work per step (step - COMM), by rank, in a pure pipeline (every rank alone in its role):
+    # what a stage with no peer is compared with (rules/regression.py grown_stage). Empty in any other job: a
+    # baseline's 720 windows of 100,000 ranks' would hold over a gigabyte.
     ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False, repr=False)
     work_s: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False, repr=False)
 
     @classmethod
-    def of(cls, t: RankTable) -> StepProfile | None:
-        """The window's profile; None when no rank has a known step time."""
+    def of(cls, t: RankTable, per_rank: bool = False) -> StepProfile | None:
+        """The window's profile, with each rank's work where `per_rank` (a pure pipeline); None when no rank has
+        a known step time."""
         valid = np.isfinite(t.step_s)
         if not valid.any():
             return None
@@ -61,7 +63,7 @@ class StepProfile:
         return cls(end=max(map(attrgetter("window_end"), t.patterns)), step_s=float(np.median(t.step_s[valid])),
                    host_s=float(np.median(t.host_s[valid])), runq_s=runq, oncpu_s=oncpu,
                    functions=dict(zip(t.fn_names, map(float, fn))), python=dict(zip(t.py_names, map(float, py))),
-                   ranks=t.rank[valid], work_s=t.work_s[valid])
+                   **({"ranks": t.rank[valid], "work_s": t.work_s[valid]} if per_rank else {}))
 
     def work_of(self, ranks: np.ndarray) -> np.ndarray:
         """The own work per step of each of `ranks` in this window (NaN: a rank it did not see)."""

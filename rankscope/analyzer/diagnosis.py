@@ -111,12 +111,9 @@ def _compared(table: RankTable, reference: Reference | None, slowdown_threshold:
     # raised by the slowdown, then keeps it from being compared. A regression in the collectives beside other
     # findings restates them: the peers wait for the straggler.
     if reference is not None:
-        now = profile if profile is not None else StepProfile.of(table)
+        now = profile if profile is not None else StepProfile.of(table, pure_pipeline(groups))
         costliest = sorted(found, key=_order)[:1]
-        alone = np.zeros(len(table), dtype=bool)
-        for rows in groups if len(groups) > 1 else []:  # a pipeline: a stage with no peer has only its own past
-            alone[rows] = rows.size == 1
-        found += grown_stage(table, reference, now, alone, slowdown_threshold)
+        found += grown_stage(table, reference, now, slowdown_threshold)
         found += _kept(regression(table, reference, now, slowdown_threshold), costliest,
                        lambda f, by: f.component == "link",
                        "a regression in the collectives beside it restates it: the peers wait for it")
@@ -126,6 +123,12 @@ def _compared(table: RankTable, reference: Reference | None, slowdown_threshold:
     found += _kept(small, named, lambda f, by: bool(set(f.ranks) & set(by.ranks)),
                    "the rank was named already: a small straggler adds only ranks nothing else named")
     return sorted(found, key=_order)
+
+
+def pure_pipeline(groups: list[np.ndarray]) -> bool:
+    """Whether every rank is alone in its role (peer_groups'): a pipeline's stages with no data-parallel peer,
+    compared with their own past only."""
+    return len(groups) > 1 and all(rows.size == 1 for rows in groups)
 
 
 def _order(f: Finding) -> tuple[float, float, str]:
@@ -172,7 +175,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     table = rank_table(analyzed)
     reference = baseline.reference() if baseline is not None else None
     comparable = not any(map(attrgetter("raised_detail"), patterns))
-    profile = StepProfile.of(table) if analyzed else None  # once: the regression rule's, then the baseline's
+    # Once: the regression rule's, then the baseline's; a pure pipeline's with each rank's work (grown_stage).
+    profile = StepProfile.of(table, pure_pipeline(peer_groups(analyzed, table.records))) if analyzed else None
     findings = findings_of(table, hang_timeout_s, reference if comparable else None, slowdown_threshold, profile)
     regressed = next((f for f in findings if f.kind == "regression"), None)
     if regressed is not None and baseline is not None:  # (only a job with a baseline regresses)

@@ -84,21 +84,21 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
     )]
 
 
-def grown_stage(t: RankTable, ref: Reference, now: StepProfile | None, alone: np.ndarray,
+def grown_stage(t: RankTable, ref: Reference, now: StepProfile | None,
                 threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
     """A pipeline stage that computes longer than it did, the job slower for it: the other stages wait for it,
-    blocked receiving from it. A stage with no data-parallel peer (`alone`: per row, alone in its role) is
-    compared with no one, and stages unequal by design wait on each other in every window: its own past tells
-    that it grew. Named where the job is `threshold` slower than its baseline (Reference.slower), the stage's
-    own work (step - COMM) grew by STRAGGLER_SHARE of that or more, and every other rank's by under GROWN_SHARE
-    (their growth is in the wait). Its cost is the job's growth: what it lost against its past."""
-    if now is None or not alone.any() or not ref.slower(now.step_s, threshold):
+    blocked receiving from it. In a pure pipeline (every rank alone in its role: profiles that keep each rank's
+    work) a stage is compared with no one, and stages unequal by design wait on each other in every window: its
+    own past tells that it grew. Named where the job is `threshold` slower than its baseline (Reference.slower),
+    the stage's own work (step - COMM) grew by STRAGGLER_SHARE of that or more, and every other rank's by under
+    GROWN_SHARE (their growth is in the wait). Its cost is the job's growth: what it lost against its past."""
+    if now is None or now.ranks.size == 0 or not ref.slower(now.step_s, threshold):
         return []
     grown = now.step_s - ref.profile.step_s
     growth = t.work_s - ref.profile.work_of(t.rank)
     if not np.isfinite(growth).all():  # a rank the baseline did not see, or no step: no past to hold it to
         return []
-    i = int(np.argmax(np.where(alone, growth, -np.inf)))
+    i = int(np.argmax(growth))
     others = float(np.max(np.delete(growth, i), initial=-np.inf))
     if growth[i] < STRAGGLER_SHARE * grown or others >= GROWN_SHARE * grown:
         return []

@@ -513,8 +513,8 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         # Its extra time, as its cost takes it (below): the longest of its work, on a CPU and in user mode beyond
         # its peers'. Not its work alone: where its spin takes the CPU its peers wait for, they work as long as it
         # does, and "-0.8 ms longer per step" beside "costs 8% of step time" would read as nonsense.
-        own = _held_up(excess[i], busy[i]) if (kind, component) == ("compute_straggler", "cpu") else excess[i]
-        extra = float(np.nanmax([own, found.ran[i], found.user[i]]))
+        waited_for = _held_up(excess[i], busy[i]) if (kind, component) == ("compute_straggler", "cpu") else excess[i]
+        extra = float(np.nanmax([waited_for, found.ran[i], found.user[i]]))
         groups.setdefault((kind, component, function), []).append({
             "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": extra + float(found.excused[i]),
             "cost_s": extra + float(found.excused[i] if function == PAGE_FAULTS else 0.0),
