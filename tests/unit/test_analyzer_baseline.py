@@ -6,7 +6,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from test_analyzer import simulate
+from test_analyzer import NBYTES, simulate
 from test_analyzer_python import with_python
 
 from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline, StepProfile
@@ -454,3 +454,26 @@ def _pipeline_of_four(ps: list) -> list:
     for p in ps[2:]:
         p.collectives = CollectiveColumns.of(dataclasses.replace(c, bytes=c.bytes * 2) for c in p.collectives)
     return ps
+
+
+def _sending(ps: list) -> list:
+    """The stages pass activations one way and gradients of the same size back, as torch.distributed.pipelining
+    does: both ranks send and receive alike, one role by their ops and payloads."""
+    for p in ps:
+        p.collectives = CollectiveColumns.of(dataclasses.replace(c, op="gloo_send" if k % 2 else "gloo_recv",
+                                                                 bytes=NBYTES)
+                                             for k, c in enumerate(p.collectives))
+    return ps
+
+
+def test_a_stage_of_a_pipeline_that_only_sends_and_receives_is_named_and_held_through_raised_detail():
+    b = Baseline()
+    for seed in range(8):
+        assert diagnose_job(_sending(_stages(seed)), baseline=b)["findings"] == []
+    [f] = diagnose_job(_sending(_stages(21, grown={1: 0.03})), baseline=b)["findings"]
+    assert (f["ranks"], f["criterion"]) == ([1], "stage_work_grew")
+    raised = _sending(_stages(22, grown={1: 0.03}))
+    for p in raised:
+        p.raised_detail = True  # not compared: the finding of the last window compared is held
+    [held] = diagnose_job(raised, baseline=b)["findings"]
+    assert (held["ranks"], held["criterion"], held["held"]) == ([1], "stage_work_grew", True)

@@ -84,6 +84,9 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
     )]
 
 
+GROWN_STAGE = "stage_work_grew"  # grown_stage's criterion: a finding against the baseline, held as a regression is
+
+
 def grown_stage(t: RankTable, ref: Reference, now: StepProfile | None,
                 threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
     """A pipeline stage that computes longer than it did, the job slower for it: the other stages wait for it,
@@ -91,15 +94,18 @@ def grown_stage(t: RankTable, ref: Reference, now: StepProfile | None,
     work) a stage is compared with no one, and stages unequal by design wait on each other in every window: its
     own past tells that it grew. Named where the job is `threshold` slower than its baseline (Reference.slower),
     the stage's own work (step - COMM) grew by STRAGGLER_SHARE of that or more, and every other rank's by under
-    GROWN_SHARE (their growth is in the wait). Its cost is the job's growth: what it lost against its past."""
+    GROWN_SHARE (their growth is in the wait), less its longer wait for a CPU (the host's other load, not its
+    work). Its cost is the job's growth: what it lost against its past."""
     if now is None or now.ranks.size == 0 or not ref.slower(now.step_s, threshold):
         return []
     grown = now.step_s - ref.profile.step_s
-    growth = t.work_s - ref.profile.work_of(t.rank)
+    work, runq = ref.profile.of_ranks(t.rank)
+    growth = t.work_s - work
     if not np.isfinite(growth).all():  # a rank the baseline did not see, or no step: no past to hold it to
         return []
     i = int(np.argmax(growth))
-    others = float(np.max(np.delete(growth, i), initial=-np.inf))
+    waited = np.clip(np.nan_to_num(t.runq_s - runq), 0.0, None)  # 0 without a scheduler view
+    others = float(np.max(np.delete(growth - waited, i), initial=-np.inf))
     if growth[i] < STRAGGLER_SHARE * grown or others >= GROWN_SHARE * grown:
         return []
     rank, cost = int(t.rank[i]), float(np.clip(grown / now.step_s, 0.0, 1.0))
@@ -110,13 +116,13 @@ def grown_stage(t: RankTable, ref: Reference, now: StepProfile | None,
            Why("others_work_growth", others / grown, GROWN_SHARE, "share of the step's growth", "<")]
     return [Finding(
         kind="compute_straggler", ranks=[rank], function=None, component="gpu" if on_gpu else "cpu",
-        score=grown / ref.noise_s, cost=cost, criterion="stage_work_grew", why=why,
+        score=grown / ref.noise_s, cost=cost, criterion=GROWN_STAGE, why=why,
         summary=(f"rank {rank}, a pipeline stage with no peer, computes {ms(float(growth[i]))} longer per step than "
                  f"in the job's baseline ({'GPU work' if on_gpu else 'host work'}); the other stages wait for it "
                  f"in {_waited_in(t, i)}: {ms(now.step_s)} per step instead of {ms(ref.profile.step_s)}; "
                  f"costs {cost:.0%} of step time"),
         evidence={"step_time_s": now.step_s, "baseline_step_s": ref.profile.step_s, "grown_s": grown,
-                  "work_growth_s": float(growth[i]), "others_work_growth_s": others,
+                  "work_growth_s": float(growth[i]), "others_work_growth_s": others,  # less their CPU wait's
                   "per_rank": [{"rank": int(r), "work_s": float(w), "work_growth_s": float(g),
                                 "comm_s": float(c)} for r, w, g, c in zip(t.rank, t.work_s, growth, t.comm_s)]},
     )]
