@@ -170,7 +170,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     reference = baseline.reference() if baseline is not None else None
     comparable = not any(map(attrgetter("raised_detail"), patterns))
     # Once: the regression rule's, then the baseline's; a pure pipeline's with each rank's work (grown_stage).
-    profile = StepProfile.of(table, pure_pipeline(peer_groups(analyzed, table.records), table.records)) if analyzed else None
+    pipeline = bool(analyzed) and pure_pipeline(peer_groups(analyzed, table.records), table.records)
+    profile = StepProfile.of(table, pipeline) if analyzed else None
     findings = findings_of(table, hang_timeout_s, reference if comparable else None, slowdown_threshold, profile)
     regressed = next((f for f in findings if f.kind == "regression"), None)
     if regressed is not None and baseline is not None:  # (only a job with a baseline regresses)

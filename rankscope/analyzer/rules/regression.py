@@ -112,7 +112,8 @@ def grown_stage(t: RankTable, ref: Reference, now: StepProfile | None,
     on_gpu = t.sync_s[i] > t.host_s[i]  # its work is mostly waiting for its own GPU
     why = [Why("step_growth", grown / ref.profile.step_s, threshold, "share of the baseline step"),
            Why("run_growth_z", ref.run_z(now.step_s), Z_MIN, "the baseline's noise (robust z)"),
-           Why("stage_work_growth", float(growth[i]) / grown, STRAGGLER_SHARE, "share of the step's growth", rank=rank),
+           Why("stage_work_growth", float(growth[i]) / grown, STRAGGLER_SHARE, "share of the step's growth",
+               rank=rank),
            Why("others_work_growth", others / grown, GROWN_SHARE, "share of the step's growth", "<")]
     return [Finding(
         kind="compute_straggler", ranks=[rank], function=None, component="gpu" if on_gpu else "cpu",
@@ -121,10 +122,12 @@ def grown_stage(t: RankTable, ref: Reference, now: StepProfile | None,
                  f"in the job's baseline ({'GPU work' if on_gpu else 'host work'}); the other stages wait for it "
                  f"in {_waited_in(t, i)}: {ms(now.step_s)} per step instead of {ms(ref.profile.step_s)}; "
                  f"costs {cost:.0%} of step time"),
+        # As a straggler's: per_rank holds the named rank, its excess_s the "N ms longer per step"
         evidence={"step_time_s": now.step_s, "baseline_step_s": ref.profile.step_s, "grown_s": grown,
-                  "work_growth_s": float(growth[i]), "others_work_growth_s": others,  # less their CPU wait's
-                  "per_rank": [{"rank": int(r), "work_s": float(w), "work_growth_s": float(g),
-                                "comm_s": float(c)} for r, w, g, c in zip(t.rank, t.work_s, growth, t.comm_s)]},
+                  "others_work_growth_s": others,  # the most any other rank's work grew, less its CPU wait's
+                  "per_rank": [{"rank": rank, "excess_s": float(growth[i]), "cost_s": grown,
+                                "work_s": float(t.work_s[i]), "baseline_work_s": float(work[i]),
+                                "comm_s": float(t.comm_s[i])}]},
     )]
 
 
