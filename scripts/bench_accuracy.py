@@ -137,6 +137,7 @@ class Shape:
     # A job the analyzer's thresholds were never tuned on (a public framework's training loop): its rows are
     # the held-out measure of a rule change, reported apart from the tuning shapes'.
     held_out: bool = False
+    family: str = ""  # a held-out shape's framework and training loop, as the README's table names it
 
     @property
     def victim_rank(self) -> int:
@@ -165,10 +166,13 @@ SHAPES = [
           faults=("healthy", "compute", "compute-small", "loader", "gc", "sigstop", "slowlink", "healthy-agent"),
           note="simulated GPU job: stand-in libcuda/libnccl, NCCL all-reduce; GPU-side faults"),
     Shape("lightning-2", "lightning_trainer.py", 2, held_out=True, faults=IN_PROCESS_FAULTS,
+          family="Lightning `Trainer`, DDP",
           note="Lightning Trainer, strategy=ddp on CPU, Adam, in-process loader (Lightning's sampler)"),
     Shape("static-3", "ddp_static_graph.py", 3, held_out=True, faults=(*IN_PROCESS_FAULTS, "slowlink"),
+          family="DDP `static_graph`",
           note="DDP static_graph + gradient_as_bucket_view, residual MLP, SGD + cosine schedule"),
-    Shape("gpipe-2", "pipelining_gpipe.py", 2, held_out=True, faults=IN_PROCESS_FAULTS,
+    Shape("gpipe-2", "pipelining_gpipe.py", 2, held_out=True, family="`torch.distributed.pipelining` GPipe",
+          faults=(*IN_PROCESS_FAULTS, "healthy-agent", "compute-agent"),
           note="torch.distributed.pipelining: 2 stages, ScheduleGPipe, 4 micro-batches; both stages load"),
 ]
 
@@ -237,6 +241,9 @@ FAULTS = [
     # busy host, and a healthy rank is as late now and then (rules/stragglers.py, SMALL_LATE); the agent names
     # it once seen in SMALL_WINDOWS of twice as many windows.
     Fault("compute-small-agent", "compute_straggler", mode="agent", injects="compute-small"),
+    # The compute fault switched on under the agent: a pipeline stage with no peer is told only by its own past
+    # (rules/regression.py, grown_stage), which one `diagnose` window does not have.
+    Fault("compute-agent", "compute_straggler", mode="agent", injects="compute"),
 ]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
@@ -42,10 +42,18 @@ class StepProfile:
     oncpu_s: float  # the main thread running; NaN: no scheduler view
     functions: dict[str, float]  # probed function -> seconds per step
     python: dict[str, float]  # Python function -> self seconds per step
+    # Each rank's own work per step (step - COMM) and its main thread's wait for a CPU (NaN: no scheduler view),
+    # by rank, in a pure pipeline (no rank with a data-parallel peer): what a stage is compared with
+    # (rules/regression.py grown_stage). Empty in any other job: a baseline's 720 windows of 100,000 ranks'
+    # would hold over a gigabyte.
+    ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False, repr=False)
+    work_s: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False, repr=False)
+    ranks_runq_s: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False, repr=False)
 
     @classmethod
-    def of(cls, t: RankTable) -> StepProfile | None:
-        """The window's profile; None when no rank has a known step time."""
+    def of(cls, t: RankTable, per_rank: bool = False) -> StepProfile | None:
+        """The window's profile, with each rank's work where `per_rank` (a pure pipeline); None when no rank has
+        a known step time."""
         valid = np.isfinite(t.step_s)
         if not valid.any():
             return None
@@ -56,7 +64,18 @@ class StepProfile:
             runq, oncpu = (float(np.nanmedian(x[valid])) for x in (t.runq_s, t.oncpu_s))
         return cls(end=max(map(attrgetter("window_end"), t.patterns)), step_s=float(np.median(t.step_s[valid])),
                    host_s=float(np.median(t.host_s[valid])), runq_s=runq, oncpu_s=oncpu,
-                   functions=dict(zip(t.fn_names, map(float, fn))), python=dict(zip(t.py_names, map(float, py))))
+                   functions=dict(zip(t.fn_names, map(float, fn))), python=dict(zip(t.py_names, map(float, py))),
+                   **({"ranks": t.rank[valid], "work_s": t.work_s[valid], "ranks_runq_s": t.runq_s[valid]}
+                      if per_rank else {}))
+
+    def of_ranks(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each of `ranks`' own work per step and wait for a CPU in this window (NaN: a rank it did not see)."""
+        if self.ranks.size == 0:
+            return np.full(len(ranks), np.nan), np.full(len(ranks), np.nan)
+        order = np.argsort(self.ranks)
+        at = order[np.clip(np.searchsorted(self.ranks, ranks, sorter=order), 0, self.ranks.size - 1)]
+        seen = self.ranks[at] == ranks
+        return np.where(seen, self.work_s[at], np.nan), np.where(seen, self.ranks_runq_s[at], np.nan)
 
 
 @dataclass(frozen=True)
@@ -112,7 +131,9 @@ class Baseline:
     def __init__(self, keep: int = KEEP_WINDOWS):
         self._windows: deque[StepProfile] = deque(maxlen=keep)
         self._running: deque[float] = deque(maxlen=RUN_WINDOWS - 1)  # Reference.running
-        self.regression: dict[str, Any] | None = None  # the last comparable window's (diagnosis.py holds it)
+        # The last comparable window's finding against this baseline, a regression or a pipeline stage grown
+        # (diagnosis.py holds it through windows at raised detail, which are not compared)
+        self.regression: dict[str, Any] | None = None
         # Per recent window of this run above the baseline, the ranks of the stragglers that explained its
         # regression (rules/regression.py restated): a few ints, cleared with the run.
         self._explained: deque[frozenset[int]] = deque(maxlen=RUN_WINDOWS - 1)

@@ -11,12 +11,12 @@ import numpy as np
 from rankscope.analyzer.baseline import Baseline, Comparison, Reference, StepProfile
 from rankscope.analyzer.differential import align_collectives
 from rankscope.analyzer.metrics import RankTable, rank_table
-from rankscope.analyzer.peers import peer_groups
+from rankscope.analyzer.peers import peer_groups, pure_pipeline
 from rankscope.analyzer.rules.gpu import gpu_straggler, gpu_throttle, launch_bound
 from rankscope.analyzer.rules.hangs import HANGS, hang
 from rankscope.analyzer.rules.links import link_findings, slow_link
 from rankscope.analyzer.rules.nodes import node_fault
-from rankscope.analyzer.rules.regression import explaining, regression, restated
+from rankscope.analyzer.rules.regression import GROWN_STAGE, explaining, grown_stage, regression, restated
 from rankscope.analyzer.rules.stragglers import compute_straggler, cpu_contention
 from rankscope.analyzer.stability import confirm_span, confirm_windows
 from rankscope.analyzer.thresholds import DEFAULT_HANG_TIMEOUT_S, SLOWDOWN_THRESHOLD
@@ -117,8 +117,9 @@ def _compared(table: RankTable, reference: Reference | None, slowdown_threshold:
     # raised by the slowdown, then keeps it from being compared. A regression in the collectives beside other
     # findings restates them: the peers wait for the straggler.
     if reference is not None:
-        now = profile if profile is not None else StepProfile.of(table)
+        now = profile if profile is not None else StepProfile.of(table, pure_pipeline(groups, table.records))
         costliest = sorted(found, key=_order)[:1]
+        found += grown_stage(table, reference, now, slowdown_threshold)
         found += _kept(regression(table, reference, now, slowdown_threshold), costliest,
                        lambda f, by: f.component == "link",
                        "a regression in the collectives beside it restates it: the peers wait for it")
@@ -174,7 +175,9 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
     table = rank_table(analyzed)
     reference = baseline.reference() if baseline is not None else None
     comparable = not any(map(attrgetter("raised_detail"), patterns))
-    profile = StepProfile.of(table) if analyzed else None  # once: the regression rule's, then the baseline's
+    # Once: the regression rule's, then the baseline's; a pure pipeline's with each rank's work (grown_stage).
+    pipeline = bool(analyzed) and pure_pipeline(peer_groups(analyzed, table.records), table.records)
+    profile = StepProfile.of(table, pipeline) if analyzed else None
     findings = findings_of(table, hang_timeout_s, reference if comparable else None, slowdown_threshold, profile)
     regressed = next((f for f in findings if f.kind == "regression"), None)
     if regressed is not None and baseline is not None:  # (only a job with a baseline regresses)
@@ -211,7 +214,8 @@ def diagnose_job(patterns: Sequence[RankPattern], hang_timeout_s: float = DEFAUL
                 baseline.add(profile)
             else:  # a run of windows above the baseline is judged as one too (baseline.RUN_WINDOWS)
                 baseline.left_out(profile.step_s if above else None)
-        baseline.regression = next((f for f in listed if f["kind"] == "regression"), None)
+        baseline.regression = next((f for f in listed if f["kind"] == "regression" or f["criterion"] == GROWN_STAGE),
+                                   None)
     elif baseline is not None and baseline.regression and not hung:
         listed = sorted([*listed, {**baseline.regression, "held": True}], key=lambda f: -f["cost"])
     # One look, no past (`diagnose`): what must hold several windows is seen once, so it is unconfirmed.

@@ -9,11 +9,15 @@ them, or none) joins that group.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+
 import numpy as np
 
 from rankscope.analyzer.records import Collectives
 from rankscope.schema.patterns import RankPattern
+
+POINT_TO_POINT = re.compile(r"send|recv", re.I)  # a pipeline's transfers between stages, by the op's name
 
 
 def peer_groups(patterns: Sequence[RankPattern], records: Collectives | None = None) -> list[np.ndarray]:
@@ -49,3 +53,13 @@ def peer_groups(patterns: Sequence[RankPattern], records: Collectives | None = N
             heads.append(sig)
     groups = np.array([home[sig] for sig in signature], np.intp)[inverse]
     return [np.flatnonzero(groups == g) for g in range(len(heads))]
+
+
+def pure_pipeline(groups: list[np.ndarray], records: Collectives) -> bool:
+    """Whether no rank has a data-parallel peer: each alone in its role (`groups`, peer_groups'), or the job
+    only sends and receives (a pipeline's stages pass activations and gradients of one size both ways, so their
+    ops and payloads alike put them in one role; data-parallel peers all-reduce every step)."""
+    if len(groups) > 1:
+        return all(rows.size == 1 for rows in groups)
+    ops = np.unique(records.op)
+    return groups[0].size > 1 and ops.size > 0 and all(POINT_TO_POINT.search(records.ops[i]) for i in ops.tolist())

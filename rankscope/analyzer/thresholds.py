@@ -219,7 +219,8 @@ RUN_WINDOWS = _t("baseline", "RUN_WINDOWS", 3, "windows",
 BROAD_SHARE = _t("baseline", "BROAD_SHARE", 0.75, "share of ranks",
                  "a regression's grown part grew on at least this share of the ranks: not one rank's")
 GROWN_SHARE = _t("baseline", "GROWN_SHARE", 0.25, "share of growth",
-                 "...each by at least this share of the median growth: time moves between host and comm")
+                 "...each by at least this share of the median growth: time moves between host and comm; a "
+                 "pipeline stage with no peer is named where no other rank's work grew by this share")
 CPU_WAIT_SHARE = _t("baseline", "CPU_WAIT_SHARE", 0.25, "share of growth",
                     "the main threads' extra wait for a CPU at least this share of the growth...")
 CPU_RAN_SHARE = _t("baseline", "CPU_RAN_SHARE", 0.2, "share of growth",
@@ -227,7 +228,8 @@ CPU_RAN_SHARE = _t("baseline", "CPU_RAN_SHARE", 0.2, "share of growth",
 NAMING_SHARE = _t("baseline", "NAMING_SHARE", 0.25, "share of growth",
                   "a part of the step that grew by less than this share of the step's growth names nothing")
 STRAGGLER_SHARE = _t("baseline", "STRAGGLER_SHARE", 0.5, "share of growth",
-                     "a straggler whose delay is this share of a regression's growth restates it")
+                     "a straggler whose delay is this share of a regression's growth restates it; a pipeline "
+                     "stage with no peer whose own work grew by this share of the job's growth is named")
 
 # Confirmation over windows (the agent and the cluster analyzer).
 CONFIRM_WINDOWS = _t("stability", "CONFIRM_WINDOWS", 2, "windows",

@@ -1,11 +1,12 @@
 """The job against its own past: baselines from recent windows, and `regression` when every rank slowed."""
 import copy
+import dataclasses
 import json
 from functools import cache
 from pathlib import Path
 
 import pytest
-from test_analyzer import simulate
+from test_analyzer import NBYTES, simulate
 from test_analyzer_python import with_python
 
 from rankscope.analyzer.baseline import MIN_WINDOWS, Baseline, StepProfile
@@ -401,3 +402,79 @@ def test_a_window_above_the_threshold_but_within_the_noise_does_not_join_the_bas
         assert doc["baseline"]["windows"] == len(swing)  # left out: the baseline is still the healthy windows'
     doc = diagnose_job(simulate(RANKS, seed=20, host_extra=dict.fromkeys(range(RANKS), 0.003)), baseline=b)
     assert b.reference().windows == len(swing) + 1  # within the threshold: the job's normal, it joins
+
+
+def _stages(seed: int, grown: dict[int, float] | None = None) -> list:
+    """A pure pipeline of two ranks, a stage each (their payloads differ: no peers), stage 1 working 60 ms a
+    step more than stage 0 by design, plus `grown` (rank -> seconds a step)."""
+    extra = {1: 0.06, **{r: (0.06 if r == 1 else 0.0) + s for r, s in (grown or {}).items()}}
+    ps = simulate(2, seed=seed, host_extra=extra)
+    stage1 = ps[1]
+    stage1.collectives = CollectiveColumns.of(dataclasses.replace(c, bytes=c.bytes * 2) for c in stage1.collectives)
+    return ps
+
+
+def _stage_baseline() -> Baseline:
+    b = Baseline()
+    for seed in range(8):
+        assert diagnose_job(_stages(seed), baseline=b)["findings"] == []  # unequal by design: no one at fault
+    return b
+
+
+def test_a_pipeline_stage_with_no_peer_that_computes_longer_than_its_past_is_named():
+    """Stage 1 works 30 ms a step longer than in the job's baseline: stage 0 waits for it, its own work as before."""
+    b = _stage_baseline()
+    assert diagnose_job(_stages(20), baseline=b)["findings"] == []
+    doc = diagnose_job(_stages(21, grown={1: 0.03}), baseline=b)
+    [f] = doc["findings"]
+    assert (f["kind"], f["ranks"], f["criterion"]) == ("compute_straggler", [1], "stage_work_grew")
+    assert f["evidence"]["per_rank"][0]["excess_s"] == pytest.approx(0.03, rel=0.15)
+    lost = f["evidence"]["grown_s"] / f["evidence"]["step_time_s"]  # the job's step against its past
+    assert f["cost"] == pytest.approx(lost, abs=1e-5) and lost == pytest.approx(0.03 / doc["step_time_s"], rel=0.15)
+
+
+def test_a_pipeline_whose_every_stage_slowed_names_no_stage():
+    b = _stage_baseline()
+    doc = diagnose_job(_stages(21, grown={0: 0.03, 1: 0.03}), baseline=b)
+    assert all(f["criterion"] != "stage_work_grew" for f in doc["findings"]), doc["findings"]
+
+
+def test_a_stage_grown_beside_its_data_parallel_peer_is_left_to_the_peer_rules():
+    """Stage ranks with a peer each are compared with it: the stage rule is for a stage that has none."""
+    b = Baseline()
+    for seed in range(8):
+        diagnose_job(_pipeline_of_four(seed), baseline=b)
+    doc = diagnose_job(_pipeline_of_four(21, {3: 0.09}), baseline=b)
+    assert all(f["criterion"] != "stage_work_grew" for f in doc["findings"]), doc["findings"]
+
+
+def _pipeline_of_four(seed: int, grown: dict[int, float] | None = None) -> list:
+    """Two stages of two ranks, stage 1 (ranks 2 and 3, payloads unlike stage 0's) 60 ms a step heavier by design,
+    plus `grown` (rank -> seconds a step)."""
+    ps = simulate(4, seed=seed, host_extra={2: 0.06, 3: 0.06, **(grown or {})})
+    for p in ps[2:]:
+        p.collectives = CollectiveColumns.of(dataclasses.replace(c, bytes=c.bytes * 2) for c in p.collectives)
+    return ps
+
+
+def _sending(ps: list) -> list:
+    """The stages pass activations one way and gradients of the same size back, as torch.distributed.pipelining
+    does: both ranks send and receive alike, one role by their ops and payloads."""
+    for p in ps:
+        p.collectives = CollectiveColumns.of(dataclasses.replace(c, op="gloo_send" if k % 2 else "gloo_recv",
+                                                                 bytes=NBYTES)
+                                             for k, c in enumerate(p.collectives))
+    return ps
+
+
+def test_a_stage_of_a_pipeline_that_only_sends_and_receives_is_named_and_held_through_raised_detail():
+    b = Baseline()
+    for seed in range(8):
+        assert diagnose_job(_sending(_stages(seed)), baseline=b)["findings"] == []
+    [f] = diagnose_job(_sending(_stages(21, grown={1: 0.03})), baseline=b)["findings"]
+    assert (f["ranks"], f["criterion"]) == ([1], "stage_work_grew")
+    raised = _sending(_stages(22, grown={1: 0.03}))
+    for p in raised:
+        p.raised_detail = True  # not compared: the finding of the last window compared is held
+    [held] = diagnose_job(raised, baseline=b)["findings"]
+    assert (held["ranks"], held["criterion"], held["held"]) == ([1], "stage_work_grew", True)

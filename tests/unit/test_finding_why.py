@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from kept import agent_run, run_names, window, window_names
 from test_analyzer import set_function, simulate
-from test_analyzer_baseline import RANKS, _window, warmed
+from test_analyzer_baseline import RANKS, _stage_baseline, _stages, _window, warmed
 from test_analyzer_contention import HOG, with_sched
 from test_analyzer_gpu import gpu, health, with_health
 from test_analyzer_hangs import rank as hung_rank
@@ -32,7 +32,7 @@ from rankscope.schema.patterns import FunctionStats, Role
 CRITERIA = {
     "compute_straggler": {"arrives_last", "arrives_last_far_behind", "arrives_last_often", "always_late",
                           "late_all_through", "longer_in_user_mode", "small_straggler", "steady_straggler",
-                          "works_longer", "gpu_works_longer"},
+                          "works_longer", "gpu_works_longer", "stage_work_grew"},
     "cpu_contention": {"cpu_contended"},
     "gpu_throttle": {"gpu_clock_drop"},
     "launch_bound": {"launch_bound"},
@@ -44,7 +44,8 @@ CRITERIA = {
     "noncomm_hang": {"blocked_outside_comm", "stopped", "minority_state"},
     "comm_hang": {"all_in_collective"},
 }
-CRITERIA["input_straggler"] = CRITERIA["python_gc"] = CRITERIA["compute_straggler"] - {"gpu_works_longer"}
+CRITERIA["input_straggler"] = CRITERIA["python_gc"] = CRITERIA["compute_straggler"] - {"gpu_works_longer",
+                                                                                       "stage_work_grew"}
 WHY_KEYS = {"measure", "value", "threshold", "unit", "op"}
 
 
@@ -164,6 +165,8 @@ SCENARIOS: dict[str, Callable[[], list[dict]]] = {
         simulate(RANKS, seed=42, sync_extra=dict.fromkeys(range(RANKS), 0.012)), baseline=warmed())}),
     "regression restated": _regression_restated_by_its_straggler,
     "regression waiting for a cpu": _starved,
+    "pipeline stage grown": lambda: checked({"j": diagnose_job(_stages(21, grown={1: 0.03}),
+                                                               baseline=_stage_baseline())}),
     "node unreachable": lambda: checked({"j": {"findings": [unreachable(LostRanks(
         "http://agent-3:9464", "node3", (6, 7), 1.7e9, "connection refused")).to_dict()]}}),
 }
@@ -217,6 +220,15 @@ def test_a_job_waiting_longer_for_its_cpus_says_so(scenarios):
     f, = scenarios["regression waiting for a cpu"]
     assert (f["kind"], f["criterion"]) == ("regression", "slower_waiting_for_cpu")
     assert [w["measure"] for w in f["why"]][-2:] == ["cpu_wait_growth", "cpu_run_growth"]
+
+
+def test_a_grown_pipeline_stage_says_how_much_of_the_slowdown_is_its_work(scenarios):
+    """Stage 1 alone in its role, 30 ms a step longer than its past; stage 0's work as before (it waits)."""
+    f, = scenarios["pipeline stage grown"]
+    assert (f["kind"], f["ranks"], f["criterion"]) == ("compute_straggler", [1], "stage_work_grew")
+    assert [w["measure"] for w in f["why"]] == ["step_growth", "run_growth_z", "stage_work_growth",
+                                                "others_work_growth"]
+    assert next(w for w in f["why"] if w["measure"] == "stage_work_growth")["rank"] == 1
 
 
 def test_nothing_outranked_is_an_empty_list(scenarios):

@@ -1,5 +1,5 @@
 """A regression: the whole job slower than its own baseline (analyzer/baseline.py), named by the function whose
-time per step grew the most.
+time per step grew the most; and a pipeline stage with no peer that slowed it, its own work grown (grown_stage).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from rankscope.analyzer.rules.wording import ms
 from rankscope.analyzer.thresholds import (BROAD_SHARE, CPU_RAN_SHARE, CPU_WAIT_SHARE, GROWN_SHARE, NAMING_SHARE,
                                            PYTHON_SHARE, SLOWDOWN_THRESHOLD, STRAGGLER_SHARE, Z_MIN)
 from rankscope.schema.finding import Finding, Why
+from rankscope.schema.patterns import Role
 
 
 def regression(t: RankTable, ref: Reference, now: StepProfile | None,
@@ -81,6 +82,62 @@ def regression(t: RankTable, ref: Reference, now: StepProfile | None,
                   "function_baseline_s": before, "ranks_grown_share": broad,
                   "python_growth": [{"function": f, "grown_s": g} for f, g in python[:3] if g > 0]},
     )]
+
+
+GROWN_STAGE = "stage_work_grew"  # grown_stage's criterion: a finding against the baseline, held as a regression is
+
+
+def grown_stage(t: RankTable, ref: Reference, now: StepProfile | None,
+                threshold: float = SLOWDOWN_THRESHOLD) -> list[Finding]:
+    """A pipeline stage that computes longer than it did, the job slower for it: the other stages wait for it,
+    blocked receiving from it. In a pure pipeline (every rank alone in its role: profiles that keep each rank's
+    work) a stage is compared with no one, and stages unequal by design wait on each other in every window: its
+    own past tells that it grew. Named where the job is `threshold` slower than its baseline (Reference.slower),
+    the stage's own work (step - COMM) grew by STRAGGLER_SHARE of that or more, and every other rank's by under
+    GROWN_SHARE (their growth is in the wait), less its longer wait for a CPU (the host's other load, not its
+    work). Its cost is the job's growth: what it lost against its past."""
+    if now is None or now.ranks.size == 0 or not ref.slower(now.step_s, threshold):
+        return []
+    grown = now.step_s - ref.profile.step_s
+    work, runq = ref.profile.of_ranks(t.rank)
+    growth = t.work_s - work
+    if not np.isfinite(growth).all():  # a rank the baseline did not see, or no step: no past to hold it to
+        return []
+    i = int(np.argmax(growth))
+    waited = np.clip(np.nan_to_num(t.runq_s - runq), 0.0, None)  # 0 without a scheduler view
+    others = float(np.max(np.delete(growth - waited, i), initial=-np.inf))
+    if growth[i] < STRAGGLER_SHARE * grown or others >= GROWN_SHARE * grown:
+        return []
+    rank, cost = int(t.rank[i]), float(np.clip(grown / now.step_s, 0.0, 1.0))
+    on_gpu = t.sync_s[i] > t.host_s[i]  # its work is mostly waiting for its own GPU
+    why = [Why("step_growth", grown / ref.profile.step_s, threshold, "share of the baseline step"),
+           Why("run_growth_z", ref.run_z(now.step_s), Z_MIN, "the baseline's noise (robust z)"),
+           Why("stage_work_growth", float(growth[i]) / grown, STRAGGLER_SHARE, "share of the step's growth",
+               rank=rank),
+           Why("others_work_growth", others / grown, GROWN_SHARE, "share of the step's growth", "<")]
+    return [Finding(
+        kind="compute_straggler", ranks=[rank], function=None, component="gpu" if on_gpu else "cpu",
+        score=grown / ref.noise_s, cost=cost, criterion=GROWN_STAGE, why=why,
+        summary=(f"rank {rank}, a pipeline stage with no peer, computes {ms(float(growth[i]))} longer per step than "
+                 f"in the job's baseline ({'GPU work' if on_gpu else 'host work'}); the other stages wait for it "
+                 f"in {_waited_in(t, i)}: {ms(now.step_s)} per step instead of {ms(ref.profile.step_s)}; "
+                 f"costs {cost:.0%} of step time"),
+        # As a straggler's: per_rank holds the named rank, its excess_s the "N ms longer per step"
+        evidence={"step_time_s": now.step_s, "baseline_step_s": ref.profile.step_s, "grown_s": grown,
+                  "others_work_growth_s": others,  # the most any other rank's work grew, less its CPU wait's
+                  "per_rank": [{"rank": rank, "excess_s": float(growth[i]), "cost_s": grown,
+                                "work_s": float(t.work_s[i]), "baseline_work_s": float(work[i]),
+                                "comm_s": float(t.comm_s[i])}]},
+    )]
+
+
+def _waited_in(t: RankTable, i: int) -> str:
+    """The communication the other ranks than row `i` spend most time in: where they wait for it."""
+    comm = [j for j, r in enumerate(t.fn_roles) if r == Role.COMM]
+    if not comm or len(t) < 2:
+        return "their receives"
+    others = np.delete(t.fn_s[:, comm], i, axis=0)
+    return t.fn_names[comm[int(np.argmax(others.sum(axis=0)))]]
 
 
 def explaining(f: Finding, others: Sequence[Finding]) -> list[frozenset[int]]:
