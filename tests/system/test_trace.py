@@ -78,8 +78,9 @@ def test_a_ranks_collectives_are_its_steps(job, traced):
         job.wait_written(end)
         steps = sum(start <= t <= end for t in job.step_ends(rank))
         colls = [e for e in doc["traceEvents"] if e["tid"] >= COLLECTIVE_TID and e["ph"] == "X"]
-        # One all-reduce a step; at each end of the capture a step and its all-reduce may fall on either side.
-        assert steps >= 0.5 * CAPTURE_S / 0.1 and abs(len(colls) - steps) <= 2, (len(colls), steps)
+        # One all-reduce a step; at each end of the capture a step and its all-reduce may fall on either side,
+        # and where steps take milliseconds the step log's instants lag the probes' by a few of them.
+        assert steps >= 0.5 * CAPTURE_S / 0.1 and abs(len(colls) - steps) <= max(2, 0.02 * steps), (len(colls), steps)
         assert {e["name"] for e in colls} == {"ncclKernel gloo_allreduce"}
         # Each is linked to its call on a gloo worker thread, and both are the same span.
         calls = {e["args"]["correlation"]: e for e in doc["traceEvents"]
@@ -89,7 +90,7 @@ def test_a_ranks_collectives_are_its_steps(job, traced):
             assert (call["ts"], call["dur"]) == (c["ts"], c["dur"])
         # DDP's wait for them at the end of backward: on the training thread, once a step.
         waits = [e for e in doc["traceEvents"] if e.get("name") == "Reducer_finalize_backward"]
-        assert abs(len(waits) - steps) <= 2 and {e["tid"] for e in waits} == {doc["rankscope"]["pid"]}, waits[:3]
+        assert abs(len(waits) - steps) <= max(2, 0.02 * steps) and {e["tid"] for e in waits} == {doc["rankscope"]["pid"]}, waits[:3]
 
 
 def test_the_scheduler_track_covers_the_capture(traced):
