@@ -169,30 +169,40 @@ static int under_rate_limit(struct rate *r) {
     STAP_PROBE8(rankscope, activity, (uint64_t)(kind), (uint64_t)(start), (uint64_t)(end), (uint64_t)(device), \
                 (uint64_t)(stream), (uint64_t)(correlation), (uint64_t)(name), (uint64_t)(bytes))
 
-// One record to the probe. Args: kind, GPU start ns, GPU end ns, device, stream, correlation id,
-// kernel name (char *, NULL for copies and sets; CUPTI shares one string per kernel), bytes (copies, sets).
-static void emit(const CUpti_Activity *rec) {
-    uint64_t kind = rec->kind;
+// An activity record (kernel, memcpy, memset) in the compact form of both hand-overs; 0 for other kinds.
+static int to_record(const CUpti_Activity *rec, struct rankscope_record *r) {
     switch (rec->kind) {
     case CUPTI_ACTIVITY_KIND_KERNEL:
     case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
         const kernel_record *k = (const void *)rec;
-        EMIT(kind, k->start, k->end, k->deviceId, k->streamId, k->correlationId, (uintptr_t)k->name, 0);
-        break;
+        *r = (struct rankscope_record){rec->kind, k->deviceId, k->start, k->end, k->streamId, k->correlationId,
+                                       (uintptr_t)k->name, 0};
+        return 1;
     }
     case CUPTI_ACTIVITY_KIND_MEMCPY: {
         const CUpti_ActivityMemcpy6 *m = (const void *)rec;
-        EMIT(kind, m->start, m->end, m->deviceId, m->streamId, m->correlationId, 0, m->bytes);
-        break;
+        *r = (struct rankscope_record){rec->kind, m->deviceId, m->start, m->end, m->streamId, m->correlationId,
+                                       0, m->bytes};
+        return 1;
     }
     case CUPTI_ACTIVITY_KIND_MEMSET: {
         const CUpti_ActivityMemset4 *m = (const void *)rec;
-        EMIT(kind, m->start, m->end, m->deviceId, m->streamId, m->correlationId, 0, m->bytes);
-        break;
+        *r = (struct rankscope_record){rec->kind, m->deviceId, m->start, m->end, m->streamId, m->correlationId,
+                                       0, m->bytes};
+        return 1;
     }
     default:
-        return;
+        return 0;
     }
+}
+
+// One record to the probe. Args: kind, GPU start ns, GPU end ns, device, stream, correlation id,
+// kernel name (char *, NULL for copies and sets; CUPTI shares one string per kernel), bytes (copies, sets).
+static void emit(const CUpti_Activity *rec) {
+    struct rankscope_record r;
+    if (!to_record(rec, &r))
+        return;
+    EMIT(r.kind, r.start, r.end, r.device, r.stream, r.correlation, r.name, r.bytes);
     atomic_fetch_add(&stats.emitted, 1);
     atomic_fetch_add(&stats.handovers, 1);
 }
@@ -258,45 +268,22 @@ static void hand_over(struct batch *b) {
     b->count = b->activities = b->launches = 0;
 }
 
-// Appends a record to the batch, handing the batch over when full. Returns 0 for a record not handed over.
-static int batch_add(struct batch *b, const CUpti_Activity *rec, int launches) {
+// Appends a record to the batch (activity records, and launches while wanted), handing it over when full.
+static void batch_add(struct batch *b, const CUpti_Activity *rec, int launches) {
     struct rankscope_record *r = &b->records[b->count];
-    switch (rec->kind) {
-    case CUPTI_ACTIVITY_KIND_KERNEL:
-    case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
-        const kernel_record *k = (const void *)rec;
-        *r = (struct rankscope_record){rec->kind, k->deviceId, k->start, k->end, k->streamId, k->correlationId,
-                                       (uintptr_t)k->name, 0};
-        break;
-    }
-    case CUPTI_ACTIVITY_KIND_MEMCPY: {
-        const CUpti_ActivityMemcpy6 *m = (const void *)rec;
-        *r = (struct rankscope_record){rec->kind, m->deviceId, m->start, m->end, m->streamId, m->correlationId,
-                                       0, m->bytes};
-        break;
-    }
-    case CUPTI_ACTIVITY_KIND_MEMSET: {
-        const CUpti_ActivityMemset4 *m = (const void *)rec;
-        *r = (struct rankscope_record){rec->kind, m->deviceId, m->start, m->end, m->streamId, m->correlationId,
-                                       0, m->bytes};
-        break;
-    }
-    case CUPTI_ACTIVITY_KIND_RUNTIME:
-    case CUPTI_ACTIVITY_KIND_DRIVER: {
+    if (rec->kind == CUPTI_ACTIVITY_KIND_RUNTIME || rec->kind == CUPTI_ACTIVITY_KIND_DRIVER) {
         const CUpti_ActivityAPI *a = (const void *)rec;
         if (!launches || !is_launch(a->kind, a->cbid))
-            return 0;
+            return;
         *r = (struct rankscope_record){rec->kind, 0, a->start, a->end, a->threadId, a->correlationId, 0, a->cbid};
         b->launches++;
-        break;
+    } else if (to_record(rec, r)) {
+        b->activities++;
+    } else {
+        return;
     }
-    default:
-        return 0;
-    }
-    b->activities += r->kind != CUPTI_ACTIVITY_KIND_RUNTIME && r->kind != CUPTI_ACTIVITY_KIND_DRIVER;
     if (++b->count == ACTIVITY_BATCH)
         hand_over(b);
-    return 1;
 }
 
 // The batched hand-over of a completed buffer: every activity record, and launch records while the launch
