@@ -65,7 +65,7 @@ struct shim_record {
 };
 #define ACTIVITY_BATCH 16  // records per trap: the shim's ACTIVITY_BATCH
 #define KIND_RUNTIME 5
-#define KIND_DRIVER 6
+#define KIND_DRIVER 4
 // Records the shim lost (CUPTI's dropped records, its rate limits) as it last said, per process.
 BPF_HASH(shim_lost, u32, u64, 1024);
 

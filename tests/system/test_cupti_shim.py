@@ -264,6 +264,13 @@ def test_rate_limit_drops_records_over_budget(start_driver):
     assert emitted + dropped == 3 * RECORDS_PER_BUFFER
     # 4 per second; a second boundary during the call may allow one more budget.
     assert 4 <= emitted <= 8 and dropped >= 1
+    # The records lost so far ride along with the next batch, for /metrics.
+    reader = CuptiReader(driver.pid)
+    try:
+        assert driver.emit(1)[1] == dropped  # batches: none dropped
+        assert reader.lost() == dropped
+    finally:
+        reader.close()
 
 
 def test_gpu_views_fill_patterns_from_shim_and_nvml(start_driver):
