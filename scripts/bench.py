@@ -29,6 +29,9 @@ and without the agent, A B B A ..., summarized by the median over pairs so that 
             (bursts every 10 ms), for 2 minutes, the agent in deep mode: the agent process's CPU share of one
             core and, apart, its BPF programs' kernel time (kernel.bpf_stats_enabled, on for the run only);
             RSS at start and end, windows served, launches counted, drops reported in /metrics
+  shim      handing CUPTI's records to the agent (the real shim and libcupti, fed kernel records by
+            tests/cupti_driver.c): ns per record on CUPTI's buffer thread, uprobe traps per record and records
+            lost, one trap per record against one per batch
   attach    a one-shot command on a 2-rank job, from the command to its exit (wall, CPU, peak RSS; and the
             seconds to its window): `diagnose --duration 1` attaching itself (compiling its programs, or finding
             them in the node's cache) and through the node agent (`--agent`); `profile`, `trace`, `dump`
@@ -62,13 +65,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import (agent, analyzer, attach, busy, cluster, detach, inject, job, latency, launch, payload,
-                        sched, startup, torch_job, trace)
+                        sched, shim, startup, torch_job, trace)
 from benchmarks.harness import Context, Row, log, machine, table
 
 BENCHES: dict[str, Callable[[Context], tuple[list[Row], dict]]] = {
     "job": job.run, "launch": launch.run, "sched": sched.run, "agent": agent.run, "detach": detach.run,
     "payload": payload.run, "latency": latency.run, "analyzer": analyzer.run, "inject": inject.run,
-    "trace": trace.run, "cluster": cluster.run, "busy": busy.run, "attach": attach.run,
+    "trace": trace.run, "cluster": cluster.run, "busy": busy.run, "attach": attach.run, "shim": shim.run,
 }
 if torch_job.TORCH_SCRIPT.exists():  # the real job (1a), once tests/torch_ddp_train.py exists
     BENCHES = {"torch": torch_job.run, **BENCHES, "startup": startup.run}

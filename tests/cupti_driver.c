@@ -1,9 +1,12 @@
 // Test driver for the CUPTI shim without a GPU: loads the shim, calls its InitializeInjection (which finds
 // no driver), then feeds its completed-buffer path a buffer of real CUPTI record structs, on command.
-// stdin commands, each after the shim's launch-semaphore check and answered by "stats EMITTED DROPPED SKIPPED LAUNCHES LAUNCHES_DROPPED API_WANTED API_FAILURES":
+// stdin commands, each after the shim's launch-semaphore check and answered by "stats EMITTED DROPPED SKIPPED LAUNCHES
+// LAUNCHES_DROPPED API_WANTED API_FAILURES HANDOVERS" (HANDOVERS: the uprobe traps the shim fired):
 //   "emit N"   -> process the activity buffer (a kernel, a memcpy, a memset) N times;
 //   "now"      -> process it once with its times moved to end now on CLOCK_REALTIME (CUPTI's clock), as a
 //                 buffer of work that just ran;
+//   "many N"   -> process one buffer of N kernel records (N <= MANY_MAX), the i-th from MANY_START + i us for
+//                 MANY_NS, correlation 9000 + i;
 //   "launch I" -> process launch buffer I: 0 a kernel whose launch comes later, 1 the API records (a runtime
 //                 launch with its nested driver launch, another runtime launch, a memcpy call), 2 the kernel of
 //                 the second launch. See LAUNCH_* for the times.
@@ -25,7 +28,8 @@ typedef CUpti_ActivityKernel9 kernel_record;
 #endif
 
 struct shim_stats {
-    uint64_t emitted, dropped, skipped_buffers, cupti_dropped, launches, launches_dropped, api_wanted, api_failures;
+    uint64_t emitted, dropped, skipped_buffers, cupti_dropped, launches, launches_dropped, api_wanted, api_failures,
+        handovers;
 };
 
 static const char kernel_name[] = "_Z9gemm_tileILi128EEvPKfS1_Pf";
@@ -48,6 +52,10 @@ static size_t put_api(uint8_t *buffer, size_t used, CUpti_ActivityKind kind, uin
     a->correlationId = correlation;
     return used + sizeof(*a);
 }
+
+#define MANY_MAX 4096
+#define MANY_START 3000000000000ull
+#define MANY_NS 500
 
 static size_t put_kernel(uint8_t *buffer, size_t used, uint32_t correlation, uint64_t start) {
     kernel_record *k = (void *)(buffer + used);
@@ -143,6 +151,15 @@ int main(int argc, char **argv) {
             ss->start += shift;
             ss->end += shift;
             process(shifted, used);
+        } else if (sscanf(line, "many %d", &n) == 1 && n > 0 && n <= MANY_MAX) {
+            static uint8_t many[MANY_MAX * sizeof(kernel_record)] __attribute__((aligned(8)));
+            size_t filled = 0;
+            for (int i = 0; i < n; i++) {
+                kernel_record *m = (void *)(many + filled);
+                filled = put_kernel(many, filled, 9000 + i, MANY_START + (uint64_t)i * 1000);
+                m->end = m->start + MANY_NS;
+            }
+            process(many, filled);
         } else if (sscanf(line, "launch %d", &n) == 1 && n >= 0 && n < 3) {
             process(launch_buffers[n], launch_used[n]);
         } else {
@@ -150,8 +167,8 @@ int main(int argc, char **argv) {
         }
         struct shim_stats st;
         get_stats(&st);
-        printf("stats %lu %lu %lu %lu %lu %lu %lu\n", st.emitted, st.dropped, st.skipped_buffers, st.launches,
-               st.launches_dropped, st.api_wanted, st.api_failures);
+        printf("stats %lu %lu %lu %lu %lu %lu %lu %lu\n", st.emitted, st.dropped, st.skipped_buffers, st.launches,
+               st.launches_dropped, st.api_wanted, st.api_failures, st.handovers);
         fflush(stdout);
     }
     return 0;

@@ -54,11 +54,12 @@ class Session:
         self.frames = PythonFrames(sampler, detail)  # also keeps the last window's full stacks
         # Attached in this order (the probes first: a process they cannot watch is not watched; the timer
         # times what the sampler found), filled in this order.
+        self.gpu = GpuViews(launches=detail.hot_probes)
         self.sources: list[Source] = [
             self.probes,
             self.frames,
             PythonTiming(sampler, traced, detail),
-            GpuViews(launches=detail.hot_probes),
+            self.gpu,
             HostFacts(),
         ]
 
@@ -122,10 +123,10 @@ class Session:
 
     def drops(self) -> dict[str, int]:
         """What the kernel side had no room for since the start, by kind: completed collectives (their stream
-        was full) and Python samples or sleeps (a map was full)."""
+        was full), Python samples or sleeps (a map was full) and GPU activity records the CUPTI shim lost."""
         py = self.sampler.counters()
         return {"collectives": self.program.lost_collectives,
-                "python_samples": py["dropped"] + py["off_cpu_dropped"]}
+                "python_samples": py["dropped"] + py["off_cpu_dropped"], "gpu_records": self.gpu.records_lost()}
 
     def set_detail(self, detail: Detail) -> None:
         """What the next windows record (call right after window(): samples are counted at one rate)."""

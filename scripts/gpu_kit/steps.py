@@ -575,7 +575,8 @@ def overhead(kit: Kit) -> dict:
     """The job's slowdown with the shim alone, with the agent attached (light, then deep), and with a bare uprobe
     on each launch (deep mode's launch probe, at its floor), for a matmul-heavy step and a launch-bound one (many
     tiny kernels: where CUPTI costs most). Two processes of the same job, one without the shim (the reference)
-    and one with it (the agent attaches to it alone), are measured in turns (`paired`)."""
+    and one with it (the agent attaches to it alone), are measured in turns (`paired`). With the agent, also
+    its hand-over from the shim (`_handover`: traps a second, one per batch of records)."""
     kit.need_gpu()
     variants = {"matmul": ("--matmuls", "8"), "launch_bound": ("--matmuls", "0", "--width", "64", "--batch", "32")}
     wanted = os.environ.get("RANKSCOPE_KIT_OVERHEAD")  # e.g. launch_bound: one variant (a rerun's device time)
@@ -603,6 +604,7 @@ def overhead(kit: Kit) -> dict:
                 try:  # a phase that fails is recorded in the row; the others are still measured
                     wait_until(lambda: _watching(agent.url, shim.pids[0]), 90, f"the {detail} agent to read the shim")
                     row[f"agent_{detail}"] = paired(against_neither, (shim, alone(shim, neither)))
+                    row[f"handover_{detail}"] = _handover(str(kit.shim()), shim)
                 except (TimeoutError, OSError, RuntimeError) as e:
                     row[f"agent_{detail}"] = f"failed: {e}"
                 finally:
@@ -615,6 +617,29 @@ def overhead(kit: Kit) -> dict:
     if broken:
         raise Failed(f"overhead phases failed ({', '.join(broken)}); see jobs.log", figures)
     return figures
+
+
+BATCH_FIELDS = ("records", "count", "lost")  # rankscope:activities
+
+
+def _handover(shim: str, job: GpuJob, seconds: float = 2.0) -> dict:
+    """How the shim hands its records to the agent reading `job`: tracefs events at the sites of its record
+    probes fire with the agent's programs, so their count is the agent's traps. Traps and records a second,
+    by probe (`activities`: one trap per batch, the shim's way since it has that probe; `activity`: one per
+    record), and the records the shim says it lost."""
+    with tracefs.Uprobes(buffer_kb=8192) as u:
+        _usdt_events(u, shim, "activities", BATCH_FIELDS)
+        _usdt_events(u, shim, "activity", ACTIVITY_FIELDS)
+        time.sleep(seconds)
+        u.stop()
+        events = [e for e in u.read() if e.pid in job.pids]
+        overruns = u.overruns()
+    batches = [e for e in events if e.name.startswith("activities")]
+    per_record = len(events) - len(batches)
+    records = sum(int(e.fields.get("count", 0)) for e in batches) + per_record
+    return {"traps_per_s": len(events) / seconds, "records_per_s": records / seconds,
+            "batch_traps_per_s": len(batches) / seconds, "per_record_traps_per_s": per_record / seconds,
+            "shim_lost": max((int(e.fields.get("lost", 0)) for e in batches), default=0), "trace_overruns": overruns}
 
 
 def _launch_uprobe(job: GpuJob, other: GpuJob) -> dict:

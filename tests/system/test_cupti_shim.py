@@ -29,6 +29,8 @@ from rankscope.schema.patterns import KERNEL_NAME_CHARS, GpuActivity, GpuKernel,
 DRIVER_SOURCE = Path(__file__).parent.parent / "cupti_driver.c"
 KERNEL = "_Z9gemm_tileILi128EEvPKfS1_Pf"
 RECORDS_PER_BUFFER = 3
+ACTIVITY_BATCH = 16  # records per trap of rankscope:activities (cupti_shim/shim.c)
+MANY_NS = 500  # each kernel of the driver's "many" buffer (tests/cupti_driver.c)
 # What each line's libcupti answers at InitializeInjection on a machine without NVIDIA's driver.
 NO_DRIVER_ERROR = {12: "CUPTI_ERROR_NOT_INITIALIZED", 13: "CUPTI_ERROR_UNKNOWN"}
 
@@ -52,6 +54,7 @@ class ShimStats:
     launches_dropped: int
     api_wanted: bool  # the shim's decision: CUPTI's API records on (launch semaphore up)
     api_failures: int  # enable/disable calls CUPTI refused (all of them without a driver)
+    handovers: int  # uprobe traps the shim fired: one per record, or one per batch
 
 
 class Driver:
@@ -77,9 +80,9 @@ class Driver:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         words = self.proc.stdout.readline().split()
-        assert words[0] == "stats" and len(words) == 8, words
+        assert words[0] == "stats" and len(words) == 9, words
         n = [int(w) for w in words[1:]]
-        return ShimStats(n[0], n[1], n[2], n[3], n[4], bool(n[5]), n[6])
+        return ShimStats(n[0], n[1], n[2], n[3], n[4], bool(n[5]), n[6], n[7])
 
     def close(self) -> str:
         self.proc.stdin.close()
@@ -124,6 +127,7 @@ def test_shim_exports_injection_entry_and_semaphore_probe(line):
     assert shim.name == f"librankscope_cupti{line.major}.so"
     notes = subprocess.run(["readelf", "-n", str(shim)], capture_output=True, text=True, check=True).stdout
     assert "Provider: rankscope" in notes and "Name: activity" in notes and "Name: launch" in notes
+    assert "Name: activities" in notes
     assert "Semaphore: 0x0000000000000000" not in notes  # the probe is guarded by a semaphore
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(shim)], capture_output=True, text=True,
                              check=True).stdout
@@ -145,15 +149,23 @@ def test_shim_refuses_the_other_lines_cupti(line, start_driver):
     assert "is not one this shim reads" in driver.close()
 
 
-def test_records_reach_agent_through_usdt(line, start_driver):
+@pytest.fixture(params=["batches", "per-record"])
+def hand_over(request) -> str:
+    """Each hand-over of the shim (the reader's `batches`): the figures the agent derives are the same."""
+    return request.param
+
+
+def test_records_reach_agent_through_usdt(line, start_driver, hand_over):
     driver = start_driver()
     # No agent attached: the semaphore is off and the buffer goes back unread.
     assert driver.emit(1) == (0, 0, 1)
 
-    reader = CuptiReader(driver.pid)
+    reader = CuptiReader(driver.pid, batches=hand_over == "batches")
     try:
         reader.set_raw(True)
-        assert driver.emit(2) == (2 * RECORDS_PER_BUFFER, 0, 1)
+        st = driver.command("emit 2")
+        assert (st.emitted, st.dropped, st.skipped) == (2 * RECORDS_PER_BUFFER, 0, 1)
+        assert st.handovers == (2 if hand_over == "batches" else 2 * RECORDS_PER_BUFFER)  # traps
         raw: list[RawActivity] = []
         wait_until(lambda: raw.extend(reader.poll_raw(50)) or len(raw) >= 6, 10, "raw records from the ring")
         assert len(raw) == 6
@@ -225,9 +237,26 @@ def test_a_trace_capture_shows_the_shims_records_on_their_gpu_stream(start_drive
     assert doc["rankscope"]["dropped_events"] == 0
 
 
-def test_rate_limit_drops_records_over_budget(start_driver):
+def test_batches_hand_over_every_record_in_few_traps(start_driver):
+    """A buffer of many kernels reaches the agent whole, ACTIVITY_BATCH records a trap, at any rate."""
+    records = 1000
     driver = start_driver(RANKSCOPE_SHIM_MAX_RATE="4")
     reader = CuptiReader(driver.pid)
+    try:
+        st = driver.command(f"many {records}")
+        assert (st.emitted, st.dropped, st.handovers) == (records, 0, -(-records // ACTIVITY_BATCH))
+        kernels = [a for a in reader.activity() if a.kind == KIND_CONCURRENT_KERNEL]
+        assert [(a.name, a.count, a.total_ns) for a in kernels] == [(KERNEL, records, records * MANY_NS)]
+        assert reader.busy_ns() == {0: records * MANY_NS}  # disjoint intervals: busy is their sum
+        assert reader.lost() == 0
+    finally:
+        reader.close()
+
+
+def test_rate_limit_drops_records_over_budget(start_driver):
+    """One trap per record costs ~1.5 us each: that hand-over is rate-limited, its drops counted."""
+    driver = start_driver(RANKSCOPE_SHIM_MAX_RATE="4")
+    reader = CuptiReader(driver.pid, batches=False)
     try:
         emitted, dropped, _ = driver.emit(3)
     finally:
@@ -235,6 +264,13 @@ def test_rate_limit_drops_records_over_budget(start_driver):
     assert emitted + dropped == 3 * RECORDS_PER_BUFFER
     # 4 per second; a second boundary during the call may allow one more budget.
     assert 4 <= emitted <= 8 and dropped >= 1
+    # The records lost so far ride along with the next batch, for /metrics.
+    reader = CuptiReader(driver.pid)
+    try:
+        assert driver.emit(1)[1] == dropped  # batches: none dropped
+        assert reader.lost() == dropped
+    finally:
+        reader.close()
 
 
 def test_gpu_views_fill_patterns_from_shim_and_nvml(start_driver):
@@ -291,11 +327,11 @@ def test_sigkilled_agent_leaves_the_shim_idle(start_driver):
     assert driver.emit(1) == (RECORDS_PER_BUFFER, 0, 1)  # skipped: nothing attached any more
 
 
-def test_launches_join_their_kernels_by_correlation_id(start_driver):
+def test_launches_join_their_kernels_by_correlation_id(start_driver, hand_over):
     """Kernel before its launch, kernel after it; a runtime launch and its nested driver launch join once; a
     memcpy call is no launch. The queue delay (kernel start - launch end) lands in its log2 slot."""
     driver = start_driver()
-    reader = CuptiReader(driver.pid)
+    reader = CuptiReader(driver.pid, batches=hand_over == "batches")
     try:
         # Without the launch probe the shim leaves CUPTI's API records off and hands over no launch.
         st = driver.launch(API_RECORDS)

@@ -29,7 +29,7 @@ from rankscope.agent.inject.shim import inject_shim
 from rankscope.agent.inject.tracee import Tracee
 from rankscope.agent.session import Session
 from rankscope.agent.sources.gpu import GpuViews
-from rankscope.agent.sources.probes.cupti import PROBE, PROVIDER, shim_path
+from rankscope.agent.sources.probes.cupti import BATCH_PROBE, PROBE, PROVIDER, shim_path
 from rankscope.sim.job import start_job
 
 TARGET_SOURCE = Path(__file__).parent.parent / "inject_target.c"
@@ -134,14 +134,14 @@ def test_plain_python_process_gets_the_shim_and_the_agent_attaches(start):
     assert done.loaded and done.result == 0 and 0 < done.stop_s < STOP_BOUND_S
     assert shim_path(target.pid) is not None
     assert (PROVIDER, PROBE) in sdt_probes(shim_path(target.pid))  # its USDT probes are in the process
-    assert semaphore(target.pid) == 0  # no agent yet: the shim hands nothing over
+    assert semaphore(target.pid) == semaphore(target.pid, BATCH_PROBE) == 0  # no agent yet: nothing handed over
     views = GpuViews()
     try:
         assert views.watch(target.pid)  # the GPU source attaches to the late shim's probes
-        assert semaphore(target.pid) > 0  # one count per probe site
+        assert semaphore(target.pid, BATCH_PROBE) > 0  # records in batches: one count per probe site
     finally:
         views.close()
-    assert semaphore(target.pid) == 0
+    assert semaphore(target.pid, BATCH_PROBE) == 0
     again = inject_shim(target.pid)
     assert (again.loaded, again.stop_s) == (False, 0.0)  # already present: nothing done
     assert target.running()

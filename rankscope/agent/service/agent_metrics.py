@@ -21,7 +21,7 @@ def agent_metrics(snap: Snapshot) -> list[Metric]:
         *finding_metrics(snap.diagnoses, snap.history.held()),
         counter("rankscope_attach_errors", "Processes found (--all) that could not be watched.", health.attach_errors),
         counter("rankscope_probe_drops", "Records the kernel side had no room for: completed collectives, Python "
-                "samples.", {(kind,): n for kind, n in health.drops.items()}, ("kind",)),
+                "samples, GPU activity records the CUPTI shim lost.", {(kind,): n for kind, n in health.drops.items()}, ("kind",)),
         *gpu_metrics(snap.patterns),
         *collective_metrics(snap.patterns),
     ]

@@ -26,6 +26,7 @@ class GpuViews(Source):
         self._refused: set[int] = set()  # processes whose shim could not be attached: said once
         self._health = health
         self._device_of: dict[int, int] = {}
+        self._lost_gone = 0  # records lost by the shims of processes no longer read
 
     def attach(self, target: Target) -> None:
         self.watch(target.pid)
@@ -93,11 +94,18 @@ class GpuViews(Source):
         """The shim readers' streams: GPU kernels, copies and sets, NCCL's GPU spans."""
         return [reader.trace for reader, *_ in self._shim.values()]
 
+    def records_lost(self) -> int:
+        """GPU activity records the shims of the processes read lost since they were first read (CUPTI's full
+        buffers, a shim's rate limit), as of their latest batches."""
+        return self._lost_gone + sum(reader.lost() for reader, *_ in self._shim.values())
+
     def forget(self, pid: int) -> None:
         self._device_of.pop(pid, None)
         self._refused.discard(pid)
         if pid in self._shim:
-            self._shim.pop(pid)[0].close()
+            reader = self._shim.pop(pid)[0]
+            self._lost_gone += reader.lost()
+            reader.close()
 
     def close(self) -> None:
         for pid in list(self._shim):

@@ -39,13 +39,14 @@ from rankscope.schema.patterns import KERNEL_NAME_CHARS, NCCL_KERNELS, TOP_KERNE
 # One shim per CUDA major (librankscope_cupti12.so, ...13.so); the same probes in each. Unnumbered: a shim built
 # before there were two lines, still loaded by a running job.
 SHIM_LIBRARY = re.compile(r"^librankscope_cupti(\d+)?\.so$")
-PROVIDER, PROBE, LAUNCH_PROBE = "rankscope", "activity", "launch"
+PROVIDER, PROBE, LAUNCH_PROBE, BATCH_PROBE = "rankscope", "activity", "launch", "activities"
 BPF_SOURCES = ("cupti_launch.bpf.c", "cupti.bpf.c", "nccl_profiler.bpf.c")  # one program of the three
 # The shim's probes and their BPF functions. All but the launch probe (deep mode only) are attached for the
-# life of the reader; all but the activity probe may be absent from shims built before them.
+# life of the reader; all but the activity probe may be absent from shims built before them. The records come
+# in batches (one trap per batch) where the shim has the batch probe, else one trap per record: one of the two.
 PROBE_FUNCTIONS = {PROBE: "on_activity", LAUNCH_PROBE: "on_launch", COLL_PROBE: "on_nccl_coll",
-                   LINK_PROBE: "on_nccl_link"}
-ALWAYS_ATTACHED = (PROBE, COLL_PROBE, LINK_PROBE)
+                   LINK_PROBE: "on_nccl_link", BATCH_PROBE: "on_activities"}
+ALWAYS_ATTACHED = (COLL_PROBE, LINK_PROBE)
 
 # CUpti_ActivityKind values of the records the shim enables.
 KIND_MEMCPY = 1
@@ -60,6 +61,7 @@ RAW_ON = "raw_on"  # [0] = 1: stream raw records
 JOIN_ON = "join_on"  # [0] = 1: kernels are joined to their launches (the launch probe is attached)
 GPU_ACTIVITY = "gpu_activity"  # (pid, kind, name) -> count, GPU time, histogram
 GPU_BUSY = "gpu_busy"  # (pid, device) -> time any kernel ran
+SHIM_LOST = "shim_lost"  # pid -> records the shim lost (CUPTI's drops, its rate limits), as it last said
 LAUNCH_QUEUE = "launch_queue"  # pid -> launches joined to their kernels, total launch-to-start delay
 LAUNCH_QUEUE_HIST = "launch_queue_hist"  # (pid, log2 slot) -> launches
 NCCL_COLL_GPU = "nccl_coll_gpu"  # (pid, NCCL function name) -> GPU spans of its collectives
@@ -167,7 +169,9 @@ class _GpuStream(TraceStream):
 class CuptiReader:
     """The shim's records of one process: in-kernel aggregates, and raw records on demand."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, batches: bool = True):
+        """`batches`: take the shim's records in batches where it can (False: one trap per record, as from a
+        shim without batches; for comparing the two)."""
         try:
             from bcc import USDT
         except ImportError as e:
@@ -181,6 +185,8 @@ class CuptiReader:
         self._probes: list[Uprobes] = []
         self._launch_probes: list[Uprobes] = []
         self._semaphores = {probe: semaphore_address(path, probe) for probe in PROBE_FUNCTIONS}  # 0: absent
+        if not batches:
+            self._semaphores[BATCH_PROBE] = 0
         probes = {probe: fn for probe, fn in PROBE_FUNCTIONS.items() if self._semaphores[probe]}
         try:
             readers, self._sites = _probe_sites(USDT, pid, probes)
@@ -189,6 +195,7 @@ class CuptiReader:
             raise ProbeError(f"cannot load the CUPTI shim probe for pid {pid}: {e}") from e
         self.trace = _GpuStream(self._bpf, self)
         try:  # NCCL's plugin, like the shim, hands over nothing until its probes' semaphores are up
+            self._probes += self._attach_records()
             for probe in ALWAYS_ATTACHED:
                 if self._semaphores[probe]:
                     self._probes += self._attach(probe)
@@ -208,6 +215,16 @@ class CuptiReader:
                 uprobe_links.detach(attached)
                 raise ProbeError(f"cannot attach to the CUPTI shim of pid {self.pid}: {e}") from e
         return attached
+
+    def _attach_records(self) -> list[Uprobes]:
+        """The batch probe where the shim has it and this kernel's verifier takes its loop, else one trap a
+        record. Attaching one raises its semaphore, which selects the shim's hand-over."""
+        if self._semaphores[BATCH_PROBE]:
+            try:
+                return self._attach(BATCH_PROBE)
+            except ProbeError:
+                pass
+        return self._attach(PROBE)
 
     @property
     def launches_on(self) -> bool:
@@ -260,6 +277,12 @@ class CuptiReader:
         """Cumulative network steps per (communicator, peer, direction) since attach (NCCL profiler plugin)."""
         return [LinkTotals(k.comm, k.rank, k.peer, bool(k.send), v.steps, v.bytes, v.wire_ns, v.peer_wait_ns)
                 for k, v in entries(self._bpf[NCCL_LINKS]) if k.pid == self.pid]
+
+    def lost(self) -> int:
+        """Records the shim lost since the process started (CUPTI's full buffers, the shim's rate limits), as
+        of its latest batch; 0 for a shim without batches."""
+        v = self._bpf[SHIM_LOST].get(ctypes.c_uint32(self.pid))
+        return v.value if v is not None else 0
 
     def busy_ns(self) -> dict[int, int]:
         """Cumulative GPU busy time per device (union of activity intervals) since attach."""
