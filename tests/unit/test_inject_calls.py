@@ -44,7 +44,7 @@ def test_c_int_from_rax():
 
 
 def test_code_that_may_hold_the_loaders_locks():
-    calls = LoaderCalls(dlopen=0x1000, dlerror=None, locking_ranges=((0x7000, 0x8000), (0x9000, 0xA000)))
+    calls = LoaderCalls(dlopen=0x1000, dlerror=None, syscall=0x1100, locking_ranges=((0x7000, 0x8000), (0x9000, 0xA000)))
     assert calls.may_hold_locks(0x7000) and calls.may_hold_locks(0x9FFF)
     assert not calls.may_hold_locks(0x8000) and not calls.may_hold_locks(0x6FFF)
 
