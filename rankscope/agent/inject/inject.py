@@ -89,8 +89,9 @@ def pin(pid: int, start_time: int | None) -> int:
     try:
         started = int(stat_fields(pid)[19])
     except (OSError, IndexError, ValueError):
-        started = None
-    if started is None or (start_time is not None and started != start_time):
+        os.close(pidfd)
+        raise InjectError(f"no such process: {pid}") from None
+    if start_time is not None and started != start_time:
         os.close(pidfd)
         raise InjectError(f"process {pid} is not the one watched (it exited and its PID was reused): not touched")
     return pidfd
