@@ -291,11 +291,15 @@ def test_a_container_s_symlinks_do_not_lead_the_agent_to_a_host_file(built, tmp_
     folder = _copy_folder(built["libok.so"])
     container = Container(built, f"mkdir -p {folder} && ln -s {victim} {folder}/libok.so.{os.getpid()}.tmp")
     try:
-        placed = inject(container.pid, str(built["libok.so"]), "entry")
-        assert placed.result == 42 and container.ask("y") == "ok y"
+        try:
+            placed: Injection | InjectError = inject(container.pid, str(built["libok.so"]), "entry")
+        except InjectError as e:
+            placed = e
+        assert victim.read_text() == "the host's own\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+        assert isinstance(placed, Injection) and placed.result == 42, placed
+        assert container.ask("y") == "ok y"
     finally:
         container.close()
-    assert victim.read_text() == "the host's own\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
 
 
 def test_a_copy_the_container_planted_is_not_loaded(built):
