@@ -295,7 +295,7 @@ def test_a_container_s_symlinks_do_not_lead_the_agent_to_a_host_file(built, tmp_
             placed: Injection | InjectError = inject(container.pid, str(built["libok.so"]), "entry")
         except InjectError as e:
             placed = e
-        assert victim.read_text() == "the host's own\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+        assert victim.read_bytes() == b"the host's own\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
         assert isinstance(placed, Injection) and placed.result == 42, placed
         assert container.ask("y") == "ok y"
     finally:
