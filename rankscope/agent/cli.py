@@ -79,12 +79,15 @@ def parse_traced(texts: list[str] | None) -> tuple[TracedFunction, ...]:
 def make_session(args: argparse.Namespace, detail: Detail) -> Session:
     traced = parse_traced(args.trace_function)
     inject = getattr(args, "inject_shim", False)
+    allow = tuple(getattr(args, "inject_allow", None) or ())
+    if allow and not inject:
+        raise UsageError("--inject-allow says where --inject-shim may load the shim: give --inject-shim too")
     if inject:
         if os.geteuid() != 0:
             raise UsageError("--inject-shim needs root: it loads the CUPTI shim into the processes with ptrace")
         logging.getLogger("rankscope.agent.inject").setLevel(logging.INFO)  # say what was done to each process
     try:
-        return Session(traced=traced, detail=detail, inject_shim=inject)
+        return Session(traced=traced, detail=detail, inject_shim=inject, inject_allow=allow)
     except ValueError as e:  # too many functions to trace
         raise UsageError(f"--trace-function: {e}") from None
 
@@ -119,6 +122,7 @@ def diagnose_through_agent(args: argparse.Namespace, pids: list[int]) -> int:
 
     chosen = [flag for flag, on in (("--save-patterns", args.save_patterns), ("--trace-function", args.trace_function),
                                     ("--inject-shim", args.inject_shim),
+                                    ("--inject-allow", args.inject_allow),
                                     ("--hang-timeout", args.hang_timeout != DEFAULT_HANG_TIMEOUT_S)) if on]
     if chosen:
         raise UsageError(f"{', '.join(chosen)}: the agent's own settings apply with --agent")
@@ -414,6 +418,10 @@ def add_inject_shim(p: argparse.ArgumentParser) -> None:
                         "on an idle host). This changes "
                         "the process: the shim stays loaded, and CUPTI records its kernels from then on (NCCL's "
                         "profiler plugin cannot be loaded late)")
+    p.add_argument("--inject-allow", action="append", metavar="PATTERN",
+                   help="with --inject-shim, load the shim only into processes whose cgroup path, container id or "
+                        "Kubernetes pod UID matches this shell pattern (repeatable; e.g. '*pod1f2e*' or "
+                        "'/kubepods.slice/*'); by default every process that runs CUDA")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from rankscope.agent.detail import LIGHT, Detail
 from rankscope.agent.host.targets import Target, TargetError, inspect_process
 from rankscope.agent.inject.inject import InjectError
-from rankscope.agent.inject.shim import inject_shim
+from rankscope.agent.inject.shim import allowed, inject_shim
 from rankscope.agent.loader.program import ProbeProgram
 from rankscope.agent.loader.trace_stream import TraceStream
 from rankscope.agent.sources.gpu import GpuViews
@@ -42,9 +42,10 @@ def host_name() -> str:
 
 class Session:
     def __init__(self, program: ProbeProgram | None = None, traced: tuple[TracedFunction, ...] = (),
-                 detail: Detail = LIGHT, inject_shim: bool = False):
+                 detail: Detail = LIGHT, inject_shim: bool = False, inject_allow: tuple[str, ...] = ()):
         self.program = program or ProbeProgram()
         self.inject_shim = inject_shim  # load the CUPTI shim into processes that do not map it (--inject-shim)
+        self.inject_allow = inject_allow  # only into these cgroups, containers, pods (--inject-allow); all if empty
         self.host = host_name()
         self.detail = detail
         self.targets: dict[int, Target] = {}
@@ -86,8 +87,12 @@ class Session:
         if "cuda" not in target.libraries:
             log.warning("pid %d maps no libcuda: no GPU work to time, the CUPTI shim is not loaded", target.pid)
             return
+        if not allowed(target.pid, self.inject_allow):
+            log.warning("pid %d is in no cgroup, container or pod that --inject-allow names: the CUPTI shim is "
+                        "not loaded", target.pid)
+            return
         try:
-            inject_shim(target.pid)
+            inject_shim(target.pid, start_time=target.start_time)
         except InjectError as e:  # the process is as it was: its CPU-side pattern goes on
             log.warning("pid %d: CUPTI shim not loaded: %s", target.pid, e)
 

@@ -6,10 +6,12 @@ The targets check from inside that they were put back exactly: tests/inject_targ
 in registers (general and SSE), or blocks in read(2), which must restart as if nothing happened."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -22,14 +24,14 @@ from conftest import RANKSCOPE, maps_library, one_line_error, run, wait_until
 
 from rankscope.agent.host import procfs
 from rankscope.agent.host.symbols import sdt_probes
-from rankscope.agent.host.targets import Target
+from rankscope.agent.host.targets import Target, stat_fields
 from rankscope.agent.inject.inject import InjectError, Injection, inject
 from rankscope.agent.inject.loader import load_bias
 from rankscope.agent.inject.shim import inject_shim
 from rankscope.agent.inject.tracee import Tracee
 from rankscope.agent.session import Session
 from rankscope.agent.sources.gpu import GpuViews
-from rankscope.agent.sources.probes.cupti import BATCH_PROBE, PROBE, PROVIDER, shim_path
+from rankscope.agent.sources.probes.cupti import BATCH_PROBE, PROBE, PROVIDER, SHIM_LIBRARY, shim_path
 from rankscope.sim.job import start_job
 
 TARGET_SOURCE = Path(__file__).parent.parent / "inject_target.c"
@@ -93,7 +95,7 @@ def start() -> Iterator[Callable[..., Child]]:
 def semaphore(pid: int, probe: str = PROBE) -> int:
     """The shim's semaphore of `probe` as the process has it now (raised while the agent is attached)."""
     path = shim_path(pid)
-    first = next(m for m in procfs.maps(pid) if os.path.basename(m.path) == os.path.basename(path) and m.offset == 0)
+    first = next(m for m in procfs.maps(pid) if SHIM_LIBRARY.match(m.name) and m.offset == 0)
     address = load_bias(path, first.start) + sdt_probes(path)[(PROVIDER, probe)].semaphore
     with procfs.ProcessMemory(pid) as mem:
         return int.from_bytes(mem.read(address, 2), "little")
@@ -107,7 +109,7 @@ def test_a_computing_thread_is_put_back_exactly(built, start):
         copy = built["libok.so"].with_name(f"libok{i}.so")
         shutil.copyfile(built["libok.so"], copy)
         done = inject(target.pid, str(copy), "entry")
-        assert (done.loaded, done.result, done.library) == (True, 42, str(copy))
+        assert (done.loaded, done.result, done.library) == (True, 42, f"/memfd:{copy.name}")
         assert 0 < done.stop_s < STOP_BOUND_S
         assert maps_library(target.pid, copy.name)
     assert target.running()
@@ -150,11 +152,12 @@ def test_plain_python_process_gets_the_shim_and_the_agent_attaches(start):
 def test_the_session_loads_the_shim_only_into_processes_that_run_cuda(start, caplog):
     target = start(sys.executable, "-c", PYTHON_TARGET)
     session = Session(inject_shim=True)
+    started = int(stat_fields(target.pid)[19])
     try:
-        watched = Target(pid=target.pid, name="python", start_time=0, libraries={"libpython": "/x"})
+        watched = Target(pid=target.pid, name="python", start_time=started, libraries={"libpython": "/x"})
         session._inject_shim(watched)  # CPU only: left alone
         assert shim_path(target.pid) is None and "maps no libcuda" in caplog.text
-        session._inject_shim(Target(pid=target.pid, name="python", start_time=0, libraries={"cuda": "/y"}))
+        session._inject_shim(Target(pid=target.pid, name="python", start_time=started, libraries={"cuda": "/y"}))
         assert shim_path(target.pid) is not None
     finally:
         session.close()
@@ -197,7 +200,7 @@ def test_failed_injections_leave_the_target_running(built, start):
         inject(target.pid, str(built["libok.so"].with_name("libmissing.so")), "entry")
     with pytest.raises(InjectError, match="exports no function nothere"):
         inject(target.pid, str(built["libok.so"]), "nothere")
-    with pytest.raises(InjectError, match="cannot read symbols of .*libjunk.so"):
+    with pytest.raises(InjectError, match="cannot read .*libjunk.so"):
         inject(target.pid, str(built["libjunk.so"]), "entry")
     with pytest.raises(InjectError, match="could not load .*libundefined.so: .*undefined symbol: rankscope_no_such"):
         inject(target.pid, str(built["libundefined.so"]), "entry")  # dlopen returns NULL: dlerror's reason
@@ -238,24 +241,104 @@ def test_refusals_touch_nothing(built, start):
         opted_in.proc.wait()
 
 
-def test_a_library_the_container_cannot_see_is_copied_into_its_tmp(built, tmp_path):
-    """The target's mount namespace hides the library's folder under a tmpfs: the copy goes to its /tmp."""
-    lib = built["libok.so"].parent
-    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                             f"mount -t tmpfs none {lib} && exec {built['target']} read"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    placed: Injection | None = None
+class Container:
+    """The target program in a mount namespace of its own whose /tmp is a fresh tmpfs, as a container's, after
+    `setup` (shell) ran there as its root: what a tenant can plant before the agent comes."""
+
+    def __init__(self, built: dict[str, Path], setup: str = "true"):
+        folder = built["target"].parent  # under the host's /tmp: hidden from the process by its own /tmp
+        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                      f"mount --bind {folder} /mnt && mount -t tmpfs none /tmp && ({setup}) && "
+                                      f"exec /mnt/target read"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def ask(self, text: str) -> str:
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _copy_folder(library: Path) -> str:
+    """The folder of the process's /tmp where an agent copying `library` in would put it (one per content)."""
+    return f"/tmp/rankscope-{hashlib.sha256(library.read_bytes()).hexdigest()[:16]}"
+
+
+def test_a_library_the_container_cannot_see_is_loaded_from_the_process_s_own_memory(built):
+    container = Container(built)
     try:
-        assert proc.stdout.readline().strip() == "ready"
-        assert not os.path.exists(procfs.host_path(proc.pid, str(built["libok.so"])))
-        placed = inject(proc.pid, str(built["libok.so"]), "entry")
-        assert placed.library.startswith("/tmp/rankscope-") and placed.library.endswith("/libok.so")
-        assert placed.result == 42 and maps_library(proc.pid, placed.library)
-        proc.stdin.write("x\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "ok x"
+        assert not os.path.exists(procfs.host_path(container.pid, str(built["libok.so"])))
+        placed = inject(container.pid, str(built["libok.so"]), "entry")
+        assert (placed.library, placed.result) == ("/memfd:libok.so", 42)
+        assert maps_library(container.pid, "/memfd:libok.so")
+        assert container.ask("x") == "ok x"
+        assert os.listdir(f"/proc/{container.pid}/root/tmp") == []  # nothing written into the container
     finally:
-        proc.kill()
-        proc.wait()
-        if placed is not None:
-            shutil.rmtree(os.path.dirname(placed.library), ignore_errors=True)  # the host's /tmp here
+        container.close()
+
+
+def test_a_container_s_symlinks_do_not_lead_the_agent_to_a_host_file(built, tmp_path):
+    """The container plants, where a copying agent would write its temporary file, a symlink to an absolute
+    path: resolved from the host, that is the host's file, which must stay as it was."""
+    victim = tmp_path / "host-file"
+    victim.write_text("the host's own\n")
+    victim.chmod(0o600)
+    folder = _copy_folder(built["libok.so"])
+    container = Container(built, f"mkdir -p {folder} && ln -s {victim} {folder}/libok.so.{os.getpid()}.tmp")
+    try:
+        try:
+            placed: Injection | InjectError = inject(container.pid, str(built["libok.so"]), "entry")
+        except InjectError as e:
+            placed = e
+        assert victim.read_bytes() == b"the host's own\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+        assert isinstance(placed, Injection) and placed.result == 42, placed
+        assert container.ask("y") == "ok y"
+    finally:
+        container.close()
+
+
+def test_a_copy_the_container_planted_is_not_loaded(built):
+    """A file of the library's name already where a copying agent would look: another library (here one that
+    cannot load) is not what the process gets."""
+    folder = _copy_folder(built["libok.so"])
+    container = Container(built, f"mkdir -p {folder} && cp /mnt/lib/libundefined.so {folder}/libok.so")
+    try:
+        placed = inject(container.pid, str(built["libok.so"]), "entry")
+        assert (placed.loaded, placed.result, placed.library) == (True, 42, "/memfd:libok.so")
+        assert not maps_library(container.pid, f"{folder}/libok.so")
+    finally:
+        container.close()
+
+
+def test_a_reused_pid_is_not_injected(built, start):
+    """The process watched is pinned by its start time: another one on its PID is left alone."""
+    target = start(str(built["target"]), "read")
+    started = int(stat_fields(target.pid)[19])
+    with pytest.raises(InjectError, match="not the one watched"):
+        inject(target.pid, str(built["libok.so"]), "entry", start_time=started + 1)
+    assert not maps_library(target.pid, "libok.so") and target.ask("z") == "ok z"
+    assert inject(target.pid, str(built["libok.so"]), "entry", start_time=started).result == 42
+
+
+def test_the_session_loads_the_shim_only_where_inject_allow_says(start, caplog):
+    target = start(sys.executable, "-c", PYTHON_TARGET)
+    watched = Target(pid=target.pid, name="python", start_time=int(stat_fields(target.pid)[19]),
+                     libraries={"cuda": "/y"})
+    elsewhere = Session(inject_shim=True, inject_allow=("/no/such/cgroup/*", "0123456789abcdef*"))
+    try:
+        elsewhere._inject_shim(watched)
+        assert shim_path(target.pid) is None and "that --inject-allow names" in caplog.text
+    finally:
+        elsewhere.close()
+    cgroup = procfs.cgroup(target.pid).splitlines()[0].split(":", 2)[2]
+    here = Session(inject_shim=True, inject_allow=(f"{cgroup[:-1]}*",))
+    try:
+        here._inject_shim(watched)
+        assert shim_path(target.pid) is not None
+    finally:
+        here.close()

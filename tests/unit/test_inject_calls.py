@@ -1,15 +1,20 @@
 """The pure parts of loading a library into a running process (agent/inject/): the register layout ptrace
-hands over, when an interrupted thread may be borrowed, a C int out of rax, the job's CUDA line."""
+hands over, when an interrupted thread may be borrowed, a C int out of rax, the job's CUDA line, which
+processes --inject-allow admits."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 
+from rankscope.agent.cli import UsageError, build_parser, make_session
+from rankscope.agent.detail import DEEP
+from rankscope.agent.host import procfs
 from rankscope.agent.inject.inject import ctypes_int
 from rankscope.agent.inject.loader import LOCKING, LoaderCalls
 from rankscope.agent.inject.remote_call import in_blocking_syscall
-from rankscope.agent.inject.shim import CUDA_MAJOR_OF
+from rankscope.agent.inject.shim import CUDA_MAJOR_OF, allowed
 from rankscope.agent.inject.tracee import Regs
 
 
@@ -44,7 +49,7 @@ def test_c_int_from_rax():
 
 
 def test_code_that_may_hold_the_loaders_locks():
-    calls = LoaderCalls(dlopen=0x1000, dlerror=None, locking_ranges=((0x7000, 0x8000), (0x9000, 0xA000)))
+    calls = LoaderCalls(dlopen=0x1000, dlerror=None, syscall=0x1100, locking_ranges=((0x7000, 0x8000), (0x9000, 0xA000)))
     assert calls.may_hold_locks(0x7000) and calls.may_hold_locks(0x9FFF)
     assert not calls.may_hold_locks(0x8000) and not calls.may_hold_locks(0x6FFF)
 
@@ -62,3 +67,15 @@ def test_libraries_whose_code_may_hold_the_loaders_locks(name, locking):
 def test_the_jobs_cuda_line_from_its_libraries(name, major):
     m = CUDA_MAJOR_OF.match(name)
     assert (m.group(1) if m else None) == major
+
+
+def test_inject_allow_matches_a_cgroup_path_or_nothing():
+    own = procfs.cgroup(os.getpid()).splitlines()[0].split(":", 2)[2]
+    assert allowed(os.getpid(), ()) and allowed(os.getpid(), (own,)) and allowed(os.getpid(), ("*",))
+    assert not allowed(os.getpid(), ("/no/such/cgroup/*",))
+
+
+def test_inject_allow_without_inject_shim_is_a_usage_error():
+    args = build_parser().parse_args(["diagnose", "--pid", "1", "--inject-allow", "*"])
+    with pytest.raises(UsageError, match="give --inject-shim too"):
+        make_session(args, DEEP)

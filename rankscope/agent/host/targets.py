@@ -1,6 +1,7 @@
 """Training processes as the agent sees them: which probed libraries they map and who they are in the job.
 
-Everything is read from /proc, through /proc/PID/root for paths, so processes in containers work too.
+Everything is read from /proc; a library is reached through the kernel's handle on its mapping
+(procfs.mapped_path), so processes in containers work too and no name in a container can redirect the agent.
 """
 from __future__ import annotations
 
@@ -109,13 +110,13 @@ def _read(pid: int, what: str) -> bytes:
 
 
 def mapped_libraries(pid: int, patterns: dict[str, re.Pattern[str]]) -> dict[str, str]:
-    """kind -> host-reachable path of the first mapped file whose basename matches that kind's pattern."""
+    """kind -> host-reachable path (procfs.mapped_path) of the first mapped file whose name matches that
+    kind's pattern."""
     found: dict[str, str] = {}
     for m in _proc(pid, "maps", procfs.maps):
-        base = os.path.basename(m.path)
         for kind, pattern in patterns.items():
-            if kind not in found and not m.deleted and pattern.match(base):
-                found[kind] = procfs.host_path(pid, m.path)
+            if kind not in found and not m.deleted and pattern.match(m.name):
+                found[kind] = procfs.mapped_path(pid, m)
     return found
 
 

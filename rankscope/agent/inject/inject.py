@@ -2,9 +2,13 @@
 one thread of the process is interrupted with ptrace, made to call the loader's dlopen and then the function,
 and put back exactly as it was; the other threads never stop.
 
-Safety before anything else (the process is someone's training job):
+Safety before anything else (the process is someone's training job, and may be a hostile tenant's):
+- the process is pinned by a pidfd before anything of it is read: a process that is not the one watched (its
+  PID reused since) is refused, and one that exits meanwhile is never confused with a newcomer on its PID;
 - refused unless root, on anything but x86_64, for a process another tracer (a debugger) holds, for one that
   is stopped or exiting, and for a library already mapped (a second injection is a no-op);
+- the library reaches the process as a sealed memfd of its own (placement.py): no path in its mount namespace
+  is written or trusted;
 - the thread is taken only at a point where it holds none of the locks that dlopen needs (blocked in a
   system call, or running code outside libc, ld.so and a preloaded malloc); elsewhere it is let go at once
   and tried again a little later;
@@ -17,13 +21,16 @@ from __future__ import annotations
 import errno
 import os
 import platform
+import signal
 import time
 from dataclasses import dataclass
 
 from rankscope.agent.host import procfs
 from rankscope.agent.host.symbols import SymbolError, exported_functions
+from rankscope.agent.host.targets import stat_fields, thread_group
+from rankscope.agent.inject import placement
 from rankscope.agent.inject.loader import LoaderCalls, LoaderError, loader_calls
-from rankscope.agent.inject.placement import PlacementError, reachable_path
+from rankscope.agent.inject.placement import PlacementError
 from rankscope.agent.inject.remote_call import CallError, RemoteCaller, in_blocking_syscall
 from rankscope.agent.inject.tracee import Gone, TraceError, Tracee
 
@@ -42,7 +49,7 @@ class InjectError(Exception):
 @dataclass(frozen=True)
 class Injection:
     pid: int
-    library: str  # as the process opened it (a copy under its /tmp when the host's path is not visible to it)
+    library: str  # as the process's maps show it: "/memfd:NAME", a copy in its own memory (or the mapped file)
     loaded: bool  # False: the library was already mapped, nothing was done
     stop_s: float = 0.0  # how long the thread was held for the load and the call
     tries: int = 0  # interrupts until the thread was at a safe point
@@ -72,10 +79,37 @@ def _refuse(pid: int) -> None:
         raise InjectError(f"process {pid} is stopped or exiting (state {status.get('State')}): not touched")
 
 
-def is_mapped(pid: int, name: str) -> bool:
-    """Whether `pid` maps a file called `name` (any folder: a copy placed for a container counts)."""
+def pin(pid: int, start_time: int | None) -> int:
+    """A pidfd of `pid`; InjectError when there is no such process or, given the `start_time` it was watched
+    with, it is another process on a reused PID."""
     try:
-        return any(os.path.basename(m.path) == name for m in procfs.maps(pid))
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise InjectError(f"no such process: {pid}") from None
+    try:
+        started = int(stat_fields(pid)[19])
+    except (OSError, IndexError, ValueError):
+        os.close(pidfd)
+        raise InjectError(f"no such process: {pid}") from None
+    if start_time is not None and started != start_time:
+        os.close(pidfd)
+        raise InjectError(f"process {pid} is not the one watched (it exited and its PID was reused): not touched")
+    return pidfd
+
+
+def alive(pid: int, pidfd: int) -> bool:
+    """Whether the process `pidfd` pins is still running (not a zombie): its PID then still names it."""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+        return stat_fields(pid)[0] not in "ZX"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def is_mapped(pid: int, name: str) -> bool:
+    """Whether `pid` maps a file called `name` (any folder, or a memfd of that name)."""
+    try:
+        return any(m.name == name for m in procfs.maps(pid))
     except OSError as e:
         raise InjectError(f"cannot read /proc/{pid}/maps: {e.strerror}") from e
 
@@ -106,15 +140,25 @@ def _safe(pid: int, caller: RemoteCaller, calls: LoaderCalls) -> bool:
     return waiting or not calls.may_hold_locks(regs.rip)
 
 
-def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Injection:
+def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+           start_time: int | None = None) -> Injection:
     """Loads `library` into `pid` (RTLD_NOW) and calls its exported `function()` once; InjectError says why
-    not. A library of that name already mapped is left alone (Injection.loaded False)."""
+    not. A library of that name already mapped is left alone (Injection.loaded False). `start_time` (clock
+    ticks since boot, /proc/PID/stat): the process watched, refused if its PID now names another one."""
+    pidfd = pin(pid, start_time)
+    try:
+        return _inject(pid, pidfd, library, function, timeout_s)
+    finally:
+        os.close(pidfd)
+
+
+def _inject(pid: int, pidfd: int, library: str, function: str, timeout_s: float) -> Injection:
     _refuse(pid)
     name = os.path.basename(library)
     if is_mapped(pid, name):
         return Injection(pid, library, loaded=False)
     try:
-        path = reachable_path(pid, library)  # first: says when the library does not exist
+        data = placement.read_library(library)  # first: says when the library does not exist
         offset = exported_functions(library).get(function)
         calls = loader_calls(pid)
     except (SymbolError, PlacementError, LoaderError) as e:
@@ -128,34 +172,48 @@ def inject(pid: int, library: str, function: str, timeout_s: float = DEFAULT_TIM
         # The main thread alone at first: the others (a server's epoll loop, NCCL's proxy) are left alone
         # unless it stays busy in libc.
         threads = _threads(pid)
-        if not threads and procfs.task_status(pid).get(pid, {}).get("State", "Z")[0] in "ZX":
+        if not alive(pid, pidfd):
             raise InjectError(f"process {pid} exited during the injection")
         for tid in threads if time.monotonic() - start > MAIN_THREAD_S else threads[:1]:
             tries += 1
             try:
-                done = _try_thread(pid, tid, path, offset, calls, deadline)
+                done = _try_thread(Load(pid, pidfd, name, data, offset, calls), tid, deadline)
             except Gone:
-                if not os.path.exists(f"/proc/{pid}"):
+                if not alive(pid, pidfd):
                     raise InjectError(f"process {pid} exited during the injection") from None
                 continue  # that thread exited: another one
             except OSError as e:  # a ptrace request refused, /proc unreadable
-                if not os.path.exists(f"/proc/{pid}"):
+                if not alive(pid, pidfd):
                     raise InjectError(f"process {pid} exited during the injection") from None
                 raise InjectError(f"process {pid}: {e.strerror or e}") from None
             if done is not None:
                 stop_s, result = done
-                return Injection(pid, path, loaded=True, stop_s=stop_s, tries=tries, result=result)
+                return Injection(pid, f"{procfs.MEMFD}{name}", loaded=True, stop_s=stop_s, tries=tries, result=result)
         if time.monotonic() > deadline:
             raise InjectError(f"process {pid}: no thread reached a point where the loader could be called "
                               f"within {timeout_s:g} s ({tries} tries); nothing was changed")
         time.sleep(RETRY_S)
 
 
-def _try_thread(pid: int, tid: int, path: str, offset: int, calls: LoaderCalls,
-                deadline: float) -> tuple[float, int] | None:
+@dataclass(frozen=True)
+class Load:
+    """What one try loads, and into which process."""
+
+    pid: int
+    pidfd: int  # the process pinned: a thread seized is checked to be one of it
+    name: str  # the library's file name, the memfd's name
+    data: bytes  # its content
+    offset: int  # of the function to call, from the library's load address
+    calls: LoaderCalls
+
+
+def _try_thread(load: Load, tid: int, deadline: float) -> tuple[float, int] | None:
     """(seconds the thread was held, from the interrupt to the release; the function's result) once done;
     None when the thread was not at a safe point (let go untouched). InjectError when the load failed, the
     thread put back first."""
+    pid = load.pid
+    if not _ours(load, tid):
+        raise Gone(errno.ESRCH, f"thread {tid} is not one of process {pid}")
     try:
         tracee = Tracee(pid, tid)
     except TraceError as e:
@@ -167,10 +225,12 @@ def _try_thread(pid: int, tid: int, path: str, offset: int, calls: LoaderCalls,
     try:
         if not tracee.interrupt(deadline):
             return None  # a signal came first: delivered, and the thread let go
+        if not _ours(load, tid):  # stopped a newcomer's thread on a reused id: let go untouched
+            raise Gone(errno.ESRCH, f"thread {tid} is not one of process {pid}")
         caller = RemoteCaller(tracee)
-        if not _safe(pid, caller, calls):
+        if not _safe(pid, caller, load.calls):
             return None
-        result = _load_and_call(caller, path, offset, calls, deadline)
+        result = _load_and_call(caller, load, deadline)
     finally:
         if tracee.attached:
             try:
@@ -186,18 +246,27 @@ def _try_thread(pid: int, tid: int, path: str, offset: int, calls: LoaderCalls,
     return time.perf_counter() - held, result
 
 
-def _load_and_call(caller: RemoteCaller, path: str, offset: int, calls: LoaderCalls, deadline: float) -> int:
-    tracee = caller.tracee
+def _ours(load: Load, tid: int) -> bool:
+    """Whether thread `tid` belongs to the pinned process (checked again once it is stopped)."""
+    return thread_group(tid) == load.pid and alive(load.pid, load.pidfd)
+
+
+def _load_and_call(caller: RemoteCaller, load: Load, deadline: float) -> int:
+    tracee, calls = caller.tracee, load.calls
     try:
-        handle = caller.call(calls.dlopen, caller.place(path.encode() + b"\0"), RTLD_NOW, deadline=deadline)
+        fd, path = placement.deliver(caller, calls.syscall, load.name, load.data, deadline)
+        handle = caller.call(calls.dlopen, path, RTLD_NOW, deadline=deadline)
         if not handle:
             why = "no reason given (this libc has no dlerror)"
             if calls.dlerror is not None:
                 message = caller.call(calls.dlerror, deadline=deadline)
                 why = tracee.read_string(message, MAX_ERROR) if message else "no message"
-            raise InjectError(f"process {tracee.pid} could not load {path}: {why}")
+            placement.close(caller, calls.syscall, fd, deadline)
+            raise InjectError(f"process {tracee.pid} could not load {load.name}: {why}")
         bias = int.from_bytes(tracee.read(handle, 8), "little")  # struct link_map's l_addr
-        return ctypes_int(caller.call(bias + offset, deadline=deadline))
+        return ctypes_int(caller.call(bias + load.offset, deadline=deadline))
+    except PlacementError as e:
+        raise InjectError(str(e)) from None
     except CallError as e:
         raise InjectError(f"process {tracee.pid}: {e.strerror}; its registers were put back (if the deadline "
                           f"passed inside dlopen, the loader may stay locked)") from None

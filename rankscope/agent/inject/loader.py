@@ -4,15 +4,11 @@ them in libc.so.6; older ones in libdl.so.2, when the process maps it, else libc
 __libc_dlopen_mode, which has no dlerror)."""
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
-
 from rankscope.agent.host import procfs
-from rankscope.agent.host.symbols import SymbolError, exported_functions
+from rankscope.agent.host.symbols import PARSE_ERRORS, SymbolError, exported_functions, open_elf
 
 LIBC = re.compile(r"^libc(\.so\.6|-2\.\d+\.so)$")
 LIBDL = re.compile(r"^libdl(\.so\.2|-2\.\d+\.so)$")
@@ -31,6 +27,7 @@ class LoaderError(Exception):
 class LoaderCalls:
     dlopen: int  # dlopen(path, flags), or __libc_dlopen_mode(path, flags)
     dlerror: int | None  # None: no dlerror to ask why dlopen failed
+    syscall: int  # libc's syscall(number, ...): memfd_create and close, whatever the libc's age
     # Where libc, ld.so and a malloc replacement are mapped: a thread stopped in their code may hold their locks.
     locking_ranges: tuple[tuple[int, int], ...]
 
@@ -41,9 +38,9 @@ class LoaderCalls:
 def load_bias(path: str, start: int) -> int:
     """What to add to `path`'s link-time addresses, given where its offset-0 segment is mapped."""
     try:
-        with open(path, "rb") as f:
-            first = next(s for s in ELFFile(f).iter_segments() if s["p_type"] == "PT_LOAD" and s["p_offset"] == 0)
-    except (OSError, ELFError, StopIteration) as e:
+        with open_elf(path) as (elf, _):
+            first = next(s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD" and s["p_offset"] == 0)
+    except (*PARSE_ERRORS, StopIteration) as e:
         raise LoaderError(f"cannot read the segments of {path}: {e}") from e
     return start - (first["p_vaddr"] & ~(PAGE - 1))
 
@@ -51,8 +48,8 @@ def load_bias(path: str, start: int) -> int:
 def _mapped(pid: int, pattern: re.Pattern[str], mappings: list[procfs.Mapping]) -> tuple[str, int] | None:
     """(host path, load bias) of the first file `pattern` names."""
     for m in mappings:
-        if m.offset == 0 and not m.deleted and pattern.match(os.path.basename(m.path)):
-            path = procfs.host_path(pid, m.path)
+        if m.offset == 0 and not m.deleted and pattern.match(m.name):
+            path = procfs.mapped_path(pid, m)
             return path, load_bias(path, m.start)
     return None
 
@@ -63,20 +60,27 @@ def loader_calls(pid: int) -> LoaderCalls:
     except OSError as e:
         raise LoaderError(f"cannot read /proc/{pid}/maps: {e.strerror}") from e
     ranges = tuple((m.start, m.end) for m in mappings
-                   if any(pattern.match(os.path.basename(m.path)) for pattern in LOCKING))
+                   if any(pattern.match(m.name) for pattern in LOCKING))
     libc = _mapped(pid, LIBC, mappings)
     if libc is None:
         raise LoaderError(f"process {pid} maps no glibc libc.so.6 (a static or musl binary): nothing to call dlopen in")
+    libc_functions = _functions(libc[0])
+    if "syscall" not in libc_functions:
+        raise LoaderError(f"process {pid}: its libc.so.6 exports no syscall()")
+    syscall = libc[1] + libc_functions["syscall"]
     for found in (libc, _mapped(pid, LIBDL, mappings)):
         if found is None:
             continue
-        try:
-            functions = exported_functions(found[0])
-        except SymbolError as e:
-            raise LoaderError(str(e)) from e
+        functions = libc_functions if found is libc else _functions(found[0])
         if "dlopen" in functions and "dlerror" in functions:
-            return LoaderCalls(found[1] + functions["dlopen"], found[1] + functions["dlerror"], ranges)
-    functions = exported_functions(libc[0])
-    if "__libc_dlopen_mode" in functions:
-        return LoaderCalls(libc[1] + functions["__libc_dlopen_mode"], None, ranges)
+            return LoaderCalls(found[1] + functions["dlopen"], found[1] + functions["dlerror"], syscall, ranges)
+    if "__libc_dlopen_mode" in libc_functions:
+        return LoaderCalls(libc[1] + libc_functions["__libc_dlopen_mode"], None, syscall, ranges)
     raise LoaderError(f"process {pid}: no dlopen in its libc.so.6 or libdl.so.2")
+
+
+def _functions(path: str) -> dict[str, int]:
+    try:
+        return exported_functions(path)
+    except SymbolError as e:
+        raise LoaderError(str(e)) from e

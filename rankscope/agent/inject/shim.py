@@ -4,12 +4,14 @@ called, which sets CUPTI up on a thread of the shim's own. Kernels launched from
 NCCL's profiler plugin (the same library) is not: NCCL reads NCCL_PROFILER_PLUGIN once, at its init."""
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import re
 from pathlib import Path
 
 from rankscope.agent.host import procfs
+from rankscope.agent.host.containers import parse_cgroup
 from rankscope.agent.host.targets import TargetError, environment
 from rankscope.agent.inject.inject import DEFAULT_TIMEOUT_S, Injection, InjectError, inject
 from rankscope.agent.sources.probes.cupti import SHIM_LIBRARY
@@ -28,7 +30,7 @@ CUDA_MAJOR_OF = re.compile(r"^lib(?:cudart|cupti)\.so\.(\d+)")  # the job's CUDA
 def cuda_major(pid: int) -> int | None:
     """The CUDA major of the runtime or CUPTI `pid` maps, when rankscope has a shim for it."""
     try:
-        names = [os.path.basename(m.path) for m in procfs.maps(pid)]
+        names = [m.name for m in procfs.maps(pid)]
     except OSError as e:
         raise InjectError(f"cannot read /proc/{pid}/maps: {e.strerror}") from e
     for name in names:
@@ -57,10 +59,27 @@ def shim_library(major: int) -> str:
         raise InjectError(f"cannot build the CUDA {major} shim: {e}") from e
 
 
-def inject_shim(pid: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> Injection:
-    """Loads the shim into `pid` (a no-op when any rankscope shim is mapped); InjectError says why not."""
+def allowed(pid: int, patterns: tuple[str, ...]) -> bool:
+    """Whether `pid` is among the processes `--inject-allow` names: one of its cgroup paths, its container's
+    id or its pod's UID matches one of the shell patterns (fnmatch). No patterns: every process."""
+    if not patterns:
+        return True
     try:
-        mapped = next((m.path for m in procfs.maps(pid) if SHIM_LIBRARY.match(os.path.basename(m.path))), None)
+        text = procfs.cgroup(pid)
+    except OSError:
+        return False
+    container = parse_cgroup(text)
+    names = [line.split(":", 2)[2] for line in text.splitlines() if line.count(":") >= 2]
+    if container is not None:
+        names += [n for n in (container.container_id, container.pod_uid) if n]
+    return any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in patterns)
+
+
+def inject_shim(pid: int, timeout_s: float = DEFAULT_TIMEOUT_S, start_time: int | None = None) -> Injection:
+    """Loads the shim into `pid` (a no-op when any rankscope shim is mapped); InjectError says why not.
+    `start_time`: the process as it was watched (inject.pin)."""
+    try:
+        mapped = next((m.path for m in procfs.maps(pid) if SHIM_LIBRARY.match(m.name)), None)
     except OSError as e:
         raise InjectError(f"cannot read /proc/{pid}/maps: {e.strerror}") from e
     if mapped is not None:
@@ -78,7 +97,7 @@ def inject_shim(pid: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> Injection:
         major = LINES[-1].major
         log.info("pid %d maps no libcudart/libcupti: loading the CUDA %d shim", pid, major)
     library = shim_library(major)
-    injection = inject(pid, library, ENTRY, timeout_s)
+    injection = inject(pid, library, ENTRY, timeout_s, start_time)
     if injection.result != 0:
         log.warning("pid %d: the CUPTI shim is loaded but could not start its set-up thread (error %d)",
                     pid, injection.result)

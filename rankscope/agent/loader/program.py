@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rankscope.agent.host import procfs
 from rankscope.agent.host.symbols import SymbolError, file_offset, functions
 from rankscope.agent.host.targets import Target
 from rankscope.agent.loader import uprobe_links
@@ -48,13 +49,20 @@ class LibraryProbes:
     """The probes on one library file, and the watched processes that map it."""
 
     kind: str
-    path: str  # as first reached, through /proc/PID/root
+    path: str  # as first reached (procfs.mapped_path of the first process that maps it)
+    fd: int = -1  # the file, opened as procfs.open_regular opens it, held while its probes are
     probes: list[str] = field(default_factory=list)  # probe names attached
     skipped: list[str] = field(default_factory=list)  # probe names whose function this version does not export
     attached: list[Uprobes] = field(default_factory=list)  # the probes' entry and return programs
     hot: list[tuple[Probe, int]] = field(default_factory=list)  # hot probes (and their file offset), deep detail only
     hot_attached: list[Uprobes] = field(default_factory=list)  # of the hot probes, while attached
     users: set[int] = field(default_factory=set)
+
+    @property
+    def file(self) -> str:
+        """The path the agent reads the library and attaches its uprobes through: its own descriptor, so
+        what is read and what is probed are the one file opened, whatever becomes of the path."""
+        return f"/proc/self/fd/{self.fd}"
 
 
 # One completed collective as the kernel streams it (bpf/common.h: struct coll_done_rec); times monotonic ns.
@@ -162,13 +170,16 @@ class ProbeProgram:
             if path is None:
                 continue
             try:
-                st = os.stat(path)
+                fd = procfs.open_regular(path)
             except OSError as e:
-                raise ProbeError(f"pid {target.pid}: cannot reach {path}: {e.strerror}") from e
+                raise ProbeError(f"pid {target.pid}: cannot open its {kind.name} library {path}: {e.strerror}") from e
+            st = os.fstat(fd)
             key = (st.st_dev, st.st_ino)
             lib = self.libraries.get(key)
-            if lib is None:
-                lib = self.libraries[key] = LibraryProbes(kind=kind.name, path=path)
+            if lib is not None:
+                os.close(fd)
+            else:
+                lib = self.libraries[key] = LibraryProbes(kind=kind.name, path=path, fd=fd)
                 try:
                     self._attach_library(bpf, kind, lib)
                 except ProbeError:
@@ -182,7 +193,7 @@ class ProbeProgram:
 
     def _attach_library(self, bpf, kind: ProbeKind, lib: LibraryProbes) -> None:
         try:
-            exported = functions(lib.path, local=kind.local_symbols)
+            exported = functions(lib.file, local=kind.local_symbols)
         except SymbolError as e:
             raise ProbeError(str(e)) from e
         seen_addrs: set[int] = set()
@@ -196,11 +207,11 @@ class ProbeProgram:
             seen_addrs.add(addr)
             lib.probes.append(probe.name)
             try:
-                offset = file_offset(lib.path, addr)
+                offset = file_offset(lib.file, addr)
             except SymbolError as e:
                 raise ProbeError(str(e)) from e
             (lib.hot if probe.hot else steady).append((probe, offset))
-        self._attach_probes(bpf, lib.path, steady, lib.attached)
+        self._attach_probes(bpf, lib.file, steady, lib.attached)
         if self.hot:
             self._attach_hot(bpf, lib)
 
@@ -222,7 +233,7 @@ class ProbeProgram:
                 log.warning("%s", e)
 
     def _attach_hot(self, bpf, lib: LibraryProbes) -> None:
-        self._attach_probes(bpf, lib.path, lib.hot, lib.hot_attached)
+        self._attach_probes(bpf, lib.file, lib.hot, lib.hot_attached)
 
     def _attach_probes(self, bpf, path: str, probes: list[tuple[Probe, int]], into: list[Uprobes]) -> None:
         """Attaches the probes' entry (and return) programs at their offsets of `path`, each with its function
@@ -255,6 +266,8 @@ class ProbeProgram:
         """Removes the probes of libraries `keys`, all at once: their removals overlap."""
         libs = [self.libraries.pop(key) for key in keys]
         uprobe_links.detach([p for lib in libs for p in lib.attached + lib.hot_attached])
+        for lib in libs:
+            os.close(lib.fd)
 
     def purge(self, pid: int) -> None:
         """Drop a forgotten process's entries from every per-process map (after its last read)."""

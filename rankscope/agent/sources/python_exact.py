@@ -37,6 +37,7 @@ import numpy as np
 
 from rankscope import bpf as bpf_sources
 from rankscope.agent.detail import Detail
+from rankscope.agent.host import procfs
 from rankscope.agent.host.symbols import SymbolError, exported_functions, file_offset, functions, sdt_probes
 from rankscope.agent.host.targets import Target
 from rankscope.agent.interpreters import SPECIAL_FRAMES, Frame
@@ -252,7 +253,10 @@ class PythonTimer:
 
     @staticmethod
     def _path(w: _Watched) -> str:
-        return f"/proc/{w.interp.pid}/root{w.interp.elf_path}"
+        try:
+            return procfs.mapped_path_of(w.interp.pid, w.interp.elf_path)
+        except OSError as e:
+            raise TimerError(f"pid {w.interp.pid}: cannot reach {w.interp.elf_path}: {e.strerror}") from e
 
     def _probe_eval(self, w: _Watched) -> None:
         """Probe the eval loop of `w`'s process (uprobe + uretprobe, for that process only)."""

@@ -7,12 +7,11 @@ import re
 import struct
 from dataclasses import dataclass
 
-from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 from rankscope.agent.host import procfs
 from rankscope.agent.host.procfs import Mapping, ProcessMemory
-from rankscope.agent.host.symbols import SymbolError, dynamic_symbols, loaded_offset
+from rankscope.agent.host.symbols import PARSE_ERRORS, SymbolError, dynamic_symbols, loaded_offset, open_elf, section_data
 from rankscope.agent.interpreters.cpython.errors import InterpreterNotReady, PythonAttachError, UnsupportedInterpreter
 from rankscope.agent.interpreters.cpython.layouts import (SUPPORTED, TABLE, Layout, debug_offsets_size,
                                                           layout_from_debug_offsets, parse_debug_offsets)
@@ -54,8 +53,7 @@ _VERSION_IN_NAME = re.compile(r"(?:^|/)(?:lib)?python(\d+)\.(\d+)")
 
 def _elf_facts(open_path: str, shown_path: str) -> ElfFacts:
     try:
-        with open(open_path, "rb") as f:
-            elf = ELFFile(f)
+        with open_elf(open_path) as (elf, f):
             dynsym = dynamic_symbols(open_path)  # read once for every rank running this file
             runtime, py_version_addr = dynsym.get("_PyRuntime"), dynsym.get("Py_Version")
             has_aiter = "PyAIter_Check" in dynsym
@@ -68,7 +66,8 @@ def _elf_facts(open_path: str, shown_path: str) -> ElfFacts:
                 rodata = elf.get_section_by_name(".rodata")
                 if rodata is not None:
                     # PY_VERSION, possibly tail-merged into a longer string ("/versions/3.10.13")
-                    found = set(re.findall(rb"(?<![\d.])(3\.\d+\.\d+(?:(?:a|b|rc)\d+)?\+?)\x00", rodata.data()))
+                    found = set(re.findall(rb"(?<![\d.])(3\.\d+\.\d+(?:(?:a|b|rc)\d+)?\+?)\x00",
+                                           section_data(elf, rodata)))
                     if len(found) == 1:
                         version_string = found.pop().decode()
             loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
@@ -76,7 +75,7 @@ def _elf_facts(open_path: str, shown_path: str) -> ElfFacts:
             first_vaddr = (first["p_vaddr"] - first["p_offset"]) & ~0xFFF if first is not None else 0
             return ElfFacts(shown_path, runtime, py_version, has_aiter, version_string, first_vaddr,
                             elf.header["e_type"] == "ET_DYN")
-    except (OSError, ELFError, SymbolError) as e:
+    except (*PARSE_ERRORS, SymbolError) as e:
         raise PythonAttachError(f"cannot read {shown_path} as an ELF file: {e}") from e
 
 
@@ -132,14 +131,6 @@ def _candidates(pid: int, maps: list[Mapping]) -> list[tuple[Mapping, str]]:
     return out
 
 
-def mapped_file(pid: int, m: Mapping, path: str) -> str:
-    """A path that opens the very file `m` maps (its map_files entry), else `path` inside the process's root."""
-    by_range = f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}"
-    if os.path.exists(by_range):
-        return by_range
-    return f"/proc/{pid}/root{path}"
-
-
 def inspect(pid: int) -> Interpreter:
     """Find, identify and verify the CPython interpreter of `pid`; UnsupportedInterpreter if there is none."""
     maps = read_maps(pid)
@@ -147,7 +138,7 @@ def inspect(pid: int) -> Interpreter:
     first: Mapping | None = None
     seen: list[str] = []
     for m, path in _candidates(pid, maps):
-        f = _elf_facts(mapped_file(pid, m, path), path)
+        f = _elf_facts(procfs.mapped_path(pid, m), path)
         seen.append(path)
         if f.runtime is not None:
             facts, first = f, m

@@ -7,15 +7,14 @@ import re
 import struct
 from dataclasses import dataclass
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
 from rankscope.agent.host import procfs
 from rankscope.agent.host.procfs import Mapping, ProcessMemory
 from rankscope.agent.interpreters.cpython.errors import PythonAttachError
 from rankscope.agent.interpreters.cpython.layout import Layout
-from rankscope.agent.interpreters.cpython.process import mapped_file, read_maps, read_vaddr
+from rankscope.agent.host.symbols import SymbolError, open_elf
+from rankscope.agent.interpreters.cpython.process import read_maps, read_vaddr
 
 MAX_TSTATES = 256  # thread states searched, over all interpreters (PY_MAX_TSTATES in python.bpf.c)
 
@@ -134,8 +133,8 @@ def pthread_tid_offset(pid: int) -> int | None:
         key = (clean, m.inode)
         if key not in _PTHREAD_TID_OFFSETS:
             try:
-                _PTHREAD_TID_OFFSETS[key] = _thread_db_tid_offset(mapped_file(pid, m, clean))
-            except (OSError, ELFError):
+                _PTHREAD_TID_OFFSETS[key] = _thread_db_tid_offset(procfs.mapped_path(pid, m))
+            except SymbolError:
                 continue
         if _PTHREAD_TID_OFFSETS[key] is not None:
             return _PTHREAD_TID_OFFSETS[key]
@@ -143,8 +142,7 @@ def pthread_tid_offset(pid: int) -> int | None:
 
 
 def _thread_db_tid_offset(path: str) -> int | None:
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
+    with open_elf(path) as (elf, f):
         dynsym = elf.get_section_by_name(".dynsym")
         if not isinstance(dynsym, SymbolTableSection):
             return None
