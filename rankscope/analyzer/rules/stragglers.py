@@ -500,9 +500,6 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
     peers_kernel = (t.kernel_s - peer_deviation(t.kernel_s, 0.0)[1], t.faults - peer_deviation(t.faults, 0.0)[1])
     groups: dict[tuple[str, str, str | None], list[dict[str, Any]]] = {}
     explained = {int(t.rank[i]): explain(t, found, i) for i in flagged}
-    # Its main thread's time working or ready to (on a CPU or waiting for one) beyond its peers': what its host
-    # compute holds them up at most (_held_up; NaN: no scheduler view).
-    busy = peer_deviation(t.oncpu_s + t.runq_s, 0.0)[1] - found.excused
     for i, med in zip(flagged, medians):
         host_excess, fn_excess = own[i, 0] - med[0], in_steps(own[i, 1:] - med[1:], outside[i])
         if paging[i] > 0 and paging[i] >= 0.5 * excess[i]:  # mostly faulting in memory (if at all), in the kernel
@@ -528,8 +525,7 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
         # Its extra time, as its cost takes it (below): the longest of its work, on a CPU and in user mode beyond
         # its peers'. Not its work alone: where its spin takes the CPU its peers wait for, they work as long as it
         # does, and "-0.8 ms longer per step" beside "costs 8% of step time" would read as nonsense.
-        waited_for = _held_up(excess[i], busy[i]) if (kind, component) == ("compute_straggler", "cpu") else excess[i]
-        extra = float(np.nanmax([waited_for, found.ran[i], found.user[i]]))
+        extra = float(np.nanmax([excess[i], found.ran[i], found.user[i]]))
         groups.setdefault((kind, component, function), []).append({
             "rank": int(t.rank[i]), "z": float(z[i]), "excess_s": extra + float(found.excused[i]),
             "cost_s": extra + float(found.excused[i] if function == PAGE_FAULTS else 0.0),
@@ -577,16 +573,6 @@ def _findings(t: RankTable, a: Alignment | None, found: Straggling, flagged: np.
                       "waited_in": waited_in, "per_rank": per_rank},
         ))
     return out
-
-
-def _held_up(excess: float, busy: float) -> float:
-    """A host-compute straggler's own work beyond its peers' (step - COMM) as far as its peers wait for it: no
-    longer than its main thread works or waits for a CPU beyond theirs (`busy`). The others lose time only
-    while their training thread is blocked: where the collectives run on other threads (gloo's, all-reducing
-    DDP's buckets while backward still computes), the peers' time in them overlaps their own work, and
-    step - COMM reads their backward as its extra work (a static-graph DDP job lost 23% where that read 35%).
-    A loader's or a GPU's wait is work the main thread sleeps through: those keep step - COMM."""
-    return excess if not np.isfinite(busy) else min(excess, busy)
 
 
 def _faulting_in(r: dict[str, Any]) -> str:
