@@ -84,7 +84,8 @@ def farm(jobs: int, ranks: int) -> None:
 
     def answer(a: int, query: str) -> bytes:
         if (a, query) not in cache:
-            shard = Shard.of_query({k: v[0] for k, v in parse_qs(query).items()})
+            asked = {k: int(v[0]) for k, v in parse_qs(query).items()}  # the analyzer's own, well formed
+            shard = Shard(asked.get("replica", 0), asked.get("replicas", 1))
             body = encode_patterns([p for p in agents[a] if shard.owns(p.job)])
             cache[a, query] = (b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: %d\r\n\r\n"
                                % len(body)) + body

@@ -169,6 +169,8 @@ class Uprobes:
                 comm, tid, tgid, _, name, rest = m.groups()
                 fields: dict[str, int | str] = {}
                 for key, value in _FIELD.findall(rest):
+                    if value == "(fault)":  # a string argument whose pointer is null (a copy's kernel name)
+                        continue
                     fields[key] = value[1:-1] if value.startswith('"') else int(value, 0)
                 out.append(Event(comm.strip(), int(tid), int(tgid) if tgid.isdigit() else -1, name, fields))
         return out

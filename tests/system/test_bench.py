@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench  # noqa: E402
 
 QUICK = ["launch", "sched", "detach", "payload", "latency", "analyzer", "inject", "cluster", "busy"]
-LONG = {"job", "agent", "attach", "trace", "torch", "startup"}
+LONG = {"job", "agent", "attach", "trace", "torch", "startup", "shim"}
 # Run as two halves side by side: at tiny size the benchmarks mostly wait, so two halves of about equal
 # length (latency 8 s, detach 7, busy 6, payload 4, the rest under 4) end in little more than the longer one.
 HALF = {"latency", "busy", "cluster", "sched", "inject"}

@@ -28,11 +28,11 @@ def test_tracefs_reads_the_shims_records_and_arms_its_semaphore(line, start_driv
     shim = str(build_shim(line.major))
     with tracefs.Uprobes(buffer_kb=256) as u:
         sites = steps._sites(shim, "activity")
-        assert len(sites) == 3  # kernels, copies, sets: one site each
+        assert sites  # the shim hands every record over through one function: one site, or one per inlining
         assert tracefs.semaphore(driver.pid, shim, sites[0].semaphore) == 0
         for i, site in enumerate(sites):
             u.usdt(f"activity{i}", shim, site, steps.ACTIVITY_FIELDS, strings=("name",))
-        assert tracefs.semaphore(driver.pid, shim, sites[0].semaphore) == 3  # one count per site's event
+        assert tracefs.semaphore(driver.pid, shim, sites[0].semaphore) == len(sites)  # one count per site's event
         u.enable(False)  # the uprobes unregistered (overhead's turns without them): the semaphore down
         assert tracefs.semaphore(driver.pid, shim, sites[0].semaphore) == 0
         u.enable(True)

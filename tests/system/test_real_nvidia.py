@@ -54,8 +54,11 @@ def test_probes_decode_real_nccl_calls(nccl_process):
         lib = next(lib for lib in session.program.libraries.values() if lib.kind == "nccl")
         assert sorted(lib.probes) == sorted(p.name for p in session.program.probe_of.values()
                                             if p.name.startswith("nccl"))
-        # One entry + one return probe per function: the pnccl aliases were not probed a second time.
-        assert len(lib.attached) == 2 * len(lib.probes)
+        # One link per handler program (entry, return), each holding its functions' offsets with their ids as
+        # cookies: the pnccl aliases were not probed a second time.
+        probes = [session.program.probe_of[name] for name in lib.probes]
+        programs = {(p.enter_program, False) for p in probes} | {(p.return_program, True) for p in probes if p.returns}
+        assert len(lib.attached) == len(programs)
         assert code_byte(nccl_process.pid, "libnccl.so.2", "pncclAllReduce") == 0xCC  # int3 at the shared address
 
         rc, uid_hex = nccl_process.call("uid")
