@@ -222,15 +222,16 @@ def _collectives_from_wire(raws: list[tuple[Any, Any, int]]) -> list[CollectiveC
     if table.dtype != np.int64 or table.shape != (len(rows), 4) or bool in set(map(type, chain(*rows))):
         raise PatternDecodeError("coll: expected rows of 4 integers [op, bytes, enter, duration]")
     lengths = list(map(len, tables))
+    segments = _segments(lengths)
     keys, since, duration = table[:, :2], table[:, 2], table[:, 3]
     if rows and (keys.min() < 0 or (keys[:, 0] >= np.repeat([len(o) for o in ops], lengths)).any()):
         raise PatternDecodeError("collective: bytes below 0, or op index outside its pattern's table")
     # Each pattern's enters: its window end plus the running sum of its own rows' gaps.
     running = np.cumsum(since)
-    before = np.array([running[at.start - 1] if at.start else 0 for at in _segments(lengths)], np.int64)
+    before = np.array([running[at.start - 1] if at.start else 0 for at in segments], np.int64)
     enter_us = running + np.repeat(np.array([end for _, _, end in raws], np.int64) - before, lengths)
     instants = np.column_stack((enter_us, enter_us + duration)) / 1e6
-    return [CollectiveColumns(o, keys[at], instants[at]) for o, at in zip(ops, _segments(lengths))]
+    return [CollectiveColumns(o, keys[at], instants[at]) for o, at in zip(ops, segments)]
 
 
 def _sched_from_wire(raws: list[Any]) -> list[dict[str, ThreadTimes]]:

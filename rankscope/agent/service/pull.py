@@ -150,7 +150,9 @@ class Puller:
         return await conn.send(request)
 
     async def _connect(self, target: URL) -> _Connection:
-        tls = self.ssl_context or ssl.create_default_context() if target.scheme == "https" else None
+        if target.scheme == "https" and self.ssl_context is None:
+            self.ssl_context = ssl.create_default_context()  # the system's CAs, loaded once, not per agent
+        tls = self.ssl_context if target.scheme == "https" else None
         _, conn = await asyncio.get_running_loop().create_connection(
             lambda: _Connection(self.max_body), target.host, target.port, ssl=tls,
             server_hostname=target.host if tls else None)
